@@ -1,0 +1,252 @@
+"""``Fp8Linear``: an ``nn.Linear`` whose weight is stored in FP8 with fp32 scales."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hf_fp8.kernels import ACTIVATION_SCHEMES, check_kernel, fp8_linear
+from hf_fp8.numerics import GRANULARITIES, dequantize, fp8_dtype, is_fp8, quantize_weight
+
+if TYPE_CHECKING:
+    from hf_fp8.config import Fp8Config
+
+ACTIVATION_GRANULARITIES = ("tensor", "token", "block")
+
+
+def default_activation_granularity(activation_scheme: str, weight_granularity: str) -> str | None:
+    """``token`` for dynamic (``block`` with block weights), ``tensor`` for static."""
+    if activation_scheme == "weight_only":
+        return None
+    if activation_scheme == "static":
+        return "tensor"
+    return "block" if weight_granularity == "block" else "token"
+
+
+def weight_scale_shape(
+    out_features: int, in_features: int, granularity: str, block_size: tuple[int, int]
+) -> tuple[int, ...]:
+    if granularity == "tensor":
+        return (1,)
+    if granularity == "row":
+        return (out_features, 1)
+    return (math.ceil(out_features / block_size[0]), math.ceil(in_features / block_size[1]))
+
+
+def validate_scheme(
+    activation_scheme: str,
+    weight_granularity: str,
+    activation_granularity: str | None,
+) -> None:
+    """Raise ``ValueError`` naming the accepted values for any invalid combination."""
+    if activation_scheme not in ACTIVATION_SCHEMES:
+        raise ValueError(
+            f"activation_scheme={activation_scheme!r} is not supported; use one of "
+            f"{ACTIVATION_SCHEMES}"
+        )
+    if weight_granularity not in GRANULARITIES:
+        raise ValueError(
+            f"weight_granularity={weight_granularity!r} is not supported; use one of "
+            f"{GRANULARITIES}"
+        )
+    if activation_scheme == "weight_only":
+        if activation_granularity is not None:
+            raise ValueError(
+                "activation_granularity must be None for activation_scheme='weight_only'"
+            )
+        return
+    if activation_granularity not in ACTIVATION_GRANULARITIES:
+        raise ValueError(
+            f"activation_granularity={activation_granularity!r} is not supported; use one of "
+            f"{ACTIVATION_GRANULARITIES}"
+        )
+    if activation_scheme == "static" and activation_granularity != "tensor":
+        raise ValueError(
+            "static activation scales are per tensor: use activation_granularity='tensor' "
+            "(or activation_scheme='dynamic' for per-token scales)"
+        )
+
+
+class Fp8Linear(nn.Linear):
+    """Linear layer with an FP8 weight: ``y = x @ (weight.float() * weight_scale).T + bias``.
+
+    Parameters: ``weight`` (fp8, ``[out, in]``), ``weight_scale`` (fp32, ``[1]``,
+    ``[out, 1]`` or per 128×128 block), ``input_scale`` (fp32 ``[1]``, static only) and
+    ``bias`` in ``compute_dtype``. None of them requires grad; activation gradients flow.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        activation_scheme: str = "dynamic",
+        weight_granularity: str = "row",
+        activation_granularity: str | None = "auto",
+        fp8_format: str = "e4m3",
+        block_size: tuple[int, int] = (128, 128),
+        kernel: str = "auto",
+        input_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        if activation_granularity == "auto":
+            activation_granularity = default_activation_granularity(
+                activation_scheme, weight_granularity
+            )
+        validate_scheme(activation_scheme, weight_granularity, activation_granularity)
+        self.in_features, self.out_features = in_features, out_features
+        self.activation_scheme = activation_scheme
+        self.weight_granularity = weight_granularity
+        self.activation_granularity = activation_granularity
+        self.fp8_format = fp8_format
+        self.block_size = tuple(block_size)
+        self.kernel = check_kernel(kernel)
+        self.compute_dtype = dtype or torch.get_default_dtype()
+        scale_shape = weight_scale_shape(
+            out_features, in_features, weight_granularity, self.block_size
+        )
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features, device=device, dtype=fp8_dtype(fp8_format)),
+            requires_grad=False,
+        )
+        self.weight_scale = nn.Parameter(
+            torch.ones(scale_shape, device=device, dtype=torch.float32), requires_grad=False
+        )
+        if bias:
+            self.bias = nn.Parameter(
+                torch.zeros(out_features, device=device, dtype=self.compute_dtype)
+            )
+        else:
+            self.register_parameter("bias", None)
+        self.register_parameter("input_scale", None)
+        if input_scale is not None:
+            self.set_input_scale(input_scale)
+
+    def reset_parameters(self) -> None:
+        """No-op: FP8 weights come from ``from_linear`` or a checkpoint, never random init."""
+
+    def set_input_scale(self, scale: float | torch.Tensor) -> None:
+        """Set the static activation scale (``x ≈ x_fp8 * scale``)."""
+        if self.activation_scheme != "static":
+            raise ValueError(
+                f"input_scale is only used by activation_scheme='static', this layer is "
+                f"{self.activation_scheme!r}"
+            )
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=self.weight.device).reshape(1)
+        if not bool(torch.isfinite(scale).all()) or float(scale) <= 0:
+            raise ValueError(f"input_scale must be a positive finite number, got {float(scale)}")
+        self.input_scale = nn.Parameter(scale.clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, config: Fp8Config | None = None, *, module_name: str = ""
+    ) -> Fp8Linear:
+        """Quantize an ``nn.Linear`` (its weight must be finite) with ``config``'s recipe."""
+        kwargs: dict[str, Any] = config.linear_kwargs(module_name) if config is not None else {}
+        input_scale = kwargs.pop("input_scale", None)
+        weight_hp = linear.weight.detach()
+        compute_dtype = weight_hp.dtype if not is_fp8(weight_hp.dtype) else torch.bfloat16
+        with torch.device("meta"):
+            new = cls(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                dtype=compute_dtype,
+                **kwargs,
+            )
+        w_fp8, w_scale = quantize_weight(
+            weight_hp,
+            fp8_dtype(new.fp8_format),
+            new.weight_granularity,
+            new.block_size,
+            name=f"{module_name or 'linear'}.weight",
+        )
+        new.weight = nn.Parameter(w_fp8, requires_grad=False)
+        new.weight_scale = nn.Parameter(w_scale, requires_grad=False)
+        if linear.bias is not None:
+            new.bias = nn.Parameter(
+                linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad
+            )
+        if input_scale is not None:
+            new.set_input_scale(input_scale)
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        bias = self.bias
+        if bias is not None and bias.dtype != input.dtype:
+            bias = bias.to(input.dtype)
+        return fp8_linear(
+            input,
+            self.weight,
+            self.weight_scale,
+            bias,
+            activation_scheme=self.activation_scheme,
+            activation_granularity=self.activation_granularity,
+            weight_granularity=self.weight_granularity,
+            block_size=self.block_size,
+            input_scale=self.input_scale,
+            kernel=self.kernel,
+        )
+
+    def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(
+            self.weight,
+            self.weight_scale,
+            dtype or self.compute_dtype,
+            self.weight_granularity,
+            self.block_size,
+        )
+
+    def dequantize(self) -> nn.Linear:
+        """A plain ``nn.Linear`` in ``compute_dtype`` holding the dequantized weight."""
+        with torch.device("meta"):
+            linear = nn.Linear(self.in_features, self.out_features, self.bias is not None)
+        linear.weight = nn.Parameter(self.dequantize_weight())
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.detach().to(self.compute_dtype).clone())
+        return linear
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(dtype)`` / ``.half()`` change the compute dtype and bias, never fp8 or scales."""
+        frozen = [p for p in (self.weight, self.weight_scale, self.input_scale) if p is not None]
+
+        def keep_storage_dtype(t: torch.Tensor) -> torch.Tensor:
+            if any(t is p for p in frozen):
+                return t.to(device=fn(t.detach()[:0]).device)
+            return fn(t)
+
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        return super()._apply(keep_storage_dtype, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None and not is_fp8(weight.dtype):
+            raise ValueError(
+                f"{prefix}weight is {weight.dtype}, not fp8: this is a high-precision state "
+                "dict; quantize it with Fp8Linear.from_linear or hf_fp8.quantize_model instead"
+            )
+        scale = state_dict.get(prefix + "input_scale")
+        if scale is not None and self.input_scale is None:
+            self.input_scale = nn.Parameter(
+                torch.empty_like(scale, dtype=torch.float32), requires_grad=False
+            )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        act = (
+            "bf16/fp16/fp32 (weight-only)"
+            if self.activation_scheme == "weight_only"
+            else f"{self.fp8_format}/{self.activation_granularity}"
+        )
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, scheme={self.activation_scheme}, "
+            f"weight={self.fp8_format}/{self.weight_granularity}, activation={act}, "
+            f"compute_dtype={self.compute_dtype}, kernel={self.kernel}"
+        )

@@ -1,0 +1,33 @@
+"""Numerics: fp8 formats, scales, quantize / dequantize. Pure torch functions."""
+
+from hf_fp8.numerics.formats import AMAX_EPS, FP8_DTYPES, fp8_dtype, fp8_max, is_fp8
+from hf_fp8.numerics.quantize import (
+    GRANULARITIES,
+    amax,
+    amax_to_scale,
+    check_finite,
+    dequantize,
+    quantize,
+    quantize_weight,
+    quantize_with_scale,
+    saturated_cast,
+    sqnr_db,
+)
+
+__all__ = [
+    "AMAX_EPS",
+    "FP8_DTYPES",
+    "GRANULARITIES",
+    "amax",
+    "amax_to_scale",
+    "check_finite",
+    "dequantize",
+    "fp8_dtype",
+    "fp8_max",
+    "is_fp8",
+    "quantize",
+    "quantize_weight",
+    "quantize_with_scale",
+    "saturated_cast",
+    "sqnr_db",
+]

@@ -1,0 +1,39 @@
+"""FP8 formats and the one scale convention of hf_fp8.
+
+Scale convention (everywhere in hf_fp8, as in ``torch._scaled_mm``, compressed-tensors,
+vLLM ``fp8`` and transformers' ``weight_scale_inv``)::
+
+    high_precision ≈ fp8.to(torch.float32) * scale        scale = amax / fp8_max
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES: dict[str, torch.dtype] = {
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+}
+
+# Smallest amax used to build a scale: an all-zero tensor gets a tiny, finite scale
+# (its fp8 values are all zero, so the dequantized tensor is exactly zero).
+AMAX_EPS = 1e-12
+
+
+def fp8_dtype(fp8_format: str) -> torch.dtype:
+    """Torch dtype of an fp8 format name (``"e4m3"`` or ``"e5m2"``)."""
+    try:
+        return FP8_DTYPES[fp8_format]
+    except KeyError:
+        raise ValueError(
+            f"fp8_format={fp8_format!r} is not supported; use one of {sorted(FP8_DTYPES)}"
+        ) from None
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an fp8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return float(torch.finfo(dtype).max)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES.values()
