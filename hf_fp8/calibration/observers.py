@@ -1,0 +1,130 @@
+"""Observers: turn the activations a layer sees into one static per-tensor scale."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_fp8.numerics import amax_to_scale, dequantize, quantize_with_scale
+
+OBSERVERS = ("minmax", "moving_average", "percentile", "mse")
+
+
+class Observer:
+    """Base: ``update(x)`` per batch, then ``scale()`` (fp32 ``[1]``) for ``fp8_dtype``."""
+
+    def __init__(self, fp8_dtype: torch.dtype) -> None:
+        self.fp8_dtype = fp8_dtype
+        self.batches = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        self.batches += 1
+        self._update(x.detach().float())
+
+    def _update(self, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def amax(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scale(self) -> torch.Tensor:
+        if self.batches == 0:
+            raise RuntimeError("this layer saw no input during calibration: check the batches")
+        return amax_to_scale(self.amax().reshape(1), self.fp8_dtype)
+
+
+class MinMaxObserver(Observer):
+    """Largest ``|x|`` over all batches (no clipping)."""
+
+    def __init__(self, fp8_dtype: torch.dtype) -> None:
+        super().__init__(fp8_dtype)
+        self._amax = torch.zeros(())
+
+    def _update(self, x: torch.Tensor) -> None:
+        self._amax = torch.maximum(self._amax, x.abs().amax().cpu())
+
+    def amax(self) -> torch.Tensor:
+        return self._amax
+
+
+class MovingAverageObserver(Observer):
+    """Exponential moving average of each batch's ``|x|`` max (``momentum`` on the old value)."""
+
+    def __init__(self, fp8_dtype: torch.dtype, momentum: float = 0.9) -> None:
+        super().__init__(fp8_dtype)
+        self.momentum = momentum
+        self._amax: torch.Tensor | None = None
+
+    def _update(self, x: torch.Tensor) -> None:
+        batch = x.abs().amax().cpu()
+        self._amax = (
+            batch
+            if self._amax is None
+            else (self.momentum * self._amax + (1 - self.momentum) * batch)
+        )
+
+    def amax(self) -> torch.Tensor:
+        return self._amax
+
+
+def _subsample(x: torch.Tensor, limit: int) -> torch.Tensor:
+    flat = x.reshape(-1)
+    step = max(1, flat.numel() // limit)
+    return flat[::step]
+
+
+class PercentileObserver(Observer):
+    """Mean over batches of the ``percentile``-th percentile of ``|x|`` (clips rare outliers)."""
+
+    def __init__(self, fp8_dtype: torch.dtype, percentile: float = 99.99) -> None:
+        super().__init__(fp8_dtype)
+        if not 0 < percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+        self.percentile = percentile
+        self._sum = torch.zeros(())
+
+    def _update(self, x: torch.Tensor) -> None:
+        values = _subsample(x.abs(), 1 << 22)
+        self._sum = self._sum + torch.quantile(values, self.percentile / 100).cpu()
+
+    def amax(self) -> torch.Tensor:
+        return self._sum / self.batches
+
+
+class MseObserver(Observer):
+    """Clipping ``amax`` that minimises the fake-quantization MSE on a sample of inputs."""
+
+    def __init__(self, fp8_dtype: torch.dtype, candidates: int = 50, sample: int = 1 << 18) -> None:
+        super().__init__(fp8_dtype)
+        self.candidates, self.sample = candidates, sample
+        self._samples: list[torch.Tensor] = []
+        self._max = torch.zeros(())
+
+    def _update(self, x: torch.Tensor) -> None:
+        self._max = torch.maximum(self._max, x.abs().amax().cpu())
+        self._samples.append(_subsample(x, self.sample // 8).cpu())
+
+    def amax(self) -> torch.Tensor:
+        x = torch.cat(self._samples)
+        x = _subsample(x, self.sample)
+        best, best_err = self._max, float("inf")
+        for frac in torch.linspace(0.3, 1.0, self.candidates):
+            amax = self._max * frac
+            scale = amax_to_scale(amax.reshape(1), self.fp8_dtype)
+            err = float(
+                (dequantize(quantize_with_scale(x, scale, self.fp8_dtype), scale) - x).pow(2).mean()
+            )
+            if err < best_err:
+                best, best_err = amax, err
+        return best
+
+
+def make_observer(name: str, fp8_dtype: torch.dtype, **kwargs) -> Observer:
+    classes = {
+        "minmax": MinMaxObserver,
+        "moving_average": MovingAverageObserver,
+        "percentile": PercentileObserver,
+        "mse": MseObserver,
+    }
+    if name not in classes:
+        raise ValueError(f"observer={name!r} is not supported; use one of {OBSERVERS}")
+    return classes[name](fp8_dtype, **kwargs)

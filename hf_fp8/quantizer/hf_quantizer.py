@@ -1,0 +1,192 @@
+"""``Fp8HfQuantizer``: FP8 through ``from_pretrained`` / ``save_pretrained`` (transformers 5.x)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers.base import HfQuantizer
+
+from hf_fp8.config import Fp8Config
+from hf_fp8.modules import Fp8Linear
+from hf_fp8.modules.replace import is_conv1d, linear_shape, matches_module
+from hf_fp8.numerics import fp8_dtype, quantize_weight
+
+_FP8_PARAMS = ("weight", "weight_scale")
+
+
+class Fp8QuantizeOp(ConversionOps):
+    """Loader op: one high-precision checkpoint weight → ``weight`` (fp8) + ``weight_scale``."""
+
+    def __init__(self, hf_quantizer: Fp8HfQuantizer) -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict[str, Any], *args, model=None, **kwargs) -> dict[str, Any]:
+        out = {}
+        for key, value in input_dict.items():
+            weight = value[0] if isinstance(value, list) else value
+            module_name = key.rpartition(".")[0]
+            module = model.get_submodule(module_name)
+            if module_name in self.hf_quantizer.transposed_modules:
+                weight = weight.t()  # GPT-2 Conv1D stores [in, out]
+            w_fp8, w_scale = quantize_weight(
+                weight,
+                fp8_dtype(module.fp8_format),
+                module.weight_granularity,
+                module.block_size,
+                name=key,
+            )
+            out[key] = w_fp8.contiguous()
+            out[f"{module_name}.weight_scale"] = w_scale
+        return out
+
+
+class Fp8HfQuantizer(HfQuantizer):
+    """Swaps ``nn.Linear`` (and GPT-2 ``Conv1D``) for ``Fp8Linear`` while a model loads."""
+
+    requires_calibration = False
+    quantization_config: Fp8Config
+
+    def __init__(self, quantization_config: Fp8Config, **kwargs) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self.transposed_modules: set[str] = set()
+        self.modules_to_not_convert: list[str] = []
+
+    @property
+    def quantized_element_size(self) -> float:
+        return 1
+
+    def validate_environment(self, *args, device_map=None, **kwargs) -> None:
+        if isinstance(device_map, dict) and not self.pre_quantized:
+            if {"disk"} & set(device_map.values()):
+                raise ValueError(
+                    "on-the-fly FP8 quantization cannot offload to disk; quantize and save first "
+                    "(model.save_pretrained), then load the FP8 checkpoint with this device_map"
+                )
+
+    def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
+        if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(
+                "dtype is the compute dtype of an FP8 model (bfloat16, float16 or float32), not fp8"
+            )
+        return dtype
+
+    # -- before loading: swap modules on the meta device ---------------------------------------
+    def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, **kwargs):
+        config = self.quantization_config
+        if self.pre_quantized and config.modules_to_not_convert is not None:
+            skip = list(config.modules_to_not_convert)  # what the saved model actually kept
+        else:
+            skip = self.get_modules_to_not_convert(
+                model,
+                config.modules_to_not_convert,
+                model._keep_in_fp32_modules,
+                add_default_skips=True,
+            )
+            config.modules_to_not_convert = sorted(skip)
+        self.modules_to_not_convert = skip
+        targets = [
+            (name, module)
+            for name, module in model.named_modules()
+            if (type(module) is nn.Linear or is_conv1d(module)) and not matches_module(name, skip)
+        ]
+        for name, module in targets:
+            in_features, out_features = linear_shape(module)
+            if is_conv1d(module) and not self.pre_quantized:
+                self.transposed_modules.add(name)
+            kwargs_ = config.linear_kwargs(name)
+            input_scale = kwargs_.pop("input_scale")
+            with torch.device("meta"):
+                new = Fp8Linear(
+                    in_features,
+                    out_features,
+                    module.bias is not None,
+                    dtype=module.weight.dtype,
+                    **kwargs_,
+                )
+                if self.pre_quantized and config.activation_scheme == "static":
+                    new.input_scale = nn.Parameter(
+                        torch.empty(1, dtype=torch.float32), requires_grad=False
+                    )
+            new._hf_fp8_input_scale = input_scale  # applied after loading (on-the-fly)
+            new._is_hf_initialized = (
+                True  # never random-init fp8 storage; missing keys are caught below
+            )
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        model.config.quantization_config = config
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        if self.pre_quantized:
+            return False
+        module_name, _, tensor_name = param_name.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            return False
+        return isinstance(module, Fp8Linear) and tensor_name == "weight"
+
+    def get_quantize_ops(self) -> Fp8QuantizeOp:
+        return Fp8QuantizeOp(self)
+
+    # -- after loading ----------------------------------------------------------------------------
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        missing = []
+        for name, module in model.named_modules():
+            if not isinstance(module, Fp8Linear):
+                continue
+            for pname in (*_FP8_PARAMS, "bias"):
+                p = getattr(module, pname)
+                if p is not None and not getattr(p, "_is_hf_initialized", False):
+                    missing.append(f"{name}.{pname}")
+            if module.input_scale is not None and not getattr(
+                module.input_scale, "_is_hf_initialized", False
+            ):
+                module.input_scale = None  # saved before calibration
+            given = module.__dict__.pop("_hf_fp8_input_scale", None)
+            if given is not None and module.input_scale is None:
+                module.set_input_scale(given)
+            for p in (module.weight, module.weight_scale, module.input_scale):
+                if p is not None:
+                    p.requires_grad_(False)
+            module.compute_dtype = (
+                module.bias.dtype if module.bias is not None else module.compute_dtype
+            )
+        if missing:
+            shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+            raise ValueError(
+                f"the FP8 checkpoint lacks {len(missing)} tensor(s) its modules need: {shown}. "
+                "Re-export it with hf_fp8 (save_pretrained), or list these modules in "
+                "Fp8Config(modules_to_not_convert=[...]) when quantizing on the fly."
+            )
+        if self.pre_quantized and self.quantization_config.dequantize:
+            self._dequantize(model)  # Fp8Config(dequantize=True): back to high precision
+        return model
+
+    # -- dequantize / flags ------------------------------------------------------------------------
+    def _dequantize(self, model, dtype=None):
+        for name, module in list(model.named_modules()):
+            if isinstance(module, Fp8Linear):
+                parent_name, _, child = name.rpartition(".")
+                linear = module.dequantize()
+                if dtype is not None:
+                    linear = linear.to(dtype)
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+        return model
+
+    def is_serializable(self, **kwargs) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True  # PEFT adapters on top of frozen FP8 weights
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        return False  # FP8 weights are frozen; full fine-tuning needs high precision
+
+    @property
+    def is_compileable(self) -> bool:
+        return True

@@ -1,0 +1,1 @@
+"""Shared helpers for examples, benchmarks and the CLI (built-in model, offline corpora)."""
