@@ -59,12 +59,15 @@ class Fp8HfQuantizer(HfQuantizer):
         return 1
 
     def validate_environment(self, *args, device_map=None, **kwargs) -> None:
-        if isinstance(device_map, dict) and not self.pre_quantized:
-            if {"disk"} & set(device_map.values()):
-                raise ValueError(
-                    "on-the-fly FP8 quantization cannot offload to disk; quantize and save first "
-                    "(model.save_pretrained), then load the FP8 checkpoint with this device_map"
-                )
+        if (
+            isinstance(device_map, dict)
+            and not self.pre_quantized
+            and "disk" in set(device_map.values())
+        ):
+            raise ValueError(
+                "on-the-fly FP8 quantization cannot offload to disk; quantize and save first "
+                "(model.save_pretrained), then load the FP8 checkpoint with this device_map"
+            )
 
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
         if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
