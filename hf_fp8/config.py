@@ -108,6 +108,10 @@ class Fp8Config(QuantizationConfigMixin):
             "input_scale": scale,
         }
 
+    def get_loading_attributes(self) -> dict[str, Any]:
+        """Fields a user may override when loading a saved FP8 checkpoint."""
+        return {"dequantize": self.dequantize, "kernel": self.kernel}
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Fp8Config) and self.to_dict() == other.to_dict()
 

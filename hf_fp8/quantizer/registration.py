@@ -16,3 +16,8 @@ def register_with_transformers() -> None:
     if auto.AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not Fp8HfQuantizer:
         auto.AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
         auto.register_quantizer(QUANT_METHOD)(Fp8HfQuantizer)
+    # Lets from_pretrained(fp8_dir, quantization_config=Fp8Config(dequantize=True / kernel=...))
+    # override the saved config's loading attributes, as transformers does for its own FP8.
+    loading_types = getattr(auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
+    if isinstance(loading_types, tuple) and Fp8Config not in loading_types:
+        auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*loading_types, Fp8Config)
