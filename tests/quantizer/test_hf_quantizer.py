@@ -52,7 +52,7 @@ def test_saved_checkpoint_layout_and_size(tiny_model_dir, tmp_path):
     model = _load(bf16_dir, quantization_config=Fp8Config("static", activation_scale=0.1))
     model.save_pretrained(tmp_path)
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     prefix = "model.layers.0.self_attn.q_proj."
     assert dtypes[prefix + "weight"] == "F8_E4M3"
     assert dtypes[prefix + "weight_scale"] == "F32"
