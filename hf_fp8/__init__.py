@@ -6,10 +6,12 @@
 from hf_fp8._quiet import restore_logging
 from hf_fp8.calibration import calibrate
 from hf_fp8.config import Fp8Config
+from hf_fp8.lora import register_peft_lora
 from hf_fp8.modules import Fp8Linear, quantize_model
 from hf_fp8.quantizer import Fp8HfQuantizer, register_with_transformers
 
 register_with_transformers()
+register_peft_lora()
 restore_logging()
 
 __version__ = "0.1.0"
