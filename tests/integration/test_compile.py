@@ -1,0 +1,50 @@
+"""torch.compile: quantized models compile with fullgraph=True and match eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_fp8 import Fp8Config, Fp8Linear
+from tests.tiny_models import model_inputs
+
+CONFIGS = {
+    "dynamic/row": Fp8Config("dynamic"),
+    "dynamic/block": Fp8Config("dynamic", weight_granularity="block"),
+    "static/tensor": Fp8Config("static", weight_granularity="tensor", activation_scale=0.05),
+    "weight_only/row": Fp8Config("weight_only"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fp8_linear_has_no_graph_breaks(name):
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(torch.nn.Linear(64, 48).to(torch.bfloat16), CONFIGS[name])
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    explanation = torch._dynamo.explain(layer)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dynamic/row", "weight_only/row"])
+def test_quantized_model_compiles_fullgraph_and_generates_like_eager(name, tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), quantization_config=CONFIGS[name]
+    )
+    inputs = model_inputs("llama", batch=1, seq=8)
+    with torch.no_grad():
+        eager_logits = model(**inputs).logits
+        eager_tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        compiled_logits = model(**inputs).logits
+        compiled_tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-3, atol=1e-3)
+    assert torch.equal(compiled_tokens, eager_tokens)
