@@ -6,12 +6,17 @@
 from hf_fp8._quiet import restore_logging
 from hf_fp8.calibration import calibrate
 from hf_fp8.config import Fp8Config
+from hf_fp8.hub import attach_card_hooks, export, set_card_info
 from hf_fp8.lora import register_peft_lora
 from hf_fp8.modules import Fp8Linear, quantize_model
 from hf_fp8.quantizer import Fp8HfQuantizer, register_with_transformers
+from hf_fp8.quantizer.hf_quantizer import POST_LOAD_HOOKS
+from hf_fp8.serialization import import_checkpoint, inspect_checkpoint
 
 register_with_transformers()
 register_peft_lora()
+if attach_card_hooks not in POST_LOAD_HOOKS:
+    POST_LOAD_HOOKS.append(attach_card_hooks)  # model cards on save_pretrained / push_to_hub
 restore_logging()
 
 __version__ = "0.1.0"
@@ -22,5 +27,9 @@ __all__ = [
     "Fp8Linear",
     "__version__",
     "calibrate",
+    "export",
+    "import_checkpoint",
+    "inspect_checkpoint",
     "quantize_model",
+    "set_card_info",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +16,10 @@ from hf_fp8.modules.replace import is_conv1d, linear_shape, matches_module
 from hf_fp8.numerics import fp8_dtype, quantize_weight
 
 _FP8_PARAMS = ("weight", "weight_scale")
+
+# ``hook(model, hf_quantizer)`` run at the end of every hf_fp8 load. Upper layers add theirs
+# (hf_fp8.hub: model cards on save_pretrained / push_to_hub) so this layer imports none of them.
+POST_LOAD_HOOKS: list[Callable[[nn.Module, Any], None]] = []
 
 
 class Fp8QuantizeOp(ConversionOps):
@@ -166,6 +171,8 @@ class Fp8HfQuantizer(HfQuantizer):
             )
         if self.pre_quantized and self.quantization_config.dequantize:
             self._dequantize(model)  # Fp8Config(dequantize=True): back to high precision
+        for hook in POST_LOAD_HOOKS:
+            hook(model, self)
         return model
 
     # -- dequantize / flags ------------------------------------------------------------------------

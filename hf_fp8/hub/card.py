@@ -1,0 +1,207 @@
+"""Model cards: render ``model_cards/hf_fp8_model_card.md.j2`` (Jinja2), embed the facts so
+a later push can re-render them, and respect cards the user wrote."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import jinja2
+from huggingface_hub import ModelCard, ModelCardData
+
+from hf_fp8.hub.card_info import CardInfo, hub_model_id
+from hf_fp8.serialization.summary import activation_words, weight_words
+
+TEMPLATE_NAME = "hf_fp8_model_card.md.j2"
+TAGS = ("fp8", "hf_fp8")
+_DATA_START = "<!-- hf_fp8 card data: "
+_DATA_END = " -->"
+# Text of the placeholder cards transformers / huggingface_hub write on push_to_hub.
+_PLACEHOLDERS = (
+    "This is the model card of a 🤗 transformers model that has been pushed on the Hub",
+    "<!-- Provide a quick summary of what the model is/does. -->",
+)
+_FORMAT_WORDS = {
+    "hf_fp8": 'hf_fp8 (`quant_method: "hf_fp8"`): fp8 `weight`, fp32 `weight_scale` / `input_scale`',
+    "compressed-tensors": "compressed-tensors `float-quantized` (vLLM, SGLang, TGI, transformers)",
+    "vllm-fp8": 'vLLM `fp8` (`quant_method: "fp8"`)',
+}
+_SCHEME_NAMES = {
+    "dynamic": "dynamic (FP8 weights and activations, activation scales computed per call)",
+    "static": "static (FP8 weights and activations, calibrated activation scales)",
+    "weight_only": "weight-only (FP8 weights, high-precision activations)",
+}
+_LIBRARY = {"hf_fp8": "hf-fp8"}
+_FORMAT_TAGS = {"compressed-tensors": ["compressed-tensors", "vllm"], "vllm-fp8": ["vllm"]}
+
+
+def template_dirs() -> list[Path]:
+    """Where templates are looked for: the source tree's ``model_cards/``, then
+    ``<prefix>/share/hf-fp8/model_cards`` (a wheel's data files)."""
+    return [
+        Path(__file__).resolve().parents[2] / "model_cards",
+        Path(sys.prefix) / "share" / "hf-fp8" / "model_cards",
+    ]
+
+
+def _load_template(template: str | os.PathLike | None) -> jinja2.Template:
+    if template is not None:
+        path = Path(template)
+        if not path.is_file():
+            raise FileNotFoundError(f"model card template {path} does not exist")
+        search, name = [str(path.parent)], path.name
+    else:
+        search = [str(d) for d in template_dirs() if (d / TEMPLATE_NAME).is_file()]
+        name = TEMPLATE_NAME
+        if not search:
+            raise FileNotFoundError(
+                f"model card template {TEMPLATE_NAME} not found in "
+                f"{[str(d) for d in template_dirs()]}: reinstall hf-fp8 or pass template=PATH"
+            )
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(search),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        autoescape=False,
+    )
+    env.filters["human_bytes"] = human_bytes
+    env.filters["metric"] = _metric
+    return env.get_template(name)
+
+
+def human_bytes(n: int | float) -> str:
+    """``1536`` → ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _metric(value: object) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def auto_class_name(architecture: str | None) -> str:
+    """The ``transformers`` auto class that loads ``architecture`` (``AutoModel`` fallback)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    for cls_name, mapping in (
+        ("AutoModelForCausalLM", auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        ("AutoModelForSeq2SeqLM", auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+        ("AutoModelForImageTextToText", auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
+        ("AutoModelForMaskedLM", auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+        (
+            "AutoModelForSequenceClassification",
+            auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        ),
+        ("AutoModelForTokenClassification", auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
+        ("AutoModelForQuestionAnswering", auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES),
+        ("AutoModel", auto.MODEL_MAPPING_NAMES),
+    ):
+        names = {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
+        if architecture in names:
+            return cls_name
+    return "AutoModel"
+
+
+def card_metadata(info: CardInfo, tags: Iterable[str] = ()) -> ModelCardData:
+    """Hub metadata: ``library_name``, tags ``fp8`` / ``hf_fp8``, ``base_model`` (+ relation)."""
+    all_tags = list(dict.fromkeys([*TAGS, *_FORMAT_TAGS.get(info.format, []), *tags]))
+    base = hub_model_id(info.base_model)
+    data = ModelCardData(library_name=_LIBRARY.get(info.format, "transformers"), tags=all_tags)
+    if base:
+        data.base_model = base
+        data.base_model_relation = "quantized"
+    return data
+
+
+def render_model_card(
+    info: CardInfo,
+    *,
+    model_id: str | None = None,
+    tags: Iterable[str] = (),
+    template: str | os.PathLike | None = None,
+) -> str:
+    """Markdown of the model card (YAML metadata first). ``model_id`` is what the load
+    snippet passes to ``from_pretrained`` (default ``info.repo_id``)."""
+    model_id = model_id or info.repo_id or "path/to/this/model"
+    base = hub_model_id(info.base_model)
+    name = model_id.rstrip("/").rsplit("/", 1)[-1]
+    high = info.high_precision_layers
+    context = {
+        "info": info,
+        "metadata_yaml": card_metadata(info, tags).to_yaml(),
+        "title": name if info.repo_id else f"{info.architecture or 'Model'} in FP8",
+        "base_model": base,
+        "base_model_url": f"https://huggingface.co/{base}" if base else None,
+        "base_model_text": info.base_model if info.base_model and not base else None,
+        "weight_words": (
+            f"{info.scheme['fp8_format']} {weight_words(info.scheme)}" if info.scheme else "unknown"
+        ),
+        "activation_words": (
+            activation_words(info.scheme, info.compute_dtype) if info.scheme else "unknown"
+        ),
+        "format_words": _FORMAT_WORDS.get(info.format, info.format),
+        "scheme_name": _SCHEME_NAMES.get((info.scheme or {}).get("activation_scheme"), "unknown"),
+        "high_precision_text": ", ".join(f"`{n}`" for n in high[:8])
+        + (f" and {len(high) - 8} more" if len(high) > 8 else "")
+        or "none",
+        "auto_class": auto_class_name(info.architecture),
+        "model_id": model_id,
+        "export_dir": f"{name}-compressed-tensors",
+        "import_dir": f"{name}-hf-fp8",
+        "data_comment": f"{_DATA_START}{info.to_json()}{_DATA_END}",
+    }
+    return _load_template(template).render(**context)
+
+
+def read_card_info(text: str) -> CardInfo | None:
+    """The facts embedded in a card hf_fp8 rendered, else ``None``."""
+    start = text.rfind(_DATA_START)
+    if start < 0:
+        return None
+    end = text.find(_DATA_END, start + len(_DATA_START))
+    try:
+        return CardInfo.from_json(text[start + len(_DATA_START) : end])
+    except (ValueError, TypeError):
+        return None
+
+
+def is_user_card(text: str | None) -> bool:
+    """True for a card a person wrote (not rendered by hf_fp8, not a Hub placeholder)."""
+    if not text or not text.strip():
+        return False
+    return read_card_info(text) is None and not any(p in text for p in _PLACEHOLDERS)
+
+
+def merge_card(existing: str | None, info: CardInfo, **render_kwargs) -> str:
+    """The card to upload: a fresh rendering that keeps the existing card's tags and the
+    facts an earlier hf_fp8 card recorded (base model, fidelity); a card the user wrote is
+    kept as written, with hf_fp8's metadata added."""
+    old_tags: list[str] = []
+    if existing:
+        card = ModelCard(existing, ignore_metadata_errors=True)
+        old_tags = list(card.data.tags or [])
+        if is_user_card(existing):
+            fresh = card_metadata(info, old_tags).to_dict()
+            for key, value in fresh.items():
+                if key == "tags" or card.data.get(key) is None:
+                    card.data[key] = value
+            return str(card)
+        previous = read_card_info(existing)
+        if previous is not None:
+            info.base_model = info.base_model or previous.base_model
+            info.fidelity = info.fidelity or previous.fidelity
+    return render_model_card(info, tags=old_tags, **render_kwargs)
+
+
+def write_model_card(folder: str | os.PathLike, info: CardInfo, **render_kwargs) -> Path:
+    """Write ``README.md`` into ``folder`` (merged with a card already there)."""
+    path = Path(folder) / "README.md"
+    existing = path.read_text(encoding="utf-8") if path.is_file() else None
+    path.write_text(merge_card(existing, info, **render_kwargs), encoding="utf-8")
+    return path

@@ -1,0 +1,159 @@
+"""The facts a model card states, gathered from a loaded model or from a checkpoint folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from itertools import chain
+from typing import Any
+
+from torch import nn
+
+from hf_fp8.config import Fp8Config
+from hf_fp8.modules import Fp8Linear
+from hf_fp8.modules.replace import is_conv1d
+from hf_fp8.serialization.summary import CheckpointSummary, describe_scheme
+
+_SCHEME_KEYS = ("activation_scheme", "weight_granularity", "activation_granularity", "block_size")
+# The built-in model of hf_fp8.utils.minilm, by its Hub id (used for the card's base_model).
+MINILM_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@dataclass
+class CardInfo:
+    """Everything ``model_cards/`` templates use; JSON round-trips (embedded in the card)."""
+
+    format: str = "hf_fp8"
+    architecture: str | None = None
+    base_model: str | None = None
+    repo_id: str | None = None
+    compute_dtype: str | None = None
+    scheme: dict[str, Any] | None = None
+    fp8_layers: int = 0
+    high_precision_layers: list[str] = field(default_factory=list)
+    bytes_before: int | None = None
+    bytes_after: int | None = None
+    fidelity: dict[str, Any] = field(default_factory=dict)
+    hf_fp8_version: str = field(default_factory=lambda: _version())
+
+    @property
+    def scheme_text(self) -> str:
+        return describe_scheme(self.scheme, self.compute_dtype) if self.scheme else "unknown"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CardInfo:
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _version() -> str:
+    from hf_fp8 import __version__
+
+    return __version__
+
+
+def hub_model_id(name: str | os.PathLike | None) -> str | None:
+    """``name`` when it reads as a Hub repo id (not a local folder), the built-in MiniLM's
+    Hub id for its local folder, else ``None``."""
+    if not name:
+        return None
+    name = str(name)
+    try:
+        from hf_fp8.utils.minilm import default_model_path
+
+        if os.path.isdir(name) and os.path.samefile(name, default_model_path()):
+            return MINILM_REPO_ID
+    except (ImportError, OSError):
+        pass
+    if os.path.exists(name) or name.startswith((".", "/", "~")):
+        return None
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name if "/" in name else None
+
+
+def _scheme_dict(config: Fp8Config) -> dict[str, Any]:
+    scheme = {k: getattr(config, k) for k in _SCHEME_KEYS}
+    scheme["fp8_format"] = config.fp8_format
+    scheme["block_size"] = list(scheme["block_size"])
+    return scheme
+
+
+def model_bytes(model: nn.Module) -> tuple[int, int]:
+    """``(before, after)``: bytes of the model's tensors with each FP8 weight in its compute
+    dtype (no scales), and as they are (each shared tensor counted once)."""
+    before = after = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        own = chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+        for name, tensor in own:
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            nbytes = tensor.numel() * tensor.element_size()
+            after += nbytes
+            if not isinstance(module, Fp8Linear):
+                before += nbytes
+            elif name == "weight":
+                before += tensor.numel() * module.compute_dtype.itemsize
+            elif name not in ("weight_scale", "input_scale"):
+                before += nbytes
+    return before, after
+
+
+def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
+    """Card facts of a loaded hf_fp8 model (``overrides`` win, e.g. ``repo_id``)."""
+    config = getattr(model, "config", None)
+    qc = getattr(config, "quantization_config", None)
+    if not isinstance(qc, Fp8Config):
+        raise ValueError("the model has no hf_fp8 quantization_config: it is not an hf_fp8 model")
+    high = [
+        name
+        for name, m in model.named_modules()
+        if (type(m) is nn.Linear or is_conv1d(m)) and not isinstance(m, Fp8Linear)
+    ]
+    before, after = model_bytes(model)
+    extra = dict(getattr(model, "_hf_fp8_card", None) or {})
+    architectures = getattr(config, "architectures", None) or [type(model).__name__]
+    info = CardInfo(
+        format="hf_fp8",
+        architecture=architectures[0],
+        base_model=extra.get("base_model"),
+        compute_dtype=str(getattr(model, "dtype", "")).replace("torch.", "") or None,
+        scheme=_scheme_dict(qc),
+        fp8_layers=sum(isinstance(m, Fp8Linear) for m in model.modules()),
+        high_precision_layers=high,
+        bytes_before=before,
+        bytes_after=after,
+        fidelity=dict(extra.get("fidelity") or {}),
+    )
+    for key, value in overrides.items():
+        setattr(info, key, value)
+    return info
+
+
+def info_from_summary(summary: CheckpointSummary, **overrides: Any) -> CardInfo:
+    """Card facts of a checkpoint folder (see ``hf_fp8.serialization.inspect_checkpoint``)."""
+    info = CardInfo(
+        format=summary.format,
+        architecture=summary.architecture,
+        compute_dtype=summary.compute_dtype,
+        scheme=summary.scheme,
+        fp8_layers=len(summary.fp8_layers),
+        high_precision_layers=list(summary.high_precision_layers or []),
+        bytes_before=summary.bytes_before,
+        bytes_after=summary.total_bytes,
+    )
+    for key, value in overrides.items():
+        setattr(info, key, value)
+    return info

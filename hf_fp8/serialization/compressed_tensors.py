@@ -1,0 +1,176 @@
+"""compressed-tensors ``float-quantized`` (what vLLM, SGLang and TGI load): config ↔ Fp8Config.
+
+The tensors are hf_fp8's own (``weight`` fp8, ``weight_scale``, ``input_scale``, fp32); only
+``config.json``'s ``quantization_config`` differs. Mapping of the schemes:
+
+| hf_fp8 | compressed-tensors |
+|---|---|
+| weights ``tensor`` / ``row`` / ``block`` | ``strategy`` ``tensor`` / ``channel`` / ``block`` (+ ``block_structure``) |
+| dynamic ``token`` / ``tensor`` | ``input_activations`` ``token`` / ``tensor``, ``dynamic: true`` |
+| dynamic ``block`` (``1 × block_size[1]``) | ``group`` with ``group_size = block_size[1]``, ``dynamic: true`` |
+| static ``tensor`` | ``tensor``, ``dynamic: false`` (``input_scale`` tensors) |
+| weight-only | no ``input_activations`` |
+
+compressed-tensors is not needed to write or read this format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hf_fp8.config import Fp8Config
+from hf_fp8.serialization.layers import LayerPlan
+from hf_fp8.serialization.tensors import to_hf_fp8_tensors
+
+QUANT_METHOD = "compressed-tensors"
+FORMAT = "float-quantized"
+_READ_FORMATS = ("float-quantized", "naive-quantized")
+IMPORT_RENAMES: dict[str, str] = {}
+_WEIGHT_STRATEGY = {"tensor": "tensor", "row": "channel", "block": "block"}
+
+
+def _fp8_args(strategy: str, dynamic: bool, **extra: Any) -> dict[str, Any]:
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": strategy,
+        "dynamic": dynamic,
+        "symmetric": True,
+        **extra,
+    }
+
+
+def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
+    """``quantization_config`` of the compressed-tensors export of an hf_fp8 model."""
+    if config.fp8_format != "e4m3":
+        raise ValueError(
+            f"compressed-tensors stores FP8 as e4m3 only; this model is {config.fp8_format}: "
+            "re-quantize with Fp8Config(fp8_format='e4m3')"
+        )
+    extra = (
+        {"block_structure": list(config.block_size)} if config.weight_granularity == "block" else {}
+    )
+    group: dict[str, Any] = {
+        "targets": ["Linear"],
+        "weights": _fp8_args(_WEIGHT_STRATEGY[config.weight_granularity], False, **extra),
+        "format": FORMAT,
+    }
+    if config.activation_scheme == "static":
+        group["input_activations"] = _fp8_args("tensor", False)
+    elif config.activation_scheme == "dynamic":
+        if config.activation_granularity == "block":
+            group_size = config.block_size[1]
+            bad = [n for n, (_, k) in plan.fp8.items() if k % group_size]
+            if bad:
+                raise ValueError(
+                    f"compressed-tensors group activations need in_features divisible by "
+                    f"{group_size}; {bad[0]} is not: use a block_size that divides every layer"
+                )
+            group["input_activations"] = _fp8_args("group", True, group_size=group_size)
+        else:
+            group["input_activations"] = _fp8_args(config.activation_granularity, True)
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": list(plan.high_precision),
+        "kv_cache_scheme": None,
+    }
+
+
+def export_tensors(
+    tensors: dict[str, torch.Tensor], plan: LayerPlan, config: Fp8Config
+) -> dict[str, torch.Tensor]:
+    """Same names, dtypes and shapes as hf_fp8's: nothing to change."""
+    return tensors
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(
+        f"unsupported compressed-tensors checkpoint: {what}. hf_fp8 imports FP8 "
+        "(type float, 8 bits, symmetric) float-quantized checkpoints with tensor, channel or "
+        "block weights and token, tensor or group activations"
+    )
+
+
+def _check_args(args: dict[str, Any], role: str) -> None:
+    kind, bits = args.get("type"), args.get("num_bits")
+    if kind != "float" or bits != 8:
+        raise _unsupported(f"{role} are {kind} with {bits} bits (int8, fp4 … are not FP8)")
+    if not args.get("symmetric", True):
+        raise _unsupported(f"{role} are asymmetric")
+    if args.get("scale_dtype") not in (None, "torch.float32", "torch.bfloat16", "torch.float16"):
+        raise _unsupported(f"{role} scales are stored as {args['scale_dtype']}")
+
+
+def _group_kwargs(name: str, group: dict[str, Any]) -> dict[str, Any]:
+    weights = group.get("weights")
+    if not weights:
+        raise _unsupported(f"config group {name} quantizes no weights")
+    _check_args(weights, "weights")
+    if group.get("format") not in (None, *_READ_FORMATS):
+        raise _unsupported(f"config group {name} has format {group['format']!r}")
+    if group.get("output_activations"):
+        raise _unsupported("output activations are quantized")
+    strategy = weights.get("strategy")
+    if weights.get("dynamic"):
+        raise _unsupported("weights are dynamic")
+    granularity = {v: k for k, v in _WEIGHT_STRATEGY.items()}.get(strategy)
+    if granularity is None:
+        raise _unsupported(f"weight strategy {strategy!r}")
+    kwargs: dict[str, Any] = {"weight_granularity": granularity}
+    block = list(weights.get("block_structure") or [128, 128])
+    acts = group.get("input_activations")
+    if not acts:
+        kwargs["activation_scheme"] = "weight_only"
+    else:
+        _check_args(acts, "input activations")
+        a_strategy, dynamic = acts.get("strategy"), acts.get("dynamic")
+        if dynamic is True and a_strategy in ("token", "tensor"):
+            kwargs.update(activation_scheme="dynamic", activation_granularity=a_strategy)
+        elif dynamic is True and a_strategy == "group":
+            size = int(acts["group_size"])
+            if granularity == "block" and size != block[1]:
+                raise _unsupported(f"group_size {size} differs from the weight block {block}")
+            block = [block[0], size]
+            kwargs.update(activation_scheme="dynamic", activation_granularity="block")
+        elif dynamic is False and a_strategy == "tensor":
+            kwargs.update(activation_scheme="static", activation_granularity="tensor")
+        else:
+            raise _unsupported(f"input activations {a_strategy!r} with dynamic={dynamic!r}")
+    kwargs["block_size"] = block
+    return kwargs
+
+
+def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
+    """``Fp8Config`` keyword arguments (scheme part) of a compressed-tensors config."""
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise _unsupported("no config_groups")
+    found = {name: _group_kwargs(name, group) for name, group in groups.items()}
+    status = qc.get("quantization_status")
+    if status != "compressed":
+        raise _unsupported(f"quantization_status is {status!r}: weights are not stored in fp8")
+    if qc.get("format") not in _READ_FORMATS and qc.get("format") != "mixed-precision":
+        raise _unsupported(f"format {qc.get('format')!r}")
+    if qc.get("kv_cache_scheme"):
+        raise _unsupported("the KV cache is quantized (kv_cache_scheme)")
+    for key in ("sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise _unsupported(f"it has a {key}")
+    first = next(iter(found.values()))
+    if any(kw != first for kw in found.values()):
+        raise _unsupported("config groups use different FP8 schemes (hf_fp8 has one per model)")
+    return first
+
+
+def import_tensors(
+    tensors: dict[str, torch.Tensor], plan: LayerPlan, config: Fp8Config
+) -> dict[str, torch.Tensor]:
+    """Scales to fp32 in hf_fp8's shapes; symmetric zero points dropped."""
+    return to_hf_fp8_tensors(
+        tensors, plan, config, zero_points=("weight_zero_point", "input_zero_point")
+    )

@@ -1,0 +1,73 @@
+"""The on-disk formats hf_fp8 writes and reads, by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from hf_fp8.config import QUANT_METHOD as HF_FP8_METHOD
+from hf_fp8.config import Fp8Config
+from hf_fp8.serialization import compressed_tensors, vllm_fp8
+from hf_fp8.serialization.layers import LayerPlan
+
+TensorConvert = Callable[[dict[str, torch.Tensor], LayerPlan, Fp8Config], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Format:
+    """One foreign format: its ``quant_method`` and the four conversions."""
+
+    name: str
+    quant_method: str
+    export_config: Callable[[Fp8Config, LayerPlan], dict[str, Any]]
+    export_tensors: TensorConvert
+    import_kwargs: Callable[[dict[str, Any]], dict[str, Any]]
+    import_tensors: TensorConvert
+    import_renames: dict[str, str]  # tensor leaf names → hf_fp8's
+
+
+def _format(name: str, module: ModuleType) -> Format:
+    return Format(
+        name,
+        module.QUANT_METHOD,
+        module.export_config,
+        module.export_tensors,
+        module.import_kwargs,
+        module.import_tensors,
+        module.IMPORT_RENAMES,
+    )
+
+
+FORMATS: dict[str, Format] = {
+    "compressed-tensors": _format("compressed-tensors", compressed_tensors),
+    "vllm-fp8": _format("vllm-fp8", vllm_fp8),
+}
+_ALIASES = {"ct": "compressed-tensors", "fp8": "vllm-fp8", "vllm": "vllm-fp8"}
+EXPORT_FORMATS = tuple(FORMATS)
+
+
+def get_format(name: str) -> Format:
+    """The format called ``name`` (``"compressed-tensors"`` or ``"vllm-fp8"``)."""
+    key = _ALIASES.get(name, name)
+    if key not in FORMATS:
+        raise ValueError(f"format={name!r} is not supported; use one of {EXPORT_FORMATS}")
+    return FORMATS[key]
+
+
+def format_of(quantization_config: dict[str, Any] | None) -> str:
+    """Name of the format a checkpoint's ``quantization_config`` describes:
+    ``"hf_fp8"``, ``"compressed-tensors"``, ``"vllm-fp8"``, ``"unquantized"`` or the
+    foreign ``quant_method``."""
+    if not quantization_config:
+        return "unquantized"
+    method = quantization_config.get("quant_method")
+    if method == HF_FP8_METHOD:
+        return "hf_fp8"
+    for fmt in FORMATS.values():
+        if method == fmt.quant_method:
+            return fmt.name
+    return str(method)

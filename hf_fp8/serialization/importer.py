@@ -1,0 +1,103 @@
+"""compressed-tensors or vLLM ``fp8`` checkpoint → hf_fp8 checkpoint (same fp8 numbers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hf_fp8.config import Fp8Config
+from hf_fp8.modules.replace import matches_module
+from hf_fp8.quantizer import Fp8HfQuantizer
+from hf_fp8.serialization.checkpoint import (
+    Checkpoint,
+    copy_other_files,
+    prepare_out_dir,
+    resolve_checkpoint,
+    rewrite_tensors,
+    write_config,
+)
+from hf_fp8.serialization.formats import EXPORT_FORMATS, FORMATS, format_of
+from hf_fp8.serialization.layers import LayerPlan, build_meta_model, plan_layers
+from hf_fp8.serialization.tensors import check_complete
+
+
+def _renamed(names, renames: dict[str, str]) -> list[str]:
+    out = []
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        out.append(f"{module}.{renames.get(leaf, leaf)}")
+    return out
+
+
+def _check_default_skips(config: dict, plan: LayerPlan) -> None:
+    """An empty ``modules_to_not_convert`` reloads with hf_fp8's default skips (the output
+    embedding): refuse a checkpoint whose FP8 layers those would leave in high precision."""
+    if plan.high_precision:
+        return
+    model = build_meta_model(config)
+    skips = Fp8HfQuantizer(Fp8Config()).get_modules_to_not_convert(
+        model, None, model._keep_in_fp32_modules, add_default_skips=True
+    )
+    clash = [name for name in plan.fp8 if matches_module(name, skips)]
+    if clash:
+        raise ValueError(
+            f"{clash[0]} is FP8 in this checkpoint, but hf_fp8 keeps it in high precision; "
+            "importing checkpoints with an FP8 output layer is not supported"
+        )
+
+
+def import_config(checkpoint: Checkpoint) -> tuple[str, Fp8Config]:
+    """``(format name, Fp8Config)`` describing a foreign FP8 checkpoint's scheme."""
+    fmt_name = format_of(checkpoint.quantization_config)
+    if fmt_name == "hf_fp8":
+        raise ValueError(
+            f"{checkpoint.root} is already an hf_fp8 checkpoint: `import hf_fp8`, then "
+            "from_pretrained loads it as is"
+        )
+    if fmt_name == "unquantized":
+        raise ValueError(
+            f"{checkpoint.root} is not quantized: quantize it with "
+            "from_pretrained(..., quantization_config=hf_fp8.Fp8Config(...)) or hf-fp8 quantize"
+        )
+    if fmt_name not in FORMATS:
+        raise ValueError(
+            f"quant_method {fmt_name!r} is not supported: hf_fp8 imports {EXPORT_FORMATS} "
+            "FP8 checkpoints"
+        )
+    kwargs = FORMATS[fmt_name].import_kwargs(checkpoint.quantization_config)
+    return fmt_name, Fp8Config(**kwargs)
+
+
+def import_checkpoint(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Convert an FP8 compressed-tensors (``float-quantized``) or vLLM ``fp8`` checkpoint
+    (folder or Hub repo id) into an hf_fp8 checkpoint in ``out_dir``.
+
+    fp8 weights are copied bit for bit; scales become fp32 (exact) in hf_fp8's shapes. Then
+    ``import hf_fp8; AutoModel…from_pretrained(out_dir)`` gives ``Fp8Linear`` layers with the
+    same numbers. Unsupported variants (int8, fp4, asymmetric, KV-cache scales …) raise
+    ``ValueError`` naming what is unsupported. Returns ``out_dir``.
+    """
+    src = Checkpoint(resolve_checkpoint(checkpoint))
+    fmt_name, scheme = import_config(src)
+    tensors = src.tensors()
+    plan = plan_layers(src.config, tensors)
+    _check_default_skips(src.config, plan)
+    config = Fp8Config(
+        scheme.activation_scheme,
+        weight_granularity=scheme.weight_granularity,
+        activation_granularity=scheme.activation_granularity,
+        block_size=scheme.block_size,
+        modules_to_not_convert=plan.high_precision,
+    )
+    fmt = FORMATS[fmt_name]
+    check_complete(plan, _renamed(tensors, fmt.import_renames), config)
+    out = prepare_out_dir(out_dir, source=src.root, overwrite=overwrite)
+    rewrite_tensors(src, out, lambda t: fmt.import_tensors(t, plan, config))
+    copy_other_files(src, out)
+    write_config(out, {**src.config, "quantization_config": config.to_dict()})
+    return out

@@ -1,0 +1,88 @@
+"""Which layers of a checkpoint are FP8: the stock model's linear layers (built on the meta
+device from ``config.json``) matched against the tensors that carry a ``weight_scale``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from hf_fp8.modules.replace import is_conv1d
+from hf_fp8.serialization.checkpoint import FP8_DTYPE_NAMES, TensorInfo, module_of
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """FP8 and high-precision linear layers of one checkpoint, by module name."""
+
+    fp8: dict[str, tuple[int, int]]  # name -> (out_features, in_features) of the fp8 weight
+    high_precision: list[str]  # linear layers of the stock model stored without fp8
+    conv1d: list[str]  # GPT-2 style Conv1D layers of the stock model
+
+
+def build_meta_model(config: dict[str, Any]) -> nn.Module:
+    """The stock transformers model ``config`` describes, on the meta device (no weights;
+    the architecture must be part of transformers)."""
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ValueError("config.json has no model_type: cannot tell which layers are linear")
+    try:
+        hf_config = CONFIG_MAPPING[model_type].from_dict(config)
+    except KeyError as err:
+        raise ValueError(
+            f"model_type {model_type!r} is not part of transformers {transformers.__version__}: "
+            "hf_fp8 converts checkpoints of built-in architectures only (no remote code)"
+        ) from err
+    architectures = config.get("architectures") or []
+    model_cls = getattr(transformers, architectures[0], None) if architectures else None
+    with torch.device("meta"):
+        if model_cls is not None:
+            return model_cls(hf_config)
+        return transformers.AutoModel.from_config(hf_config)
+
+
+def stock_linear_layers(config: dict[str, Any]) -> dict[str, str]:
+    """``{module name: "linear" | "conv1d"}`` of the model ``config`` describes."""
+    model = build_meta_model(config)
+    return {
+        name: "conv1d" if is_conv1d(module) else "linear"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) or is_conv1d(module)
+    }
+
+
+def plan_layers(config: dict[str, Any], tensors: dict[str, TensorInfo]) -> LayerPlan:
+    """Match fp8 weights to the stock model's linear layers; raise on any fp8 weight that is
+    not a plain ``nn.Linear`` of that model (Conv1D, MoE experts, renamed tensors)."""
+    stock = stock_linear_layers(config)
+    fp8: dict[str, tuple[int, int]] = {}
+    for name, info in tensors.items():
+        module, leaf = module_of(name)
+        if leaf != "weight" or info.dtype not in FP8_DTYPE_NAMES:
+            continue
+        kind = stock.get(module)
+        if kind is None:
+            raise ValueError(
+                f"fp8 tensor {name} is not the weight of a linear layer of "
+                f"{(config.get('architectures') or ['this model'])[0]}: only dense nn.Linear "
+                "layers can be converted (MoE expert tensors and renamed checkpoints are not)"
+            )
+        if kind == "conv1d":
+            raise ValueError(
+                f"{module} is a GPT-2 style Conv1D in stock transformers (weight [in, out]); "
+                "compressed-tensors and vLLM quantize nn.Linear layers only: keep this model in "
+                "the hf_fp8 format"
+            )
+        if len(info.shape) != 2:
+            raise ValueError(f"fp8 weight {name} must be 2-D, got shape {info.shape}")
+        fp8[module] = (info.shape[0], info.shape[1])
+    if not fp8:
+        raise ValueError("the checkpoint holds no fp8 weights: quantize it first (hf-fp8 quantize)")
+    high = sorted(n for n, kind in stock.items() if kind == "linear" and n not in fp8)
+    conv = sorted(n for n, kind in stock.items() if kind == "conv1d")
+    return LayerPlan(fp8=dict(sorted(fp8.items())), high_precision=high, conv1d=conv)

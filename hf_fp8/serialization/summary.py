@@ -1,0 +1,166 @@
+"""What a checkpoint folder holds: format, FP8 scheme, layers and bytes (headers only)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hf_fp8.config import Fp8Config
+from hf_fp8.serialization.checkpoint import (
+    FP8_DTYPE_NAMES,
+    Checkpoint,
+    TensorInfo,
+    module_of,
+    resolve_checkpoint,
+)
+from hf_fp8.serialization.formats import FORMATS, format_of
+from hf_fp8.serialization.layers import plan_layers
+
+_SCALE_LEAVES = (
+    "weight_scale",
+    "weight_scale_inv",
+    "input_scale",
+    "activation_scale",
+    "weight_zero_point",
+    "input_zero_point",
+)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_WEIGHT_WORDS = {"tensor": "per tensor", "row": "per output channel", "block": "per block"}
+_ACT_WORDS = {"tensor": "per tensor", "token": "per token", "block": "per 1×{k} group"}
+
+
+def weight_words(scheme: dict[str, Any]) -> str:
+    """``"per output channel"``, ``"per tensor"`` or ``"per block 128×128"``."""
+    words = _WEIGHT_WORDS[scheme["weight_granularity"]]
+    if scheme["weight_granularity"] == "block":
+        words += " {}×{}".format(*scheme["block_size"])
+    return words
+
+
+def activation_words(scheme: dict[str, Any], compute_dtype: str | None = None) -> str:
+    """``"e4m3 per token (dynamic scales)"`` or ``"float32 (weight-only)"``."""
+    if scheme["activation_scheme"] == "weight_only":
+        return f"{compute_dtype or 'high precision'} (weight-only)"
+    acts = _ACT_WORDS[scheme["activation_granularity"]].format(k=scheme["block_size"][1])
+    kind = "static scales" if scheme["activation_scheme"] == "static" else "dynamic scales"
+    return f"{scheme['fp8_format']} {acts} ({kind})"
+
+
+def describe_scheme(scheme: dict[str, Any], compute_dtype: str | None = None) -> str:
+    """One line, e.g. ``"dynamic: e4m3 weights per output channel, activations e4m3 per
+    token (dynamic scales)"``."""
+    return (
+        f"{scheme['activation_scheme']}: {scheme['fp8_format']} weights {weight_words(scheme)}, "
+        f"activations {activation_words(scheme, compute_dtype)}"
+    )
+
+
+@dataclass
+class CheckpointSummary:
+    """Summary of one checkpoint; ``to_dict()`` is JSON-ready."""
+
+    path: str
+    format: str
+    architecture: str | None
+    compute_dtype: str | None
+    scheme: dict[str, Any] | None
+    fp8_layers: list[str] = field(default_factory=list)
+    high_precision_layers: list[str] | None = None
+    fp8_weight_bytes: int = 0
+    scale_bytes: int = 0
+    other_bytes: int = 0
+    note: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fp8_weight_bytes + self.scale_bytes + self.other_bytes
+
+    @property
+    def bytes_before(self) -> int:
+        """Bytes the same tensors take with the fp8 weights in ``compute_dtype``."""
+        per = _DTYPE_BYTES.get(self.compute_dtype or "", 2)
+        return self.fp8_weight_bytes * per + self.other_bytes
+
+    @property
+    def scheme_text(self) -> str:
+        if self.scheme is None:
+            return self.note or "not FP8"
+        return describe_scheme(self.scheme, self.compute_dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "total_bytes": self.total_bytes,
+            "bytes_before": self.bytes_before,
+            "scheme_text": self.scheme_text,
+        }
+
+
+def _scheme(checkpoint: Checkpoint, fmt: str) -> tuple[dict[str, Any] | None, str | None]:
+    qc = checkpoint.quantization_config
+    try:
+        if fmt == "hf_fp8":
+            config = Fp8Config.from_dict(qc)
+        elif fmt in FORMATS:
+            config = Fp8Config(**FORMATS[fmt].import_kwargs(qc))
+        else:
+            return None, f"{fmt}: not an FP8 format hf_fp8 reads"
+    except ValueError as err:
+        return None, str(err)
+    keys = ("activation_scheme", "weight_granularity", "activation_granularity", "block_size")
+    scheme = {k: getattr(config, k) for k in keys}
+    scheme["fp8_format"] = config.fp8_format
+    return scheme, None
+
+
+def _compute_dtype(config: dict[str, Any], tensors: dict[str, TensorInfo]) -> str | None:
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(dtype, str) and dtype in _DTYPE_BYTES:
+        return dtype
+    for info in tensors.values():
+        if info.dtype in _SAFETENSORS_DTYPES:
+            return _SAFETENSORS_DTYPES[info.dtype]
+    return None
+
+
+def summarize(checkpoint: Checkpoint) -> CheckpointSummary:
+    """Summary of an opened checkpoint."""
+    tensors = checkpoint.tensors()
+    fmt = format_of(checkpoint.quantization_config)
+    scheme, note = _scheme(checkpoint, fmt) if fmt != "unquantized" else (None, None)
+    fp8_modules = {
+        module_of(n)[0]
+        for n, i in tensors.items()
+        if i.dtype in FP8_DTYPE_NAMES and module_of(n)[1] == "weight"
+    }
+    summary = CheckpointSummary(
+        path=str(checkpoint.root),
+        format=fmt,
+        architecture=(checkpoint.config.get("architectures") or [None])[0],
+        compute_dtype=_compute_dtype(checkpoint.config, tensors),
+        scheme=scheme,
+        fp8_layers=sorted(fp8_modules),
+        note=note,
+    )
+    if fp8_modules:
+        try:
+            summary.high_precision_layers = plan_layers(checkpoint.config, tensors).high_precision
+        except ValueError as err:
+            summary.note = summary.note or str(err)
+    for name, info in tensors.items():
+        module, leaf = module_of(name)
+        if module in fp8_modules and leaf == "weight":
+            summary.fp8_weight_bytes += info.nbytes
+        elif module in fp8_modules and leaf in _SCALE_LEAVES:
+            summary.scale_bytes += info.nbytes
+        else:
+            summary.other_bytes += info.nbytes
+    return summary
+
+
+def inspect_checkpoint(model_id: str | os.PathLike) -> CheckpointSummary:
+    """Format, FP8 scheme, layers and bytes of a checkpoint folder or Hub repo id (only
+    tensor headers are read)."""
+    return summarize(Checkpoint(resolve_checkpoint(model_id)))

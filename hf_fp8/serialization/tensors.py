@@ -1,0 +1,105 @@
+"""Tensor-level conversions shared by the formats: scale names, dtypes and shapes.
+
+hf_fp8 stores ``weight`` (fp8 ``[out, in]``), ``weight_scale`` (fp32 ``[1]``, ``[out, 1]`` or
+``[ceil(out/bn), ceil(in/bk)]``) and ``input_scale`` (fp32 ``[1]``, static only), with
+``high_precision ≈ fp8.float() * scale`` — the convention compressed-tensors and vLLM share.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from hf_fp8.config import Fp8Config
+from hf_fp8.modules.fp8_linear import weight_scale_shape
+from hf_fp8.serialization.checkpoint import module_of
+from hf_fp8.serialization.layers import LayerPlan
+
+
+def expected_weight_scale_shape(config: Fp8Config, out_in: tuple[int, int]) -> tuple[int, ...]:
+    out_features, in_features = out_in
+    return weight_scale_shape(
+        out_features, in_features, config.weight_granularity, tuple(config.block_size)
+    )
+
+
+def _fit(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``value`` as fp32 of ``shape`` when it holds the same numbers (``[]`` → ``[1]``,
+    ``[out]`` → ``[out, 1]``); raise naming the tensor otherwise."""
+    flat_ok = value.dim() <= 1 and (len(shape) == 1 or shape[-1] == 1)
+    if tuple(value.shape) != shape and not (flat_ok and value.numel() == math.prod(shape)):
+        raise ValueError(
+            f"{name} has shape {tuple(value.shape)}, expected {shape} for this scheme: the "
+            "checkpoint's config and its tensors disagree"
+        )
+    if not value.is_floating_point():
+        raise ValueError(f"{name} is {value.dtype}, expected a floating-point scale")
+    return value.to(torch.float32).reshape(shape)
+
+
+def to_hf_fp8_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    plan: LayerPlan,
+    config: Fp8Config,
+    *,
+    renames: Mapping[str, str] | None = None,
+    zero_points: Iterable[str] = (),
+) -> dict[str, torch.Tensor]:
+    """Tensors of one shard in hf_fp8's layout: scales renamed (``renames``: leaf → leaf),
+    cast to fp32 and reshaped; all-zero symmetric ``zero_points`` dropped; anything else on
+    an fp8 layer is an error."""
+    zero_points = set(zero_points)
+    renames = renames or {}
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        module, leaf = module_of(name)
+        if module not in plan.fp8:
+            out[name] = value
+            continue
+        leaf = renames.get(leaf, leaf)
+        target = f"{module}.{leaf}"
+        if leaf == "weight":
+            if value.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{name} is {value.dtype}; FP8 checkpoints store float8_e4m3fn")
+            out[target] = value
+        elif leaf == "weight_scale":
+            shape = expected_weight_scale_shape(config, plan.fp8[module])
+            out[target] = _fit(name, value, shape)
+        elif leaf == "input_scale":
+            if config.activation_scheme != "static":
+                raise ValueError(
+                    f"{name} is a static activation scale, but the config says "
+                    f"{config.activation_scheme!r} activations"
+                )
+            out[target] = _fit(name, value, (1,))
+        elif leaf in zero_points:
+            if bool(value.ne(0).any()):
+                raise ValueError(
+                    f"{name} holds non-zero zero points: asymmetric FP8 is not supported "
+                    "(hf_fp8 and vLLM's FP8 kernels are symmetric)"
+                )
+        elif leaf == "bias":
+            out[name] = value
+        else:
+            raise ValueError(
+                f"unsupported tensor {name} on an FP8 layer: this variant (e.g. packed, "
+                "grouped or global scales) is not FP8 float-quantized"
+            )
+    return out
+
+
+def check_complete(plan: LayerPlan, names: Iterable[str], config: Fp8Config) -> None:
+    """Every FP8 layer has a ``weight_scale`` (and an ``input_scale`` when static)."""
+    names = set(names)
+    needed = ["weight_scale"] + (["input_scale"] if config.activation_scheme == "static" else [])
+    missing = [f"{m}.{leaf}" for m in plan.fp8 for leaf in needed if f"{m}.{leaf}" not in names]
+    if missing:
+        shown = ", ".join(missing[:4]) + (" …" if len(missing) > 4 else "")
+        hint = (
+            "calibrate the static model first (hf_fp8.calibrate / hf-fp8 calibrate)"
+            if any(m.endswith("input_scale") for m in missing)
+            else "the checkpoint is incomplete"
+        )
+        raise ValueError(f"{len(missing)} scale tensor(s) missing: {shown}; {hint}")

@@ -1,0 +1,117 @@
+"""vLLM's ``fp8`` format (AutoFP8 style, and DeepSeek-V3 style with weight blocks).
+
+* per-tensor: ``{"quant_method": "fp8", "activation_scheme": "static" | "dynamic"}`` with
+  scalar (shape ``[]``) fp32 ``weight_scale`` and, when static, ``input_scale``;
+* blocks: ``weight_block_size: [bn, bk]``, scales in ``weight_scale_inv`` ``[ceil(out/bn),
+  ceil(in/bk)]`` (despite the name, the same multiply-to-dequantize convention) and dynamic
+  ``1 × bk`` activation groups. This variant is also what transformers' own ``fp8``
+  (FineGrainedFP8) loads.
+
+vLLM quantizes dynamic per-tensor activations per tensor, so an import gives
+``activation_granularity="tensor"``. Per-row weights and weight-only models have no place in
+this format: export those to compressed-tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hf_fp8.config import Fp8Config
+from hf_fp8.serialization.checkpoint import module_of
+from hf_fp8.serialization.layers import LayerPlan
+from hf_fp8.serialization.tensors import to_hf_fp8_tensors
+
+QUANT_METHOD = "fp8"
+# transformers' FineGrainedFP8 names → hf_fp8 names
+IMPORT_RENAMES = {"weight_scale_inv": "weight_scale", "activation_scale": "input_scale"}
+
+
+def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
+    """``quantization_config`` of the vLLM ``fp8`` export of an hf_fp8 model."""
+    if config.fp8_format != "e4m3":
+        raise ValueError(f"vLLM fp8 stores e4m3 only; this model is {config.fp8_format}")
+    if config.activation_scheme == "weight_only":
+        raise ValueError(
+            "vLLM's fp8 format always quantizes activations; export a weight-only model with "
+            "format='compressed-tensors'"
+        )
+    if config.weight_granularity == "row":
+        raise ValueError(
+            "vLLM's fp8 format stores one scale per weight tensor (or per block), not per row: "
+            "export with format='compressed-tensors' (channel strategy), or quantize with "
+            "Fp8Config(weight_granularity='tensor')"
+        )
+    qc: dict[str, Any] = {
+        "quant_method": QUANT_METHOD,
+        "activation_scheme": config.activation_scheme,
+        "ignored_layers": list(plan.high_precision),
+    }
+    if config.weight_granularity == "block":
+        if config.activation_scheme != "dynamic":
+            raise ValueError(
+                "vLLM's block fp8 format needs dynamic activations; use "
+                "format='compressed-tensors' for static activations with block weights"
+            )
+        qc["weight_block_size"] = list(config.block_size)
+    return qc
+
+
+def export_tensors(
+    tensors: dict[str, torch.Tensor], plan: LayerPlan, config: Fp8Config
+) -> dict[str, torch.Tensor]:
+    """Per-tensor scales as scalars; block scales renamed to ``weight_scale_inv``."""
+    out = {}
+    for name, value in tensors.items():
+        module, leaf = module_of(name)
+        if module in plan.fp8 and leaf in ("weight_scale", "input_scale"):
+            if config.weight_granularity == "block" and leaf == "weight_scale":
+                out[f"{module}.weight_scale_inv"] = value
+            else:
+                out[name] = value.reshape(())
+        else:
+            out[name] = value
+    return out
+
+
+def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
+    """``Fp8Config`` keyword arguments (scheme part) of a vLLM / transformers fp8 config."""
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("static", "dynamic"):
+        raise ValueError(f"fp8 activation_scheme {scheme!r} is not 'static' or 'dynamic'")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3" or qc.get("scale_fmt", "float") != "float":
+        raise ValueError(
+            f"unsupported fp8 checkpoint (fmt={fmt!r}, scale_fmt={qc.get('scale_fmt')!r}): "
+            "hf_fp8 imports e4m3 weights with float scales"
+        )
+    block = qc.get("weight_block_size")
+    if block is None:
+        return {
+            "activation_scheme": scheme,
+            "weight_granularity": "tensor",
+            "activation_granularity": "tensor",
+        }
+    block = [int(b) for b in block]
+    if scheme == "static":
+        return {
+            "activation_scheme": "static",
+            "weight_granularity": "block",
+            "activation_granularity": "tensor",
+            "block_size": block,
+        }
+    return {
+        "activation_scheme": "dynamic",
+        "weight_granularity": "block",
+        "activation_granularity": "block",
+        "block_size": block,
+    }
+
+
+def import_tensors(
+    tensors: dict[str, torch.Tensor], plan: LayerPlan, config: Fp8Config
+) -> dict[str, torch.Tensor]:
+    """``weight_scale_inv`` / ``activation_scale`` (transformers' names) renamed, scalars
+    reshaped to ``[1]``, all scales fp32."""
+    return to_hf_fp8_tensors(tensors, plan, config, renames=IMPORT_RENAMES)

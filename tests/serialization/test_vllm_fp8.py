@@ -1,0 +1,100 @@
+"""hf_fp8 ⇄ vLLM ``fp8``: config, scalar scales, block scales, stock transformers' fp8."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from hf_fp8 import Fp8Linear
+from hf_fp8.serialization import export_checkpoint, import_checkpoint
+from tests.serialization.helpers import assert_same_state, logits, quantized, stock_load
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _read(path):
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return config, {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+
+
+@pytest.mark.parametrize("scheme", ["dynamic-tensor-tensor", "static-tensor"])
+def test_per_tensor_export_has_scalar_scales_and_round_trips(scheme, tiny_model_dir, tmp_path):
+    model = quantized(tiny_model_dir("llama"), scheme)
+    out = export_checkpoint(model, tmp_path / "vllm", "vllm-fp8")
+    config, tensors = _read(out)
+    static = scheme.startswith("static")
+    assert config == {
+        "quant_method": "fp8",
+        "activation_scheme": "static" if static else "dynamic",
+        "ignored_layers": ["lm_head"],
+    }
+    layer = model.get_submodule(Q)
+    assert (
+        tensors[f"{Q}.weight_scale"].shape == ()
+        and tensors[f"{Q}.weight_scale"].dtype == torch.float32
+    )
+    assert float(tensors[f"{Q}.weight_scale"]) == float(layer.weight_scale)
+    assert (f"{Q}.input_scale" in tensors) == static
+    if static:
+        assert float(tensors[f"{Q}.input_scale"]) == float(layer.input_scale)
+
+    back = AutoModelForCausalLM.from_pretrained(import_checkpoint(out, tmp_path / "back"))
+    assert_same_state(model, back)
+    assert torch.equal(logits(back), logits(model))
+
+
+def test_block_export_loads_in_transformers_fp8_with_same_weights(tiny_model_dir, tmp_path):
+    model = quantized(tiny_model_dir("llama"), "dynamic-block")
+    out = export_checkpoint(model, tmp_path / "vllm", "vllm-fp8")
+    config, tensors = _read(out)
+    assert config["weight_block_size"] == [32, 32] and config["activation_scheme"] == "dynamic"
+    assert tensors[f"{Q}.weight_scale_inv"].shape == (2, 2)
+    assert f"{Q}.weight_scale" not in tensors
+
+    stock = stock_load(out)  # transformers' FineGrainedFP8 (dequantizes on CPU)
+    for name, layer in model.named_modules():
+        if isinstance(layer, Fp8Linear):
+            assert torch.equal(
+                stock.get_submodule(name).weight.float(), layer.dequantize_weight(torch.float32)
+            )
+
+    back = AutoModelForCausalLM.from_pretrained(import_checkpoint(out, tmp_path / "back"))
+    assert_same_state(model, back)
+
+
+def test_import_autofp8_style_checkpoint(tiny_model_dir, tmp_path):
+    """Hand-built AutoFP8 layout: scalar scales named weight_scale / input_scale."""
+    model = quantized(tiny_model_dir("llama"), "static-tensor")
+    src = tmp_path / "autofp8"
+    model.save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (src / "config.json").write_text(json.dumps(config))
+    with safe_open(src / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors = {k: (v.reshape(()) if k.endswith("_scale") else v) for k, v in tensors.items()}
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+    back = AutoModelForCausalLM.from_pretrained(import_checkpoint(src, tmp_path / "back"))
+    assert_same_state(model, back)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "message"),
+    [
+        ("dynamic-row-token", "per row"),
+        ("weight_only-row", "weight-only"),
+        ("static-block", "dynamic activations"),
+    ],
+)
+def test_unsupported_vllm_exports_name_the_fix(scheme, message, tiny_model_dir, tmp_path):
+    model = quantized(tiny_model_dir("llama"), scheme)
+    with pytest.raises(ValueError, match=message) as err:
+        export_checkpoint(model, tmp_path / "vllm", "vllm-fp8")
+    assert "compressed-tensors" in str(err.value)
