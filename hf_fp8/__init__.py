@@ -8,8 +8,8 @@ from hf_fp8.calibration import calibrate
 from hf_fp8.config import Fp8Config
 from hf_fp8.hub import attach_card_hooks, export, set_card_info
 from hf_fp8.lora import register_peft_lora
-from hf_fp8.modules import Fp8Linear, quantize_model
-from hf_fp8.quantizer import Fp8HfQuantizer, register_with_transformers
+from hf_fp8.modules import Fp8Linear
+from hf_fp8.quantizer import Fp8HfQuantizer, quantize_model, register_with_transformers
 from hf_fp8.quantizer.hf_quantizer import POST_LOAD_HOOKS
 from hf_fp8.serialization import import_checkpoint, inspect_checkpoint
 

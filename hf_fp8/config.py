@@ -27,7 +27,10 @@ class Fp8Config(QuantizationConfigMixin):
             weights). ``None`` picks the default.
         fp8_format: ``"e4m3"`` (default) or ``"e5m2"``.
         block_size: ``[rows, cols]`` of a weight block (default ``[128, 128]``).
-        modules_to_not_convert: module names (or dotted name parts) kept in high precision.
+        modules_to_not_convert: module names (or dotted name parts) kept in high precision,
+            on top of transformers' default skips (output embeddings, tied weights,
+            ``_keep_in_fp32_modules``). A loaded model stores the resolved list here, so a
+            saved checkpoint reloads exactly the layers it has (``[]``: all of them FP8).
         activation_scale: static scale used by every layer.
         activation_scales: static scales per module name (override ``activation_scale``).
         kernel: ``"auto"``, ``"scaled_mm"`` or ``"emulated"``.
@@ -66,7 +69,7 @@ class Fp8Config(QuantizationConfigMixin):
         self.fp8_format = fp8_format
         self.block_size = [int(b) for b in block_size]
         self.modules_to_not_convert = (
-            list(modules_to_not_convert) if modules_to_not_convert else None
+            None if modules_to_not_convert is None else list(modules_to_not_convert)
         )
         self.activation_scale = None if activation_scale is None else float(activation_scale)
         self.activation_scales = (

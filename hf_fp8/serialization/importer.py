@@ -6,8 +6,6 @@ import os
 from pathlib import Path
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.modules.replace import matches_module
-from hf_fp8.quantizer import Fp8HfQuantizer
 from hf_fp8.serialization.checkpoint import (
     Checkpoint,
     copy_other_files,
@@ -17,7 +15,7 @@ from hf_fp8.serialization.checkpoint import (
     write_config,
 )
 from hf_fp8.serialization.formats import EXPORT_FORMATS, FORMATS, format_of
-from hf_fp8.serialization.layers import LayerPlan, build_meta_model, plan_layers
+from hf_fp8.serialization.layers import plan_layers
 from hf_fp8.serialization.tensors import check_complete
 
 
@@ -27,23 +25,6 @@ def _renamed(names, renames: dict[str, str]) -> list[str]:
         module, _, leaf = name.rpartition(".")
         out.append(f"{module}.{renames.get(leaf, leaf)}")
     return out
-
-
-def _check_default_skips(config: dict, plan: LayerPlan) -> None:
-    """An empty ``modules_to_not_convert`` reloads with hf_fp8's default skips (the output
-    embedding): refuse a checkpoint whose FP8 layers those would leave in high precision."""
-    if plan.high_precision:
-        return
-    model = build_meta_model(config)
-    skips = Fp8HfQuantizer(Fp8Config()).get_modules_to_not_convert(
-        model, None, model._keep_in_fp32_modules, add_default_skips=True
-    )
-    clash = [name for name in plan.fp8 if matches_module(name, skips)]
-    if clash:
-        raise ValueError(
-            f"{clash[0]} is FP8 in this checkpoint, but hf_fp8 keeps it in high precision; "
-            "importing checkpoints with an FP8 output layer is not supported"
-        )
 
 
 def import_config(checkpoint: Checkpoint) -> tuple[str, Fp8Config]:
@@ -86,7 +67,6 @@ def import_checkpoint(
     fmt_name, scheme = import_config(src)
     tensors = src.tensors()
     plan = plan_layers(src.config, tensors)
-    _check_default_skips(src.config, plan)
     config = Fp8Config(
         scheme.activation_scheme,
         weight_granularity=scheme.weight_granularity,

@@ -180,3 +180,22 @@ def test_quantize_model_matches_from_pretrained(tiny_model_dir):
             other = converted.get_submodule(name)
             assert torch.equal(m.weight.view(torch.uint8), other.weight.view(torch.uint8))
             assert torch.equal(m.weight_scale, other.weight_scale)
+
+
+def test_quantize_model_checkpoint_reloads_with_fp8_output_layer(tiny_model_dir, tmp_path):
+    plain = _load(tiny_model_dir("llama"))
+    model = hf_fp8.quantize_model(plain, Fp8Config("weight_only"), skip=["down_proj"])
+    assert isinstance(model.lm_head, Fp8Linear)  # quantize_model has no default skips
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved["modules_to_not_convert"] == [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
+    reloaded = _load(tmp_path)
+    assert isinstance(reloaded.lm_head, Fp8Linear)
+    assert type(reloaded.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert_identical_state(model, reloaded)
+
+
+def test_empty_skip_list_round_trips():
+    config = Fp8Config("dynamic", modules_to_not_convert=[])
+    assert config.modules_to_not_convert == []
+    assert Fp8Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config

@@ -79,13 +79,17 @@ def test_unsupported_compressed_tensors_variants(edit, message, ct_dir, tmp_path
     assert not (tmp_path / "out").exists()  # nothing written on failure
 
 
-def test_fp8_output_layer_is_refused(tiny_model_dir, tmp_path):
+def test_fp8_output_layer_is_imported_and_reloads(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_fp8 import Fp8Linear
     from tests.serialization.ct_reference import make_ct_checkpoint
 
     made = tmp_path / "all-fp8"
     make_ct_checkpoint(tiny_model_dir("llama"), made, "FP8_DYNAMIC", ignore=())
-    with pytest.raises(ValueError, match="lm_head is FP8 in this checkpoint"):
-        import_checkpoint(made, tmp_path / "out")
+    import_checkpoint(made, tmp_path / "out")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert isinstance(model.lm_head, Fp8Linear)  # the saved (empty) skip list is honoured
 
 
 def test_unknown_quant_method(ct_dir, tmp_path):
