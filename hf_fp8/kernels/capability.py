@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 KERNELS = ("auto", "scaled_mm", "emulated")
 
 
 def check_kernel(kernel: str) -> str:
+    """Return ``kernel`` if it is one of ``KERNELS``, else raise ``ValueError``."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not supported; use one of {KERNELS}")
     return kernel
@@ -23,8 +22,3 @@ def has_fp8_gemm(device: torch.device | str | None = None) -> bool:
     if device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def compile_enabled() -> bool:
-    """Emulation helpers are compiled with inductor unless ``HF_FP8_COMPILE=0``."""
-    return os.environ.get("HF_FP8_COMPILE", "1") not in ("0", "false", "False")

@@ -1,94 +1,247 @@
-"""Fast FP8 emulation: dequantize, then a matmul in the compute dtype.
+"""Fast FP8 emulation: decode the fp8 operands, multiply in the compute dtype.
 
-This is the path for CPUs and GPUs without FP8 tensor cores. It never calls the CPU
+The path for CPUs and for GPUs without FP8 tensor cores. It never calls the CPU
 ``torch._scaled_mm`` (tensor-wise scales go through oneDNN there and are thousands of
-times slower than a bf16 matmul). Numerics match ``_scaled_mm`` on the same quantized
-operands up to the rounding of the compute dtype.
+times slower than a bf16 matmul) and gives ``_scaled_mm``'s numbers on the same quantized
+operands: every fp8 value is exact in bf16, fp16 and fp32, products are accumulated in
+fp32, and tensor / row scales are applied to the fp32 accumulator rather than folded into
+the operands (``(a_fp8 @ w_fp8.T) * a_scale * w_scale``) in bf16, as ``_scaled_mm`` does;
+only the rounding of the result to the compute dtype is added. The scales are folded into
+the operands before the matmul for block scales (they vary along K), for fp32 compute
+(exact enough, and bit-equal to the CPU ``_scaled_mm``) and for fp16 compute (unscaled
+fp8 products, up to 448² · K, overflow fp16).
 
-The fp8 → compute-dtype decode is a single pass compiled with inductor (eager
-``Tensor.to`` from fp8 is scalar on many CPUs); for one or two tokens a fused
-decode-and-reduce (GEMV) reads the fp8 weight once and never materialises it.
+Shapes: ``x`` is ``[..., K]`` (``M`` tokens), ``w_fp8`` ``[N, K]``. Up to
+``GEMV_MAX_TOKENS`` tokens on CPU, a fused decode-and-reduce (GEMV) reads and decodes each
+fp8 weight element once for all tokens and never materialises the decoded weight; above,
+the weight is decoded to the compute dtype in one vectorized pass and a normal matmul
+runs. Both are inductor-compiled (``hf_fp8.kernels.compiled``), with an eager twin.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable
-
 import torch
+import torch.nn.functional as F
 
-from hf_fp8.kernels.capability import compile_enabled
-from hf_fp8.numerics import dequantize
+from hf_fp8.kernels import compiled
+from hf_fp8.numerics import amax, amax_to_scale, dequantize, quantize_with_scale
 
-# At or below this many tokens a fused decode + reduction beats decode + matmul on CPU.
-GEMV_MAX_TOKENS = 2
-
-
-def _decode_weight(w_fp8, w_scale, dtype: torch.dtype, granularity: str, block_size):
-    return dequantize(w_fp8, w_scale, dtype, granularity, block_size)
-
-
-def _gemv(x2d: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x2d [M<=2, K] against fp8 [N, K] with a tensor or row scale; fp32 accumulation."""
-    acc = (x2d.float()[:, None, :] * w_fp8.float()[None]).sum(-1)
-    return (acc * w_scale.reshape(1, -1)).to(x2d.dtype)
+# At or below this many tokens the fused decode + reduction beats decode + matmul on CPU
+# (benchmarks/bench_linear.py --gemv-sweep on an AVX-512 EPYC core: the GEMV is ahead up to
+# 8 tokens at K=2048 and up to 4 at K=5632, behind from 6). Each token count up to it
+# compiles its own GEMV once.
+GEMV_MAX_TOKENS = 4
 
 
-_FAILED: set[str] = set()
+def post_scaled(granularity: str | None, dtype: torch.dtype) -> bool:
+    """Whether a tensor / row scale is applied to the accumulator instead of the operand."""
+    return granularity in ("tensor", "row") and dtype == torch.bfloat16
 
 
-def _maybe_compiled(fn: Callable) -> Callable:
-    """Run ``fn`` compiled by inductor (dynamic shapes); fall back to eager once on failure."""
-    compiled = torch.compile(fn, dynamic=True)
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        if (
-            not compile_enabled()
-            or fn.__name__ in _FAILED
-            or torch.compiler.is_compiling()  # the user's torch.compile traces the eager body
-        ):
-            return fn(*args, **kwargs)
-        try:
-            return compiled(*args, **kwargs)
-        except Exception as err:  # compiler missing or broken: stay correct, lose speed
-            _FAILED.add(fn.__name__)
-            warnings.warn(
-                f"hf_fp8: compiling {fn.__name__} failed ({type(err).__name__}: {err}); "
-                "using the eager FP8 emulation (slower). Set HF_FP8_COMPILE=0 to silence.",
-                stacklevel=2,
-            )
-            return fn(*args, **kwargs)
-
-    return run
+def _act_scale(
+    x: torch.Tensor, input_scale: torch.Tensor | None, act_dtype: torch.dtype, gran: str, bk: int
+) -> torch.Tensor:
+    if input_scale is not None:
+        return input_scale.float()
+    return amax_to_scale(amax(x, gran, (1, bk)), act_dtype)
 
 
-decode_weight = _maybe_compiled(_decode_weight)
-gemv = _maybe_compiled(_gemv)
+def _quantize_act(
+    x: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    *,
+    act_dtype: torch.dtype,
+    gran: str,
+    bk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 activation and its scale (static when ``input_scale`` is given)."""
+    scale = _act_scale(x, input_scale, act_dtype, gran, bk)
+    return quantize_with_scale(x, scale, act_dtype, gran, (1, bk)), scale
+
+
+def _fake_quant_act(
+    x: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    *,
+    act_dtype: torch.dtype,
+    gran: str,
+    bk: int,
+    out_dtype: torch.dtype,
+    post: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Activation operand in ``out_dtype``: fp8 values (``post``; scale returned) or
+    dequantized values (scale folded in; ``None`` returned)."""
+    x_fp8, scale = _quantize_act(x, input_scale, act_dtype=act_dtype, gran=gran, bk=bk)
+    if post:
+        return x_fp8.float().to(out_dtype), scale
+    return dequantize(x_fp8, scale, out_dtype, gran, (1, bk)), None
+
+
+def _decode_weight(
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    gran: str,
+    block_size: tuple[int, int],
+    post: bool,
+) -> torch.Tensor:
+    """The weight in ``dtype``: fp8 values (``post``) or dequantized values."""
+    if post:
+        return w_fp8.float().to(dtype)  # via fp32: inductor vectorizes fp8 → fp32 only
+    return dequantize(w_fp8, w_scale, dtype, gran, block_size)
+
+
+def decode_weight(
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    block_size: tuple[int, int],
+) -> torch.Tensor:
+    """Dequantized weight ``w_fp8 * w_scale`` in ``dtype`` (compiled single pass)."""
+    return compiled.run(
+        _decode_weight,
+        w_fp8,
+        w_scale,
+        dtype=dtype,
+        gran=granularity,
+        block_size=tuple(block_size),
+        post=False,
+    )
+
+
+def _mm_forward(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+    *,
+    w_gran: str,
+    block_size: tuple[int, int],
+    act_dtype: torch.dtype | None,
+    a_gran: str | None,
+    w_post: bool,
+    a_post: bool,
+) -> torch.Tensor:
+    dtype = x.dtype
+    a, a_scale = x, None
+    if act_dtype is not None:
+        a, a_scale = _fake_quant_act(
+            x,
+            input_scale,
+            act_dtype=act_dtype,
+            gran=a_gran,
+            bk=block_size[1],
+            out_dtype=dtype,
+            post=a_post,
+        )
+    w = _decode_weight(w_fp8, w_scale, dtype=dtype, gran=w_gran, block_size=block_size, post=w_post)
+    if not (w_post or a_post):
+        return F.linear(a, w, bias)
+    acc = F.linear(a, w).float()
+    if a_scale is not None:
+        acc = acc * a_scale
+    if w_post:
+        acc = acc * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(dtype)
+
+
+def _gemv(
+    a: torch.Tensor,
+    w_fp8: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    tokens: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``tokens`` fp32 rows against an fp8 weight with a tensor / row scale.
+
+    The rows are unrolled so that inductor fuses them into one pass over the weight:
+    each fp8 element is loaded and decoded once, whatever the number of tokens.
+    """
+    w = w_fp8.float()
+    acc = torch.stack([(a[i] * w).sum(-1) for i in range(tokens)])
+    if a_scale is not None:
+        acc = acc * a_scale
+    acc = acc * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
 
 
 def emulated_linear(
-    x_hp: torch.Tensor,
+    x: torch.Tensor,
     w_fp8: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     weight_granularity: str,
     block_size: tuple[int, int],
+    *,
+    act_dtype: torch.dtype | None = None,
+    act_granularity: str | None = None,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x_hp @ dequantize(w_fp8).T + bias`` in ``x_hp.dtype``.
+    """``fake_quant(x) @ dequantize(w_fp8).T + bias`` in ``x.dtype`` (``x``: ``[..., K]``).
 
-    ``x_hp`` is already (fake-)quantized by the caller when activations are FP8.
+    ``act_dtype=None`` leaves activations in high precision (weight-only); otherwise they
+    are quantized to ``act_dtype`` with ``act_granularity`` (numerics names: ``"tensor"``,
+    ``"row"``, ``"block"`` of ``1 × block_size[1]``), or with ``input_scale`` (static).
+    Never records autograd history: ``fp8_linear`` wraps it for gradients.
     """
-    tokens = x_hp.numel() // max(x_hp.shape[-1], 1)
-    use_gemv = (
-        tokens <= GEMV_MAX_TOKENS
-        and weight_granularity != "block"
-        and not (x_hp.requires_grad and torch.is_grad_enabled())
+    if x.dim() != 2:
+        out = emulated_linear(
+            x.reshape(-1, x.shape[-1]),
+            w_fp8,
+            w_scale,
+            bias,
+            weight_granularity,
+            block_size,
+            act_dtype=act_dtype,
+            act_granularity=act_granularity,
+            input_scale=input_scale,
+        )
+        return out.reshape(*x.shape[:-1], w_fp8.shape[0])
+    if x.shape[0] == 0:  # no tokens, no scale to compute
+        return F.linear(x, x.new_zeros(w_fp8.shape[0], x.shape[1]), bias)
+    block_size = (int(block_size[0]), int(block_size[1]))
+    a_gran = act_granularity if act_dtype is not None else None
+    if (
+        x.shape[0] <= GEMV_MAX_TOKENS
+        and x.device.type == "cpu"
+        and weight_granularity in ("tensor", "row")
+    ):
+        a, a_scale = x.float(), None
+        if act_dtype is not None:  # quantized on its own: fused, it would be redone per row
+            a, a_scale = compiled.run(
+                _fake_quant_act,
+                x,
+                input_scale,
+                act_dtype=act_dtype,
+                gran=a_gran,
+                bk=block_size[1],
+                out_dtype=torch.float32,
+                post=a_gran != "block",
+            )
+        return compiled.run(
+            _gemv, a, w_fp8, a_scale, w_scale, bias, tokens=x.shape[0], out_dtype=x.dtype
+        )
+    return compiled.run(
+        _mm_forward,
+        x,
+        w_fp8,
+        w_scale,
+        bias,
+        input_scale,
+        w_gran=weight_granularity,
+        block_size=block_size,
+        act_dtype=act_dtype,
+        a_gran=a_gran,
+        w_post=post_scaled(weight_granularity, x.dtype),
+        a_post=act_dtype is not None and post_scaled(a_gran, x.dtype),
     )
-    if use_gemv:
-        out = gemv(x_hp.reshape(-1, x_hp.shape[-1]), w_fp8, w_scale)
-        out = out.reshape(*x_hp.shape[:-1], w_fp8.shape[0])
-        return out if bias is None else out + bias
-    w_hp = decode_weight(w_fp8, w_scale, x_hp.dtype, weight_granularity, block_size)
-    return torch.nn.functional.linear(x_hp, w_hp, bias)

@@ -24,7 +24,7 @@ def fp8_dtype(fp8_format: str) -> torch.dtype:
     """Torch dtype of an fp8 format name (``"e4m3"`` or ``"e5m2"``)."""
     try:
         return FP8_DTYPES[fp8_format]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(
             f"fp8_format={fp8_format!r} is not supported; use one of {sorted(FP8_DTYPES)}"
         ) from None
@@ -36,4 +36,5 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
+    """True for the fp8 dtypes hf_fp8 stores (``float8_e4m3fn``, ``float8_e5m2``)."""
     return dtype in FP8_DTYPES.values()

@@ -1,42 +1,54 @@
 """Quantize / dequantize per tensor, per row and per block (pure functions).
 
-Granularity and the shape of the returned fp32 ``scale`` for an input ``x`` of shape
-``[..., K]`` (weights are ``[N, K]``):
+Granularity and the shape of the fp32 ``scale`` for an input ``x`` of shape ``[..., R, C]``
+(weights are ``[N, K]``, activations ``[tokens, K]``):
 
 * ``"tensor"``: ``[1]``
-* ``"row"`` (weights: per output channel; activations: per token): ``[..., 1]``
-* ``"block"``: weights ``[ceil(N/bn), ceil(K/bk)]`` for ``block_size=(bn, bk)``;
-  activations use ``(1, bk)`` blocks, giving ``[..., ceil(K/bk)]``.
+* ``"row"`` (weights: per output channel; activations: per token): ``[..., R, 1]``
+* ``"block"``: ``[..., ceil(R/bn), ceil(C/bk)]`` for ``block_size=(bn, bk)``; weights use
+  ``(128, 128)``, activations ``(1, 128)``.
+
+Non-finite values never enter a scale (one ``inf`` token does not wipe out the others) and
+always come out of the cast as NaN, never as zeros or ±max. Weights are checked first:
+:func:`quantize_weight` raises on NaN / inf.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hf_fp8.numerics.formats import AMAX_EPS, fp8_max
 
 GRANULARITIES = ("tensor", "row", "block")
 
 
+def _check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(
+            f"granularity={granularity!r} is not supported; use one of {GRANULARITIES}"
+        )
+
+
 def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """fp32 scale such that ``amax`` maps onto the largest fp8 value."""
+    """fp32 scale such that ``amax`` maps onto the largest fp8 value (never zero)."""
     return amax.float().clamp(min=AMAX_EPS) / fp8_max(fp8_dtype)
 
 
 def saturated_cast(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Round to nearest fp8, saturating finite values at ±max.
+    """Round to the nearest fp8 value, saturating finite values at ±max.
 
-    Non-finite inputs stay non-finite: ``x - x`` is 0 for finite x and NaN for ±inf or
-    NaN, so an inf activation becomes NaN (e4m3fn has no inf) instead of a silent ±max.
+    NaN and ±inf become NaN (e4m3fn has no inf; a plain cast would turn inf into ±max).
     """
     limit = fp8_max(fp8_dtype)
-    return (x.clamp(-limit, limit) + (x - x)).to(fp8_dtype)
+    return torch.where(torch.isfinite(x), x.clamp(-limit, limit), float("nan")).to(fp8_dtype)
 
 
 def check_finite(x: torch.Tensor, name: str) -> None:
     """Raise ``ValueError`` naming ``name`` when ``x`` holds NaN or ±inf."""
-    if not bool(torch.isfinite(x).all()):
-        bad = int((~torch.isfinite(x)).sum())
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
         raise ValueError(
             f"cannot quantize {name}: it holds {bad} non-finite value(s) (NaN or inf); "
             "fix the checkpoint or keep this module in high precision "
@@ -44,35 +56,65 @@ def check_finite(x: torch.Tensor, name: str) -> None:
         )
 
 
-def _blocks(x: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, tuple]:
-    """View ``x`` ([..., R, C]; R=1 blocks for activations) as padded blocks."""
+def _check_block(x: torch.Tensor, block_size: tuple[int, int]) -> tuple[int, int]:
+    bn, bk = (int(b) for b in block_size)
+    if bn < 1 or bk < 1:
+        raise ValueError(f"block_size must be two positive ints, got {tuple(block_size)}")
+    if x.dim() < 2:
+        raise ValueError(
+            f"block granularity needs a tensor [..., rows, cols], got shape {tuple(x.shape)}"
+        )
+    return bn, bk
+
+
+def block_scale_shape(shape: tuple[int, ...], block_size: tuple[int, int]) -> tuple[int, ...]:
+    """Shape of the block scale of a tensor of ``shape`` ([..., R, C])."""
+    *lead, rows, cols = shape
     bn, bk = block_size
-    *lead, rows, cols = x.shape
-    pr, pc = (-rows) % bn, (-cols) % bk
-    if pr or pc:
-        x = torch.nn.functional.pad(x, (0, pc, 0, pr))
-    nr, nc = (rows + pr) // bn, (cols + pc) // bk
-    return x.reshape(*lead, nr, bn, nc, bk), (rows, cols)
+    return (*lead, -(-rows // bn), -(-cols // bk))
 
 
-def _block_scale_to_full(
-    scale: torch.Tensor, block_size: tuple[int, int], rows: int, cols: int
+def _to_blocks(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """``[..., R, C]`` → zero-padded ``[..., R/bn, bn, C/bk, bk]``."""
+    rows, cols = x.shape[-2:]
+    pad_r, pad_c = (-rows) % bn, (-cols) % bk
+    if pad_r or pad_c:
+        x = F.pad(x, (0, pad_c, 0, pad_r))
+    return x.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))
+
+
+def _from_blocks(xb: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return xb.flatten(-2).flatten(-3, -2)[..., :rows, :cols]
+
+
+def _block_scaled(
+    x: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int], divide: bool
 ) -> torch.Tensor:
-    bn, bk = block_size
-    full = scale.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
-    return full[..., :rows, :cols]
+    """fp32 ``x / scale`` or ``x * scale`` with one scale per block."""
+    bn, bk = _check_block(x, block_size)
+    expected = block_scale_shape(tuple(x.shape), (bn, bk))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"block scale of shape {tuple(scale.shape)} does not fit a tensor of shape "
+            f"{tuple(x.shape)} with block_size {(bn, bk)}; expected {expected}"
+        )
+    xb = _to_blocks(x.float(), bn, bk)
+    s = scale.float().unsqueeze(-1).unsqueeze(-3)
+    return _from_blocks(xb / s if divide else xb * s, x.shape[-2], x.shape[-1])
 
 
-def amax(x: torch.Tensor, granularity: str, block_size: tuple[int, int] = (128, 128)):
-    """Absolute maximum reduced to the shape of the scale of ``granularity``."""
+def amax(
+    x: torch.Tensor, granularity: str, block_size: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """Absolute maximum of the finite values, reduced to the shape of the scale."""
+    _check_granularity(granularity)
+    mag = x.abs().nan_to_num(nan=0.0, posinf=0.0)
     if granularity == "tensor":
-        return x.abs().amax().reshape(1)
+        return mag.amax().reshape(1)
     if granularity == "row":
-        return x.abs().amax(dim=-1, keepdim=True)
-    if granularity == "block":
-        blocks, _ = _blocks(x, block_size)
-        return blocks.abs().amax(dim=(-3, -1))
-    raise ValueError(f"granularity={granularity!r} is not supported; use one of {GRANULARITIES}")
+        return mag.amax(dim=-1, keepdim=True)
+    bn, bk = _check_block(x, block_size)
+    return _to_blocks(mag, bn, bk).amax(dim=(-3, -1))
 
 
 def quantize_with_scale(
@@ -82,11 +124,11 @@ def quantize_with_scale(
     granularity: str = "tensor",
     block_size: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
-    """fp8 values of ``x / scale`` (a static or precomputed scale)."""
+    """fp8 values of ``x / scale`` (a static or precomputed scale), saturating."""
+    _check_granularity(granularity)
     if granularity == "block":
-        full = _block_scale_to_full(scale, block_size, x.shape[-2], x.shape[-1])
-        return saturated_cast(x.float() / full, fp8_dtype)
-    return saturated_cast(x.float() / scale, fp8_dtype)
+        return saturated_cast(_block_scaled(x, scale, block_size, divide=True), fp8_dtype)
+    return saturated_cast(x.float() / scale.float(), fp8_dtype)
 
 
 def quantize(
@@ -97,8 +139,7 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to ``(x_fp8, scale)`` with ``x ≈ x_fp8.float() * scale``.
 
-    For activations with ``granularity="block"`` pass ``block_size=(1, bk)`` and a tensor
-    whose last two dims are ``[tokens, K]``.
+    For activations with ``granularity="block"`` pass ``block_size=(1, bk)``.
     """
     scale = amax_to_scale(amax(x, granularity, block_size), fp8_dtype)
     return quantize_with_scale(x, scale, fp8_dtype, granularity, block_size), scale
@@ -111,11 +152,11 @@ def dequantize(
     granularity: str = "tensor",
     block_size: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
-    """High-precision tensor ``x_fp8.float() * scale`` in ``dtype``."""
-    x = x_fp8.float()
+    """High-precision tensor ``x_fp8.float() * scale``, rounded once to ``dtype``."""
+    _check_granularity(granularity)
     if granularity == "block":
-        scale = _block_scale_to_full(scale, block_size, x.shape[-2], x.shape[-1])
-    return (x * scale).to(dtype)
+        return _block_scaled(x_fp8, scale, block_size, divide=False).to(dtype)
+    return (x_fp8.float() * scale.float()).to(dtype)
 
 
 def quantize_weight(
@@ -125,7 +166,7 @@ def quantize_weight(
     block_size: tuple[int, int] = (128, 128),
     name: str = "weight",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a ``[N, K]`` weight; raises ``ValueError`` on non-finite values."""
+    """Quantize a ``[N, K]`` weight; raises ``ValueError`` naming ``name`` on NaN / inf."""
     if weight.dim() != 2:
         raise ValueError(
             f"{name} must be 2-D [out_features, in_features], got {tuple(weight.shape)}"
@@ -135,7 +176,7 @@ def quantize_weight(
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB."""
+    """Signal-to-quantization-noise ratio in dB (``inf`` when equal)."""
     ref = reference.double()
     noise = (ref - approx.double()).pow(2).sum()
-    return float(10 * torch.log10(ref.pow(2).sum() / noise.clamp(min=1e-300)))
+    return float(10 * torch.log10(ref.pow(2).sum() / noise))

@@ -1,0 +1,385 @@
+"""Forward time of ``Fp8Linear`` per activation scheme, as a ratio to bf16 ``nn.Linear``.
+
+Every candidate is timed in the same run, interleaved round by round, and the best round
+is kept (robust to other processes on a shared machine). Peers, where they run:
+torchao's ``Float8WeightOnlyConfig`` and the naive "cast the fp8 weight to bf16, then
+matmul". Also reports the weight bytes per parameter.
+
+    python benchmarks/bench_linear.py              # writes benchmarks/results/linear.json
+    python benchmarks/bench_linear.py --quick      # fewer rounds; linear_quick.json
+    python benchmarks/bench_linear.py --gemv-sweep # tokens where the fused GEMV stops paying
+    python benchmarks/bench_linear.py --clock thread --output benchmarks/results/linear_thread.json
+        # one thread, timed by its own CPU time: stable on a machine shared with other work
+
+CPU shapes (M, K, N): (1, 2048, 5632), (256, 2048, 5632), (256, 5632, 2048). On a CUDA GPU
+the same script adds M = 4096 and the Llama-8B MLP shapes (K=4096, N=14336 and back), those
+timed both eager and as ``torch.compile`` modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from hf_fp8 import Fp8Config, Fp8Linear  # noqa: E402
+from hf_fp8.kernels import emulated  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+CPU_SHAPES = [(1, 2048, 5632), (256, 2048, 5632), (256, 5632, 2048)]
+CUDA_EXTRA_SHAPES = [  # M = 4096, and the Llama-3-8B MLP (timed eager and compiled)
+    (4096, 2048, 5632),
+    (1, 4096, 14336),
+    (256, 4096, 14336),
+    (4096, 4096, 14336),
+    (1, 14336, 4096),
+    (256, 14336, 4096),
+    (4096, 14336, 4096),
+]
+SCHEMES = ("weight_only", "dynamic", "static")
+TARGETS = {
+    "ratio_vs_bf16_max": {"M=256": 2.5, "M=1": 4.0},
+    "speedup_vs_torchao_min": 4.0,
+    "bytes_per_param_row_max": 1.01,
+}
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes of a tensor, summing the inner tensors of wrapper subclasses."""
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes_per_param(module: nn.Module) -> float:
+    """(weight + weight scales + input scale) bytes / number of weight parameters."""
+    total = sum(
+        tensor_bytes(p)
+        for name, p in module.named_parameters()
+        if name in ("weight", "weight_scale", "input_scale")
+    )
+    return total / module.weight.numel()
+
+
+class NaiveFp8(nn.Module):
+    """Peer: fp8 row-wise weight, cast to bf16 with a plain ``Tensor.to`` on every call."""
+
+    def __init__(self, fp8: Fp8Linear) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(fp8.weight.detach(), requires_grad=False)
+        self.weight_scale = nn.Parameter(fp8.weight_scale.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)
+        return nn.functional.linear(x, w)
+
+
+def torchao_weight_only(linear: nn.Linear) -> tuple[nn.Module | None, str | None]:
+    """torchao's Float8WeightOnlyConfig applied to a copy of ``linear``, or why not."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+            model = nn.Sequential(copy.deepcopy(linear))
+            quantize_(model, Float8WeightOnlyConfig())
+        return model[0], None
+    except Exception as err:  # not installed, or no kernel for this device
+        return None, f"{type(err).__name__}: {err}"[:200]
+
+
+def build_candidates(
+    linear: nn.Linear, x: torch.Tensor, compile_modules: bool
+) -> dict[str, nn.Module]:
+    amax = float(x.float().abs().max())
+    candidates: dict[str, nn.Module] = {"bf16": linear}
+    for scheme in SCHEMES:
+        config = (
+            Fp8Config(scheme, activation_scale=amax / 448)
+            if scheme == "static"
+            else Fp8Config(scheme)
+        )
+        candidates[scheme] = Fp8Linear.from_linear(linear, config)
+    candidates["naive_cast"] = NaiveFp8(candidates["weight_only"])
+    torchao, _ = torchao_weight_only(linear)
+    if torchao is not None:
+        candidates["torchao_fp8_weight_only"] = torchao
+    if compile_modules:
+        candidates = {name: torch.compile(m) for name, m in candidates.items()}
+    return candidates
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CLOCKS: dict[str, Callable[[], float]] = {
+    "wall": time.perf_counter,
+    # CPU time of the calling thread: immune to other processes preempting this one, but
+    # only meaningful with one intra-op thread (workers' time is not counted)
+    "thread": time.thread_time,
+}
+_clock: Callable[[], float] = time.perf_counter
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], device: torch.device, rounds: int, budget_s: float
+) -> dict[str, dict[str, float]]:
+    """Best and median ms per call, all candidates timed round-robin."""
+    iters: dict[str, int] = {}
+    for name, fn in fns.items():  # warm up (compiles) and size the inner loop
+        fn()
+        _sync(device)
+        start = _clock()
+        fn()
+        _sync(device)
+        once = max(_clock() - start, 1e-6)
+        iters[name] = max(1, min(200, int(budget_s / once)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            _sync(device)
+            start = _clock()
+            for _ in range(iters[name]):
+                fn()
+            _sync(device)
+            samples[name].append((_clock() - start) / iters[name] * 1e3)
+    return {
+        name: {"ms": min(s), "ms_median": statistics.median(s), "iters": iters[name]}
+        for name, s in samples.items()
+    }
+
+
+def bench_group(
+    k: int, n: int, ms: list[int], device: torch.device, mode: str, rounds: int, budget_s: float
+) -> list[dict[str, Any]]:
+    """Time every candidate for each token count ``M`` of one ``(K, N)`` weight."""
+    torch.manual_seed(0)
+    linear = nn.Linear(k, n, bias=False).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.normal_(0, 0.02)
+    calibration = torch.randn(64, k, device=device, dtype=torch.bfloat16)
+    candidates = build_candidates(linear, calibration, compile_modules=mode == "compile")
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        fns = {name: (lambda mod=mod, x=x: mod(x)) for name, mod in candidates.items()}
+        with torch.inference_mode():
+            times = time_interleaved(fns, device, rounds, budget_s)
+        bf16 = times["bf16"]["ms"]
+        torchao = times.get("torchao_fp8_weight_only", {}).get("ms")
+        results = {}
+        for name, t in times.items():
+            results[name] = {**t, "ratio_vs_bf16": t["ms"] / bf16}
+            if torchao is not None:
+                results[name]["speedup_vs_torchao"] = torchao / t["ms"]
+        rows.append({"M": m, "K": k, "N": n, "mode": mode, "results": results})
+        summary = ", ".join(f"{name} {r['ratio_vs_bf16']:.2f}x" for name, r in results.items())
+        print(f"({m}, {k}, {n}) {mode}: {summary}", flush=True)
+    return rows
+
+
+def _groups(shapes: list[tuple[int, int, int]]) -> dict[tuple[int, int], list[int]]:
+    groups: dict[tuple[int, int], list[int]] = {}
+    for m, k, n in shapes:
+        groups.setdefault((k, n), []).append(m)
+    return groups
+
+
+def memory_report(device: torch.device) -> dict[str, float]:
+    """Weight bytes per parameter at (K, N) = (2048, 5632)."""
+    linear = nn.Linear(2048, 5632, bias=False).to(device=device, dtype=torch.bfloat16)
+    report = {"bf16": weight_bytes_per_param(linear)}
+    for scheme in SCHEMES:
+        for granularity in ("row", "tensor", "block"):
+            config = (
+                Fp8Config(scheme, weight_granularity=granularity, activation_scale=0.01)
+                if scheme == "static"
+                else Fp8Config(scheme, weight_granularity=granularity)
+            )
+            module = Fp8Linear.from_linear(linear, config)
+            report[f"{scheme}/{granularity}"] = weight_bytes_per_param(module)
+    torchao, _ = torchao_weight_only(linear)
+    if torchao is not None:
+        report["torchao_fp8_weight_only"] = weight_bytes_per_param(torchao)
+    return report
+
+
+def gemv_sweep(device: torch.device, rounds: int, budget_s: float) -> dict[str, Any]:
+    """Forward time with the fused GEMV forced on and off, for a few token counts."""
+    sweep: dict[str, Any] = {}
+    saved = emulated.GEMV_MAX_TOKENS
+
+    def forced(module: nn.Module, x: torch.Tensor, limit: int) -> Callable[[], Any]:
+        def run() -> Any:
+            emulated.GEMV_MAX_TOKENS = limit
+            return module(x)
+
+        return run
+
+    try:
+        for k, n in [(2048, 5632), (5632, 2048)]:
+            torch.manual_seed(0)
+            linear = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+            modules = {s: Fp8Linear.from_linear(linear, Fp8Config(s)) for s in SCHEMES[:2]}
+            for m in (1, 2, 3, 4, 6, 8):
+                x = torch.randn(m, k, dtype=torch.bfloat16)
+                fns = {"bf16": forced(linear, x, saved)}
+                for scheme, module in modules.items():
+                    fns[f"{scheme}_gemv"] = forced(module, x, 1 << 30)
+                    fns[f"{scheme}_matmul"] = forced(module, x, 0)
+                with torch.inference_mode():
+                    t = time_interleaved(fns, device, rounds, budget_s)
+                bf16 = t["bf16"]["ms"]
+                row = {name: round(r["ms"] / bf16, 3) for name, r in t.items() if name != "bf16"}
+                sweep[f"M={m},K={k},N={n}"] = {"bf16_ms": bf16, "ratio_vs_bf16": row}
+                print(f"  gemv sweep M={m} K={k} N={n}: {row}", flush=True)
+    finally:
+        emulated.GEMV_MAX_TOKENS = saved
+    return sweep
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["shapes"]
+    names = [n for n in rows[0]["results"] if n != "bf16"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ratios = [r["results"].get(name, {}).get("ratio_vs_bf16", float("nan")) for r in rows]
+        ax.bar([j + i * width for j in range(len(rows))], ratios, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['M']}x{r['K']}x{r['N']}\n{r['mode']}" for r in rows], fontsize=8)
+    ax.set_ylabel("forward time / bf16 nn.Linear (lower is better)")
+    ax.set_title(f"Fp8Linear forward, {results['device']}, {results['clock']} clock", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print(
+        f"\n{'shape (M,K,N)':>22} {'mode':>8} {'candidate':>24} {'ms':>9} {'x bf16':>7} {'vs torchao':>10}"
+    )
+    for row in results["shapes"]:
+        shape = f"({row['M']}, {row['K']}, {row['N']})"
+        for name, r in row["results"].items():
+            speedup = r.get("speedup_vs_torchao")
+            print(
+                f"{shape:>22} {row['mode']:>8} {name:>24} {r['ms']:9.3f} "
+                f"{r['ratio_vs_bf16']:7.2f} {'' if speedup is None else f'{speedup:9.1f}x':>10}"
+            )
+    print("\nweight bytes per parameter:")
+    for name, value in results["bytes_per_param"].items():
+        print(f"  {name:>26}: {value:.4f}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; return the results dict (also written as JSON)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, shorter timings")
+    parser.add_argument("--gemv-sweep", action="store_true", help="also time GEMV vs matmul")
+    parser.add_argument("--output", type=Path, help="JSON path (default benchmarks/results/)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (CPU)")
+    parser.add_argument("--rounds", type=int, help="timing rounds (default 7, 3 with --quick)")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="'thread': CPU time of one thread, for a machine busy with other work",
+    )
+    args = parser.parse_args(argv)
+
+    global _clock
+    device = torch.device(args.device)
+    if args.clock == "thread":
+        if device.type != "cpu":
+            parser.error("--clock thread is for CPU runs")
+        args.threads = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _clock = CLOCKS[args.clock]
+    rounds, budget_s = (3, 0.05) if args.quick else (7, 0.15)
+    rounds = args.rounds or rounds
+    shapes = list(CPU_SHAPES)
+    modes = ["eager"]
+    if device.type == "cuda":
+        shapes += CUDA_EXTRA_SHAPES if not args.quick else CUDA_EXTRA_SHAPES[:1]
+        modes.append("compile")
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s)",
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "rounds": rounds,
+        "clock": args.clock,
+        "timing": "best of interleaved rounds; ratios from the best times",
+        "gemv_max_tokens": emulated.GEMV_MAX_TOKENS,
+        "targets": TARGETS,
+        "shapes": [],
+    }
+    _, why = torchao_weight_only(nn.Linear(16, 16).to(device=device, dtype=torch.bfloat16))
+    try:
+        import torchao
+
+        results["torchao"] = torchao.__version__
+    except ImportError:
+        results["torchao"] = None
+    if why:
+        results["torchao_skipped"] = why
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results["load_average_1min_before"] = None if load is None else round(load[0], 2)
+    started = time.perf_counter()
+    for mode in modes:
+        mode_shapes = shapes if mode == "eager" else [s for s in shapes if 4096 in s[1:]]
+        for (k, n), ms in _groups(mode_shapes).items():
+            results["shapes"] += bench_group(k, n, ms, device, mode, rounds, budget_s)
+    results["bytes_per_param"] = memory_report(device)
+    if args.gemv_sweep:
+        results["gemv_sweep"] = gemv_sweep(device, rounds, budget_s)
+    results["wall_s"] = round(time.perf_counter() - started, 1)
+    if load is not None:  # other work on the machine makes wall-clock ratios noisy
+        results["load_average_1min_after"] = round(os.getloadavg()[0], 2)
+
+    output = args.output or RESULTS / ("linear_quick.json" if args.quick else "linear.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    if not args.no_plot:
+        with contextlib.suppress(ImportError):  # matplotlib is optional
+            plot(results, output.with_suffix(".png"))
+    print_table(results)
+    print(f"\nwrote {output} in {results['wall_s']} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Inductor-compiled helpers for the emulated FP8 kernels, with an eager fallback.
+
+Eager fp8 → bf16 casts are scalar on many CPUs (~3.5 ns/element); inductor emits one
+vectorized pass per helper. Each static configuration (dtypes, granularities) gets its own
+copy of the function's code object, hence its own dynamo cache: dynamo caches per code
+object and falls back to eager after ``recompile_limit`` (8) variants, which one process
+running several recipes would otherwise reach without a word.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+_FAILED: set[Hashable] = set()
+
+
+def compile_enabled() -> bool:
+    """Emulation helpers are compiled with inductor unless ``HF_FP8_COMPILE=0``."""
+    return os.environ.get("HF_FP8_COMPILE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _clone(fn: Callable, name: str) -> Callable:
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    clone = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    clone.__kwdefaults__ = fn.__kwdefaults__
+    return clone
+
+
+@functools.cache
+def _compiled(fn: Callable, key: Hashable) -> Callable:
+    name = f"{fn.__name__}_{len(_compiled_names)}"
+    _compiled_names.append(name)
+    return torch.compile(_clone(fn, name), dynamic=True)
+
+
+_compiled_names: list[str] = []
+
+
+def run(fn: Callable, *args: Any, **static: Hashable) -> Any:
+    """``fn(*args, **static)``, compiled by inductor once per value of ``static``.
+
+    Runs ``fn`` eagerly when compilation is disabled, when the caller is itself being
+    compiled (the user's ``torch.compile`` traces the eager body), for meta tensors, and
+    after a compilation failure (with one warning: correct but slower). An error that the
+    eager function raises as well is the caller's and propagates.
+    """
+    key = (fn, tuple(sorted(static.items())))
+    if (
+        not compile_enabled()
+        or key in _FAILED
+        or torch.compiler.is_compiling()
+        or any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
+    ):
+        return fn(*args, **static)
+    try:
+        return _compiled(fn, key)(*args, **static)
+    except Exception as err:
+        # Bad inputs fail eagerly too and raise from here; only a compiler failure
+        # (no C++ compiler, an inductor bug) turns compilation off for this configuration.
+        result = fn(*args, **static)
+        _FAILED.add(key)
+        warnings.warn(
+            f"hf_fp8: compiling {fn.__name__} failed ({type(err).__name__}: {err}); using the "
+            "eager FP8 emulation (slower). Set HF_FP8_COMPILE=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return result

@@ -1,0 +1,76 @@
+"""quantize_model: which layers are swapped, and how names are matched."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from hf_fp8 import Fp8Config, Fp8Linear, quantize_model
+from hf_fp8.modules.replace import matches_module
+
+
+@pytest.mark.parametrize(
+    ("name", "patterns", "expected"),
+    [
+        ("lm_head", ["lm_head"], True),
+        ("model.lm_head", ["lm_head"], True),
+        ("lm_head2", ["lm_head"], False),
+        ("model.layers.0.mlp.up_proj", ["layers.0"], True),
+        ("model.layers.10.mlp.up_proj", ["layers.1"], False),
+        ("model.layers.0.mlp.up_proj", ["mlp.up_proj"], True),
+        ("model.layers.0.mlp.up_proj", [], False),
+    ],
+)
+def test_matches_module(name, patterns, expected) -> None:
+    assert matches_module(name, patterns) is expected
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(32, 32, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.mlp(self.q_proj(x)))
+
+
+def test_swaps_every_linear_except_the_skipped_ones(monkeypatch) -> None:
+    monkeypatch.setenv("HF_FP8_COMPILE", "0")
+    layers = {"b0": Block(), "b1": Block(), "head": nn.Linear(32, 10)}
+    model = nn.Sequential(OrderedDict(layers)).to(torch.bfloat16)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = model(x)
+    out_model = quantize_model(model, Fp8Config("weight_only", modules_to_not_convert=["head"]))
+    assert out_model is model
+    swapped = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    assert swapped == ["b0.q_proj", "b0.mlp.0", "b0.mlp.2", "b1.q_proj", "b1.mlp.0", "b1.mlp.2"]
+    assert type(model.head) is nn.Linear and type(model.b0.norm) is nn.LayerNorm
+    assert all(
+        m.compute_dtype == torch.bfloat16 for m in model.modules() if isinstance(m, Fp8Linear)
+    )
+    with torch.no_grad():
+        out = model(x)
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 0.05
+
+
+def test_skip_argument_and_names_passed_to_the_layers() -> None:
+    model = nn.Sequential(Block())
+    config = Fp8Config("static", activation_scale=1.0, activation_scales={"0.q_proj": 0.5})
+    quantize_model(model, config, skip=["mlp"])
+    assert isinstance(model[0].q_proj, Fp8Linear) and model[0].q_proj.input_scale.item() == 0.5
+    assert type(model[0].mlp[0]) is nn.Linear and type(model[0].mlp[2]) is nn.Linear
+
+
+def test_non_finite_weight_error_names_the_layer() -> None:
+    model = nn.Sequential(Block())
+    with torch.no_grad():
+        model[0].mlp[2].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"0\.mlp\.2\.weight"):
+        quantize_model(model, Fp8Config())

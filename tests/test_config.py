@@ -1,0 +1,150 @@
+"""Fp8Config: defaults, validation that names the accepted values, JSON round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hf_fp8 import Fp8Config, Fp8Linear, quantize_model
+
+ALL_RECIPES = [
+    Fp8Config(),
+    Fp8Config("weight_only"),
+    Fp8Config("weight_only", weight_granularity="block", block_size=[64, 32]),
+    Fp8Config("dynamic", weight_granularity="tensor", activation_granularity="tensor"),
+    Fp8Config("dynamic", weight_granularity="block"),
+    Fp8Config("static", activation_scale=0.05, activation_scales={"model.q_proj": 0.1}),
+    Fp8Config("static", fp8_format="e5m2", modules_to_not_convert=["lm_head"], kernel="emulated"),
+    Fp8Config("dynamic", dequantize=True),
+]
+
+
+def test_defaults() -> None:
+    config = Fp8Config()
+    assert config.quant_method == "hf_fp8"
+    assert config.activation_scheme == "dynamic"
+    assert config.weight_granularity == "row"
+    assert config.activation_granularity == "token"
+    assert config.fp8_format == "e4m3"
+    assert config.block_size == [128, 128]
+    assert config.kernel == "auto"
+    assert config.modules_to_not_convert is None
+    assert config.activation_scale is None and config.activation_scales is None
+    assert config.dequantize is False
+
+
+@pytest.mark.parametrize(
+    ("scheme", "granularity", "expected"),
+    [
+        ("dynamic", "row", "token"),
+        ("dynamic", "tensor", "token"),
+        ("dynamic", "block", "block"),
+        ("static", "row", "tensor"),
+        ("weight_only", "row", None),
+    ],
+)
+def test_default_activation_granularity(scheme, granularity, expected) -> None:
+    assert Fp8Config(scheme, weight_granularity=granularity).activation_granularity == expected
+
+
+@pytest.mark.parametrize("config", ALL_RECIPES, ids=lambda c: c.activation_scheme)
+def test_json_round_trip(config: Fp8Config) -> None:
+    as_dict = config.to_dict()
+    assert Fp8Config.from_dict(as_dict) == config
+    assert Fp8Config.from_dict(as_dict).to_dict() == as_dict
+    text = config.to_json_string(use_diff=False)
+    assert Fp8Config.from_dict(json.loads(text)) == config
+    assert json.loads(config.to_json_string())["quant_method"] == "hf_fp8"
+
+
+def test_to_json_file_round_trip(tmp_path) -> None:
+    config = ALL_RECIPES[5]
+    path = tmp_path / "quantization_config.json"
+    config.to_json_file(path)
+    assert Fp8Config.from_dict(json.loads(path.read_text())) == config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"activation_scheme": "int8"},
+            r"activation_scheme='int8'.*'dynamic', 'static', 'weight_only'",
+        ),
+        (
+            {"weight_granularity": "channel"},
+            r"weight_granularity='channel'.*'tensor', 'row', 'block'",
+        ),
+        (
+            {"activation_granularity": "row"},
+            r"activation_granularity='row'.*'tensor', 'token', 'block'",
+        ),
+        ({"fp8_format": "e4m3fnuz"}, r"fp8_format='e4m3fnuz'.*'e4m3', 'e5m2'"),
+        ({"kernel": "triton"}, r"kernel='triton'.*'auto', 'scaled_mm', 'emulated'"),
+        ({"block_size": [128]}, "block_size must be two positive ints"),
+        ({"block_size": [0, 128]}, "block_size must be two positive ints"),
+        ({"activation_scale": 0.1}, "only used with activation_scheme='static'"),
+        ({"activation_scheme": "static", "activation_scale": -1.0}, "positive finite"),
+        (
+            {"activation_scheme": "static", "activation_scales": {"a": float("inf")}},
+            "positive finite",
+        ),
+        (
+            {"activation_scheme": "static", "activation_granularity": "token"},
+            "static activation scales are per tensor",
+        ),
+        ({"activation_scheme": "weight_only", "activation_granularity": "token"}, "must be None"),
+        ({"quant_method": "fp8"}, "quant_method must be 'hf_fp8'"),
+    ],
+)
+def test_invalid_values_name_the_accepted_ones(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        Fp8Config(**kwargs)
+
+
+def test_equality() -> None:
+    assert Fp8Config("static") == Fp8Config("static")
+    assert Fp8Config("static") != Fp8Config("dynamic")
+    assert Fp8Config() != {"quant_method": "hf_fp8"}
+
+
+def test_linear_kwargs_build_the_same_module() -> None:
+    config = Fp8Config(
+        "static", weight_granularity="block", block_size=(64, 64), activation_scale=0.5,
+        activation_scales={"layers.0.q": 0.25}, kernel="emulated",
+    )  # fmt: skip
+    kwargs = config.linear_kwargs("layers.0.q")
+    assert kwargs == {
+        "activation_scheme": "static",
+        "weight_granularity": "block",
+        "activation_granularity": "tensor",
+        "fp8_format": "e4m3",
+        "block_size": (64, 64),
+        "kernel": "emulated",
+        "input_scale": 0.25,
+    }
+    assert config.linear_kwargs("other")["input_scale"] == 0.5
+    module = Fp8Linear.from_linear(nn.Linear(130, 70), config, module_name="layers.0.q")
+    assert module.weight_scale.shape == (2, 3) and module.kernel == "emulated"
+    assert module.input_scale.item() == 0.25
+
+
+def test_quantize_model_uses_the_same_config_and_skips_modules(monkeypatch) -> None:
+    monkeypatch.setenv("HF_FP8_COMPILE", "0")  # eager emulation: no compile in this test
+    model = nn.Sequential()
+    model.add_module("encoder", nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)))
+    model.add_module("lm_head", nn.Linear(16, 8))
+    model.add_module("lm_head2", nn.Linear(8, 8))
+    config = Fp8Config("weight_only", modules_to_not_convert=["lm_head"])
+    quantize_model(model, config)
+    assert isinstance(model.encoder[0], Fp8Linear) and isinstance(model.encoder[2], Fp8Linear)
+    assert type(model.lm_head) is nn.Linear
+    assert isinstance(model.lm_head2, Fp8Linear)
+    assert model.encoder[0].activation_scheme == "weight_only"
+    out = model(torch.randn(3, 16))
+    assert out.shape == (3, 8) and bool(torch.isfinite(out).all())
+    quantize_model(model, Fp8Config(), skip=["lm_head2"])  # idempotent on converted layers
+    assert type(model.lm_head2) is Fp8Linear and model.lm_head2.activation_scheme == "weight_only"
