@@ -75,7 +75,8 @@ class Fp8Linear(nn.Linear):
 
     Parameters: ``weight`` (fp8, ``[out, in]``), ``weight_scale`` (fp32, ``[1]``,
     ``[out, 1]`` or per 128×128 block), ``input_scale`` (fp32 ``[1]``, static only) and
-    ``bias`` in ``compute_dtype``. None of them requires grad; activation gradients flow.
+    ``bias`` in ``compute_dtype``. The FP8 weight and the scales never require grad (the
+    bias keeps its source layer's flag); gradients flow to the input.
     """
 
     def __init__(
@@ -231,16 +232,20 @@ class Fp8Linear(nn.Linear):
                 f"{prefix}weight is {weight.dtype}, not fp8: this is a high-precision state "
                 "dict; quantize it with Fp8Linear.from_linear or hf_fp8.quantize_model instead"
             )
+        for name in ("weight_scale", "input_scale"):
+            scale = state_dict.get(prefix + name)
+            if scale is not None and scale.dim() == 0:  # AutoFP8 / vLLM "fp8" scalar scales
+                state_dict[prefix + name] = scale.reshape(1)
         scale = state_dict.get(prefix + "input_scale")
-        if scale is not None and self.input_scale is None:
+        if scale is not None and self.input_scale is None and self.activation_scheme == "static":
             self.input_scale = nn.Parameter(
-                torch.empty_like(scale, dtype=torch.float32), requires_grad=False
+                torch.empty(1, dtype=torch.float32, device=self.weight.device), requires_grad=False
             )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         act = (
-            "bf16/fp16/fp32 (weight-only)"
+            f"{str(self.compute_dtype).removeprefix('torch.')} (weight-only)"
             if self.activation_scheme == "weight_only"
             else f"{self.fp8_format}/{self.activation_granularity}"
         )

@@ -335,15 +335,19 @@ def test_from_linear_builds_the_module_on_the_meta_device(monkeypatch) -> None:
     assert devices == ["meta"] and module.weight.device.type == "cpu"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Fp8Linear._load_from_state_dict does not accept 0-dim scales, the layout of "
-    "AutoFP8 / vLLM 'fp8' checkpoints (DESIGN.md §5): reshape 0-dim weight_scale / "
-    "input_scale to [1] before super()._load_from_state_dict",
-)
 def test_tensor_wise_state_dict_with_scalar_scales_loads() -> None:
+    """0-dim scales are the AutoFP8 / vLLM 'fp8' layout (DESIGN.md §5)."""
     source = Fp8Linear.from_linear(_linear(16, 8), _config("static", "tensor"))
     state = {k: v.reshape(()) if k.endswith("scale") else v for k, v in source.state_dict().items()}
     target = Fp8Linear(16, 8, dtype=torch.bfloat16, **source_kwargs(source))
     target.load_state_dict(state)
     _state_equal(target.state_dict(), source.state_dict())
+
+
+def test_input_scale_of_a_dynamic_layer_is_an_unexpected_key() -> None:
+    source = Fp8Linear.from_linear(_linear(16, 8), _config("static", "tensor"))
+    target = Fp8Linear(
+        16, 8, dtype=torch.bfloat16, activation_scheme="dynamic", weight_granularity="tensor"
+    )
+    with pytest.raises(RuntimeError, match="input_scale"):
+        target.load_state_dict(source.state_dict())
