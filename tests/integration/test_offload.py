@@ -1,0 +1,100 @@
+"""Offloading a pre-quantized hf_fp8 checkpoint: device_map with "disk", "auto" + max_memory,
+accelerate's ``disk_offload`` and (on a GPU) CPU offload through accelerate's hooks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from accelerate import disk_offload
+from transformers import AutoModelForCausalLM
+
+from hf_fp8 import Fp8Config, Fp8Linear
+from tests.tiny_models import model_inputs
+
+LAYER_1_ON_DISK = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "cpu",
+}
+# Fp8HfQuantizer._process_model_after_weight_loading checks that every Fp8Linear tensor was
+# loaded (`_is_hf_initialized`). Tensors that transformers leaves on the meta device because
+# the device_map sends them to "disk" (accelerate's hooks read them from the checkpoint at
+# forward time) are counted as missing, so the load raises. The rest of the path works: with
+# that check skipped for meta tensors of disk-mapped modules the outputs are bit-identical.
+DISK_OFFLOAD_BUG = pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="hf_fp8 quantizer reports disk-offloaded FP8 tensors as missing from the checkpoint",
+)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tiny_model_dir, tmp_path_factory) -> str:
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic")
+    )
+    path = tmp_path_factory.mktemp("llama_fp8")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def full(fp8_checkpoint) -> tuple[torch.nn.Module, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(fp8_checkpoint)
+    with torch.no_grad():
+        return model, model(**model_inputs("llama")).logits
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**model_inputs("llama")).logits
+
+
+@DISK_OFFLOAD_BUG
+def test_explicit_device_map_with_disk_matches_full_load(fp8_checkpoint, full, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(
+        fp8_checkpoint, device_map=LAYER_1_ON_DISK, offload_folder=str(tmp_path)
+    )
+    offloaded = model.model.layers[1].mlp.down_proj
+    assert isinstance(offloaded, Fp8Linear)
+    assert offloaded.weight.device.type == "meta" and offloaded.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(_logits(model), full[1])
+
+
+@DISK_OFFLOAD_BUG
+def test_device_map_auto_spills_to_disk_and_matches_full_load(fp8_checkpoint, full, tmp_path):
+    budget = int(0.8 * full[0].get_memory_footprint())  # room for some modules, not all
+    model = AutoModelForCausalLM.from_pretrained(
+        fp8_checkpoint, device_map="auto", max_memory={"cpu": budget}, offload_folder=str(tmp_path)
+    )
+    assert {"cpu", "disk"} <= set(model.hf_device_map.values()), model.hf_device_map
+    assert torch.equal(_logits(model), full[1])
+
+
+def test_accelerate_disk_offload_stores_fp8_bytes_and_matches(fp8_checkpoint, full, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(fp8_checkpoint)
+    disk_offload(model, str(tmp_path), execution_device="cpu")
+    index = json.loads((tmp_path / "index.json").read_text())
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert index[name]["dtype"] == "float8_e4m3fn"
+    numel = full[0].get_parameter(name).numel()
+    assert (tmp_path / f"{name}.dat").stat().st_size == numel  # one byte per weight on disk
+    assert model.get_parameter(name).device.type == "meta"
+    assert torch.equal(_logits(model), full[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cpu_offload_to_gpu_matches_full_gpu_load(fp8_checkpoint):
+    on_gpu = {**dict.fromkeys(LAYER_1_ON_DISK, 0), "model.layers.1": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(fp8_checkpoint, device_map=on_gpu)
+    reference = AutoModelForCausalLM.from_pretrained(fp8_checkpoint, device_map={"": 0})
+    inputs = {k: v.cuda() for k, v in model_inputs("llama").items()}
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
+    assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
