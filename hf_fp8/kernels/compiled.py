@@ -59,6 +59,10 @@ def run(fn: Callable, *args: Any, **static: Hashable) -> Any:
         or any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
     ):
         return fn(*args, **static)
+    # Parameters get static shapes in dynamo even with dynamic=True (one recompile per
+    # weight shape, then eager after 8): pass plain tensors. Callers never need autograd
+    # here (the FP8 autograd Function runs its forward without grad).
+    args = tuple(a.detach() if isinstance(a, torch.nn.Parameter) else a for a in args)
     try:
         return _compiled(fn, key)(*args, **static)
     except Exception as err:
