@@ -142,16 +142,18 @@ class Fp8HfQuantizer(HfQuantizer):
     # -- after loading ----------------------------------------------------------------------------
     def _process_model_after_weight_loading(self, model, **kwargs):
         missing = []
+        disk = [k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v == "disk"]
         for name, module in model.named_modules():
             if not isinstance(module, Fp8Linear):
                 continue
+            # disk-offloaded tensors stay on meta: accelerate's hooks read them at forward time
+            offloaded = module.weight.is_meta and ("" in disk or matches_module(name, disk))
             for pname in (*_FP8_PARAMS, "bias"):
                 p = getattr(module, pname)
-                if p is not None and not getattr(p, "_is_hf_initialized", False):
+                if p is not None and not (offloaded or getattr(p, "_is_hf_initialized", False)):
                     missing.append(f"{name}.{pname}")
-            if module.input_scale is not None and not getattr(
-                module.input_scale, "_is_hf_initialized", False
-            ):
+            scale = module.input_scale
+            if scale is not None and not (offloaded or getattr(scale, "_is_hf_initialized", False)):
                 module.input_scale = None  # saved before calibration
             given = module.__dict__.pop("_hf_fp8_input_scale", None)
             if given is not None and module.input_scale is None:

@@ -21,16 +21,6 @@ LAYER_1_ON_DISK = {
     "model.rotary_emb": "cpu",
     "lm_head": "cpu",
 }
-# Fp8HfQuantizer._process_model_after_weight_loading checks that every Fp8Linear tensor was
-# loaded (`_is_hf_initialized`). Tensors that transformers leaves on the meta device because
-# the device_map sends them to "disk" (accelerate's hooks read them from the checkpoint at
-# forward time) are counted as missing, so the load raises. The rest of the path works: with
-# that check skipped for meta tensors of disk-mapped modules the outputs are bit-identical.
-DISK_OFFLOAD_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="hf_fp8 quantizer reports disk-offloaded FP8 tensors as missing from the checkpoint",
-)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +45,6 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
         return model(**model_inputs("llama")).logits
 
 
-@DISK_OFFLOAD_BUG
 def test_explicit_device_map_with_disk_matches_full_load(fp8_checkpoint, full, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(
         fp8_checkpoint, device_map=LAYER_1_ON_DISK, offload_folder=str(tmp_path)
@@ -66,7 +55,6 @@ def test_explicit_device_map_with_disk_matches_full_load(fp8_checkpoint, full, t
     assert torch.equal(_logits(model), full[1])
 
 
-@DISK_OFFLOAD_BUG
 def test_device_map_auto_spills_to_disk_and_matches_full_load(fp8_checkpoint, full, tmp_path):
     budget = int(0.8 * full[0].get_memory_footprint())  # room for some modules, not all
     model = AutoModelForCausalLM.from_pretrained(
