@@ -1,0 +1,253 @@
+"""Step time and state memory of ``AdamWFp8`` against torch and torchao optimizers.
+
+One parameter set of ≈29M parameters shaped like a small Llama layer plus embeddings
+(hidden 1024, GQA k/v 256, MLP 3072, vocab 16384, two norms), fixed random gradients, and
+for each optimizer its own copy of the parameters:
+
+* ``torch.optim.AdamW`` foreach and fused (the baselines, fp32 states),
+* torchao ``AdamWFp8`` and ``AdamW8bit`` (when torchao imports),
+* ``hf_fp8.AdamWFp8`` with (``adamw_fp8_coat``) and without (``adamw_fp8``) expansion.
+
+The first step (state creation and compilation: torch.compile for torchao, the C kernel
+for ``AdamWFp8``, built in a fresh cache directory so that the time is a cold start) is
+timed separately; then the optimizers are timed interleaved, round by round, and the best
+and median rounds are kept (robust to other processes on a shared machine). Ratios are
+against ``torch.optim.AdamW(foreach=True)`` timed in the same run.
+
+    python benchmarks/bench_optim.py            # writes benchmarks/results/optim.json
+    python benchmarks/bench_optim.py --quick    # fewer rounds; optim_quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from hf_fp8.optim import AdamWFp8  # noqa: E402
+from hf_fp8.optim._layout import is_quantized_state  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+HIDDEN, KV, MLP, VOCAB = 1024, 256, 3072, 16384
+SHAPES = {
+    "embed_tokens": (VOCAB, HIDDEN),
+    "q_proj": (HIDDEN, HIDDEN),
+    "k_proj": (KV, HIDDEN),
+    "v_proj": (KV, HIDDEN),
+    "o_proj": (HIDDEN, HIDDEN),
+    "gate_proj": (MLP, HIDDEN),
+    "up_proj": (MLP, HIDDEN),
+    "down_proj": (HIDDEN, MLP),
+    "input_layernorm": (HIDDEN,),
+    "post_attention_layernorm": (HIDDEN,),
+}
+TARGETS = {
+    "coat_step_vs_adamw_foreach_max": 1.0,
+    "coat_speedup_vs_torchao_fp8_min": 3.0,
+    "coat_first_step_s_max": 15.0,
+    "bytes_per_param_quantized_max": 2.2,
+}
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor, looking inside tensor subclasses (torchao's quantized states)."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def state_bytes(opt: torch.optim.Optimizer, quantized_only: bool = False) -> tuple[int, int]:
+    """(state bytes, parameter count) over the parameters (optionally quantized ones only)."""
+    total = numel = 0
+    for p, st in opt.state.items():
+        if quantized_only and not is_quantized_state(st):
+            continue
+        total += sum(
+            tensor_bytes(v) for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step"
+        )
+        numel += p.numel()
+    return total, numel
+
+
+def candidates() -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer] | str]:
+    """Optimizer factories by name; a string explains why a candidate is skipped."""
+    out: dict[str, Any] = {
+        "torch_adamw_foreach": lambda ps: torch.optim.AdamW(ps, foreach=True),
+        "torch_adamw_fused": lambda ps: torch.optim.AdamW(ps, fused=True),
+    }
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.optim import AdamW8bit
+            from torchao.optim import AdamWFp8 as TorchaoAdamWFp8
+        out["torchao_adamw_fp8"] = lambda ps: TorchaoAdamWFp8(ps)
+        out["torchao_adamw_8bit"] = lambda ps: AdamW8bit(ps)
+    except Exception as exc:  # torchao missing or broken: report, do not fail
+        out["torchao_adamw_fp8"] = out["torchao_adamw_8bit"] = f"torchao unavailable: {exc!r}"
+    out["adamw_fp8_coat"] = lambda ps: AdamWFp8(ps, dynamic_range_expansion=True)
+    out["adamw_fp8"] = lambda ps: AdamWFp8(ps, dynamic_range_expansion=False)
+    return out
+
+
+def make_params() -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for shape in SHAPES.values():
+        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
+        p.grad = torch.randn(shape, generator=g) * 1e-3 * torch.rand(shape, generator=g)
+        params.append(p)
+    return params
+
+
+def bench(rounds: int, steps_per_round: int, only: list[str] | None = None) -> dict[str, Any]:
+    opts: dict[str, torch.optim.Optimizer] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for name, factory in candidates().items():
+        if only and name not in only and name != "torch_adamw_foreach":
+            continue
+        if isinstance(factory, str):
+            rows[name] = {"skipped": factory}
+            continue
+        params = make_params()
+        opt = factory(params)
+        start = time.perf_counter()
+        try:
+            opt.step()
+        except Exception as exc:  # e.g. torch.compile unusable for torchao on this machine
+            rows[name] = {"skipped": f"first step failed: {exc!r}"}
+            continue
+        rows[name] = {"first_step_s": round(time.perf_counter() - start, 3), "times_ms": []}
+        opts[name] = opt
+        total, numel = state_bytes(opt)
+        rows[name]["bytes_per_param"] = round(total / numel, 4)
+        if name.startswith("adamw_fp8"):
+            q_total, q_numel = state_bytes(opt, quantized_only=True)
+            rows[name]["bytes_per_param_quantized"] = round(q_total / q_numel, 4)
+        print(f"{name}: first step {rows[name]['first_step_s']} s", flush=True)
+    for _ in range(rounds):
+        for name, opt in opts.items():
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                opt.step()
+            rows[name]["times_ms"].append((time.perf_counter() - start) * 1e3 / steps_per_round)
+    for name in opts:
+        times = rows[name].pop("times_ms")
+        rows[name]["step_ms_best"] = round(min(times), 2)
+        rows[name]["step_ms_median"] = round(statistics.median(times), 2)
+    return rows
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Bar charts: best step time and state bytes per parameter of each optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {k: v for k, v in results["optimizers"].items() if "step_ms_best" in v}
+    names = list(rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.barh(names, [rows[n]["step_ms_best"] for n in names], color="tab:blue")
+    for i, n in enumerate(names):
+        ax1.text(
+            rows[n]["step_ms_best"], i, f" {rows[n]['ratio_vs_adamw_foreach']:.2f}x", va="center"
+        )
+    ax1.set(xlabel="step time, ms (best round)", title=f"{results['parameters'] / 1e6:.1f}M params")
+    ax2.barh(names, [rows[n]["bytes_per_param"] for n in names], color="tab:green")
+    ax2.set(xlabel="optimizer state bytes / parameter")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; return the results dict (also written as JSON)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--output", type=Path, help="JSON path (default benchmarks/results/)")
+    parser.add_argument(
+        "--warm-cache", action="store_true", help="reuse the C kernel cache (default: cold start)"
+    )
+    parser.add_argument("--only", nargs="+", help="optimizer names to time (foreach always runs)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    args = parser.parse_args(argv)
+    rounds, steps_per_round = (3, 1) if args.quick else (9, 2)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as cache:
+        previous = os.environ.get("HF_FP8_CACHE")
+        if not args.warm_cache:
+            os.environ["HF_FP8_CACHE"] = cache
+        try:
+            rows = bench(rounds, steps_per_round, args.only)
+        finally:
+            if previous is None:
+                os.environ.pop("HF_FP8_CACHE", None)
+            else:
+                os.environ["HF_FP8_CACHE"] = previous
+    base = rows["torch_adamw_foreach"]["step_ms_best"]
+    for row in rows.values():
+        if "step_ms_best" in row:
+            row["ratio_vs_adamw_foreach"] = round(row["step_ms_best"] / base, 3)
+    coat = rows.get("adamw_fp8_coat", {})
+    if "step_ms_best" not in coat:
+        print(json.dumps(rows, indent=2))
+        return {"optimizers": rows}
+    summary: dict[str, Any] = {
+        "coat_step_vs_adamw_foreach": coat["ratio_vs_adamw_foreach"],
+        "coat_first_step_s": coat["first_step_s"],
+        "bytes_per_param_quantized": coat["bytes_per_param_quantized"],
+    }
+    met = {
+        "coat_step_vs_adamw_foreach_max": summary["coat_step_vs_adamw_foreach"]
+        <= TARGETS["coat_step_vs_adamw_foreach_max"],
+        "coat_first_step_s_max": coat["first_step_s"] <= TARGETS["coat_first_step_s_max"],
+        "bytes_per_param_quantized_max": coat["bytes_per_param_quantized"]
+        <= TARGETS["bytes_per_param_quantized_max"],
+    }
+    if "step_ms_best" in rows.get("torchao_adamw_fp8", {}):
+        speedup = rows["torchao_adamw_fp8"]["step_ms_best"] / coat["step_ms_best"]
+        summary["coat_speedup_vs_torchao_fp8"] = round(speedup, 2)
+        met["coat_speedup_vs_torchao_fp8_min"] = (
+            speedup >= TARGETS["coat_speedup_vs_torchao_fp8_min"]
+        )
+    results = {
+        "device": f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "quick": args.quick,
+        "parameters": sum(torch.Size(s).numel() for s in SHAPES.values()),
+        "shapes": {k: list(v) for k, v in SHAPES.items()},
+        "timing": f"best / median of {rounds} interleaved rounds of {steps_per_round} steps",
+        "targets": TARGETS,
+        "optimizers": rows,
+        "summary": summary,
+        "targets_met": met,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps({"optimizers": rows, "summary": summary, "targets_met": met}, indent=2))
+    output = args.output or RESULTS / ("optim_quick.json" if args.quick else "optim.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    if not args.no_plot:
+        plot(results, output.with_suffix(".png"))
+    return results
+
+
+if __name__ == "__main__":
+    main()

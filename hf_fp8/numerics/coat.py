@@ -1,0 +1,179 @@
+"""COAT group quantization of optimizer moments (pure torch functions, no state).
+
+From "COAT: Compressing Optimizer States and Activation for Memory-Efficient FP8
+Training" (Xi et al., 2024). A tensor is cut into groups along its **last dimension**
+(``x`` of shape ``[..., group_size]``); every group gets fp32 metadata of shape
+``x.shape[:-1]``. ``F`` below is the largest fp8 value (448 for E4M3, 57344 for E5M2).
+
+Plain per-group absmax (``dynamic_range_expansion=False``)::
+
+    scale = amax / F ;   q = cast(x / scale) ;   x ≈ q · scale
+
+With COAT's dynamic range expansion each group is raised to a power ``k`` that stretches
+its range ``amax / amin`` (``amin``: smallest non-zero magnitude) onto ``F² / 2``::
+
+    k = floor(16 · log2(F² / 2) / log2(amax / amin)) / 16        (k = 1: constant or zero group)
+    q = cast(sign(x) · F · (|x| / amax)^k)
+    x ≈ sign(q) · amax · (|q| / F)^(1/k)
+
+The paper writes the same map with a centre ``c = sqrt(amax·amin)`` and a scale
+``s = (amax/c)^k / F``: ``q = sign(x)·(|x|/c)^k / s`` and ``x = sign(q)·(|q|·s)^(1/k)·c``.
+``c`` cancels (``(|x|/c)^k / s = F·(|x|/amax)^k``), so storing ``amax`` (as the usual
+``scale = amax / F``) and ``k`` is exact and saves one fp32 per group. Working with
+``|x| / amax ≤ 1`` also avoids the traps of the literal form: ``amax·amin`` underflows for
+small moments (0/0 = NaN) and ``(amax/c)^k`` over- or underflows for large ``k``.
+
+Conventions and guards:
+
+* Magnitudes below the smallest normal fp32 (``FLT_MIN`` ≈ 1.2e-38) count as zero. A group
+  whose ``amax`` is below it (all-zero groups included) gets zero codes, ``k = 1``, and
+  dequantizes to exact zeros.
+* ``k`` is a multiple of 1/16 clamped to ``[EXPONENT_MIN, EXPONENT_MAX]``: the lower bound
+  keeps ``1/k`` finite when a group's range exceeds the fp8 range, the upper bound keeps
+  nearly constant groups (k → ∞) away from rounding blow-up.
+* Values are clamped to ``±F`` before the cast (E4M3 has no inf: inf → NaN).
+* ``log2`` / ``exp2`` are :func:`fast_log2` / :func:`fast_exp2`: fixed polynomial
+  approximations (relative error < 3e-6, far below the fp8 step of 6%) written with plain
+  fp32 operations only, so that a fused CPU kernel reproduces this module bit for bit.
+
+The functions avoid data-dependent Python branches so that ``torch.compile`` can fuse
+them; the optimizer runs them eagerly as its reference step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hf_fp8.numerics.formats import fp8_max
+
+EXPONENT_MIN = 1.0 / 16.0
+EXPONENT_MAX = 1024.0
+EXPONENT_STEPS = 16.0  # k is a multiple of 1 / EXPONENT_STEPS
+FLT_MIN = 2.0**-126  # smallest normal float32; smaller magnitudes count as zero
+
+# log2(1 + t) ≈ t·(c0 + t·(c1 + …)) on t ∈ [0, 1), max abs error 2.5e-6.
+LOG2_COEFFS = (
+    1.442534755380041,
+    -0.7180332033899721,
+    0.45715613082188805,
+    -0.27733722319424214,
+    0.12146852561508568,
+    -0.025790712011052968,
+)
+# 2^f - 1 ≈ f·(c0 + f·(c1 + …)) on f ∈ [0, 1), max relative error 1.2e-7.
+EXP2_COEFFS = (
+    0.693152471621565,
+    0.2401528063058862,
+    0.055835930558698225,
+    0.008973374304213914,
+    0.0018852992256685249,
+)
+
+
+def _horner(t: torch.Tensor, coeffs: tuple[float, ...]) -> torch.Tensor:
+    """``t · (c0 + t·(c1 + …))`` evaluated innermost first, one fp32 op at a time."""
+    acc = t * coeffs[-1] + coeffs[-2]
+    for c in reversed(coeffs[:-2]):
+        acc = acc * t + c
+    return acc * t
+
+
+def fast_log2(x: torch.Tensor) -> torch.Tensor:
+    """Approximate ``log2(x)`` of a float32 tensor of normal, finite, positive values."""
+    bits = x.view(torch.int32)
+    exponent = ((bits >> 23) - 127).to(torch.float32)
+    mantissa = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)  # in [1, 2)
+    return exponent + _horner(mantissa - 1.0, LOG2_COEFFS)
+
+
+def fast_exp2(y: torch.Tensor) -> torch.Tensor:
+    """Approximate ``2**y`` for float32 ``y ≤ 127``; ``y < -126`` gives ``FLT_MIN``."""
+    y = y.clamp(min=-126.0)
+    whole = torch.floor(y)
+    frac = y - whole
+    poly = _horner(frac, EXP2_COEFFS) + 1.0  # in [1, 2]
+    return (poly.view(torch.int32) + (whole.to(torch.int32) << 23)).view(torch.float32)
+
+
+def target_log2_range(fp8_dtype: torch.dtype) -> float:
+    """``log2(F² / 2)``: the dynamic range COAT expands each group onto (16.6 for E4M3)."""
+    return 2.0 * math.log2(fp8_max(fp8_dtype)) - 1.0
+
+
+def expansion_exponent(
+    amax: torch.Tensor, amin: torch.Tensor, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """COAT's exponent ``k`` per group from its ``amax`` and smallest non-zero ``|x|``.
+
+    ``k = floor(16 · log2(F²/2) / log2(amax/amin)) / 16``, ``k = 1`` for constant-magnitude
+    or zero groups (``amin = inf``), clamped to ``[EXPONENT_MIN, EXPONENT_MAX]``.
+    """
+    one = torch.ones_like(amax)
+    valid = amax >= FLT_MIN
+    log_range = fast_log2(torch.where(valid, amax, one)) - fast_log2(torch.where(valid, amin, one))
+    expand = log_range > 0
+    steps = torch.where(expand, log_range, one).reciprocal() * (
+        EXPONENT_STEPS * target_log2_range(fp8_dtype)
+    )
+    k = torch.where(expand, torch.floor(steps) * (1.0 / EXPONENT_STEPS), one)
+    return k.clamp(EXPONENT_MIN, EXPONENT_MAX)
+
+
+def quantize_groups(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, dynamic_range_expansion: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize ``x`` (``[..., group_size]``) per group of its last dimension.
+
+    Returns ``(q, scale, exponent)``: ``q`` in ``fp8_dtype`` with the shape of ``x``,
+    fp32 ``scale = amax / F`` and, with expansion, fp32 ``exponent`` (``k``), both of shape
+    ``x.shape[:-1]``. Without expansion ``exponent`` is ``None``.
+    """
+    fmax = fp8_max(fp8_dtype)
+    xf = x.float()
+    ax = xf.abs()
+    amax = ax.amax(dim=-1)
+    scale = amax / fmax
+    valid = (amax >= FLT_MIN).unsqueeze(-1)
+    zero = torch.zeros_like(xf)
+    if not dynamic_range_expansion:
+        safe_scale = torch.where(valid, scale.unsqueeze(-1), torch.ones_like(xf))
+        q = torch.where(valid, xf / safe_scale, zero).clamp(-fmax, fmax)
+        return q.to(fp8_dtype), scale, None
+    nonzero = ax >= FLT_MIN
+    amin = torch.where(nonzero, ax, torch.full_like(ax, math.inf)).amin(dim=-1)
+    k = expansion_exponent(amax, amin, fp8_dtype)
+    log_amax = fast_log2(torch.where(amax >= FLT_MIN, amax, torch.ones_like(amax)))
+    # log2(F · (|x| / amax)^k) = (log2|x| - log2 amax) · k + log2 F
+    y = (fast_log2(torch.where(nonzero, ax, torch.ones_like(ax))) - log_amax.unsqueeze(-1)) * (
+        k.unsqueeze(-1)
+    ) + math.log2(fmax)
+    mag = torch.where(nonzero, fast_exp2(y), zero).clamp(max=fmax)
+    return torch.copysign(mag, xf).to(fp8_dtype), scale, k
+
+
+def dequantize_groups(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    exponent: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_groups`: ``q · scale`` or ``sign(q)·amax·(|q|/F)^(1/k)``."""
+    qf = q.float()
+    if exponent is None:
+        return (qf * scale.unsqueeze(-1)).to(dtype)
+    fmax = fp8_max(q.dtype)
+    amax = scale * fmax
+    inv_k = exponent.reciprocal()
+    # log2(amax · (|q| / F)^(1/k)) = log2|q| · (1/k) + (log2 amax - log2 F · (1/k))
+    bias = fast_log2(torch.where(amax >= FLT_MIN, amax, torch.ones_like(amax))) - inv_k * (
+        math.log2(fmax)
+    )
+    aq = qf.abs()
+    nonzero = aq > 0
+    y = fast_log2(torch.where(nonzero, aq, torch.ones_like(aq))) * inv_k.unsqueeze(
+        -1
+    ) + bias.unsqueeze(-1)
+    mag = torch.where(nonzero, fast_exp2(y), torch.zeros_like(aq))
+    return torch.copysign(mag, qf).to(dtype)

@@ -1,0 +1,322 @@
+"""C source of the fused CPU step (see :mod:`hf_fp8.optim._cpu_kernel`).
+
+Every arithmetic line mirrors :mod:`hf_fp8.numerics.coat` and
+:func:`hf_fp8.optim._step.grouped_step` in the same order; ``@NAME@`` placeholders are
+filled with coat's constants. Loops are written branch-free so that the compiler
+vectorizes them; max/min reductions run on the bit patterns of non-negative floats.
+"""
+
+C_SOURCE_TEMPLATE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+
+#define AI static inline __attribute__((always_inline))
+#define FLT_MIN_F 1.17549435082228750797e-38f
+#define FLT_MIN_BITS 0x00800000u
+#define INF_BITS 0x7F800000u
+#define MAGIC 12582912.0f /* 1.5 * 2^23: x + MAGIC - MAGIC rounds x to an integer */
+#define MAGIC_BITS 0x4B400000u
+#define MAX_THREADS 64
+
+
+AI float b2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+AI uint32_t f2b(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+AI float flog2(float x) {
+    uint32_t b = f2b(x);
+    float e = (float)((int32_t)(b >> 23) - 127);
+    float t = b2f((b & 0x7FFFFFu) | 0x3F800000u) - 1.0f;
+    @LOG2_HORNER@
+    return e + acc * t;
+}
+
+AI float fexp2(float y) {
+    y = (y < -126.0f) ? -126.0f : y;
+    float r = (y + MAGIC) - MAGIC;
+    r = (r > y) ? r - 1.0f : r; /* floor */
+    float f = y - r;
+    uint32_t n = f2b(r + MAGIC) - MAGIC_BITS;
+    @EXP2_HORNER@
+    float poly = acc * f + 1.0f;
+    return b2f(f2b(poly) + (n << 23));
+}
+
+AI float dec_fp8(uint8_t c, const int E5) {
+    uint32_t s = ((uint32_t)(c & 0x80u)) << 24;
+    float mag;
+    if (E5) {
+        uint32_t e = (c >> 2) & 31u, m = c & 3u;
+        float sub = (float)m * 1.52587890625e-05f;
+        float nor = b2f(((e + 112u) << 23) | (m << 21));
+        mag = (e == 0u) ? sub : nor;
+        mag = (e == 31u) ? b2f(INF_BITS | (m << 21)) : mag;
+    } else {
+        uint32_t e = (c >> 3) & 15u, m = c & 7u;
+        float sub = (float)m * 0.001953125f;
+        float nor = b2f(((e + 120u) << 23) | (m << 20));
+        mag = (e == 0u) ? sub : nor;
+        mag = ((c & 0x7Fu) == 0x7Fu) ? b2f(0x7FC00000u) : mag;
+    }
+    return b2f(f2b(mag) | s);
+}
+
+/* Round-to-nearest-even cast of a float (|x| <= fp8 max, or NaN) to fp8 bits. */
+AI uint8_t enc_fp8(float x, const int E5) {
+    uint32_t b = f2b(x);
+    uint32_t s = (b >> 24) & 0x80u;
+    uint32_t ab = b & 0x7FFFFFFFu;
+    float a = b2f(ab);
+    uint32_t c;
+    if (E5) {
+        uint32_t cn = ((ab + 0xFFFFFu + ((ab >> 21) & 1u)) >> 21) - (112u << 2);
+        uint32_t cs = f2b(a * 65536.0f + MAGIC) - MAGIC_BITS;
+        c = (a < 6.103515625e-05f) ? cs : cn;
+    } else {
+        uint32_t cn = ((ab + 0x7FFFFu + ((ab >> 20) & 1u)) >> 20) - (120u << 3);
+        uint32_t cs = f2b(a * 512.0f + MAGIC) - MAGIC_BITS;
+        c = (a < 0.015625f) ? cs : cn;
+    }
+    c = (ab > INF_BITS) ? 0x7Fu : c;
+    return (uint8_t)(c | s);
+}
+
+AI float bf16_to_f(uint16_t h) { return b2f(((uint32_t)h) << 16); }
+AI uint16_t f_to_bf16(float f) {
+    uint32_t u = f2b(f);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7FFFFFFFu) > INF_BITS) ? 0x7FC0u : r);
+}
+
+AI float expansion_k(float amax, float amin, float steps) {
+    int valid = amax >= FLT_MIN_F;
+    float lr = flog2(valid ? amax : 1.0f) - flog2(valid ? amin : 1.0f);
+    int ex = lr > 0.0f;
+    float st = (1.0f / (ex ? lr : 1.0f)) * steps;
+    float k = ex ? floorf(st) * @INV_STEPS@ : 1.0f;
+    k = (k < @K_MIN@) ? @K_MIN@ : k;
+    k = (k > @K_MAX@) ? @K_MAX@ : k;
+    return k;
+}
+
+/* Quantize one group held in fp32 in buf[0:n] with its exponent k and log2(amax) (EX) or
+   its amax (plain); codes n..gs-1 are set to 0. */
+AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
+                float k, float lmax, float amax, const int E5, const int EX) {
+    const float F = E5 ? @E5M2_MAX@ : @E4M3_MAX@;
+    const float LOG2F = E5 ? @E5M2_LOG2MAX@ : @E4M3_LOG2MAX@;
+    int valid = amax >= FLT_MIN_F;
+    if (EX) {
+        for (int64_t i = 0; i < n; ++i) {
+            float x = buf[i];
+            float ax = fabsf(x);
+            int nz = ax >= FLT_MIN_F;
+            float y = (flog2(nz ? ax : 1.0f) - lmax) * k + LOG2F;
+            float mag = fexp2(y);
+            mag = nz ? mag : 0.0f;
+            mag = (mag > F) ? F : mag;
+            q[i] = enc_fp8(copysignf(mag, x), E5);
+        }
+    } else {
+        float s = amax / F;
+        float ss = valid ? s : 1.0f;
+        for (int64_t i = 0; i < n; ++i) {
+            float v = valid ? buf[i] / ss : 0.0f;
+            v = (v < -F) ? -F : v;
+            v = (v > F) ? F : v;
+            q[i] = enc_fp8(v, E5);
+        }
+    }
+    for (int64_t i = n; i < gs; ++i) q[i] = 0;
+}
+
+/* Per-group constants of a chunk, computed across groups (vectorized). */
+AI void dequant_consts(const float* restrict scale, const float* restrict expo,
+                       float* restrict ik, float* restrict bias, int nb, float F, float LOG2F) {
+    for (int j = 0; j < nb; ++j) {
+        float amax = scale[j] * F;
+        ik[j] = 1.0f / expo[j];
+        bias[j] = flog2((amax >= FLT_MIN_F) ? amax : 1.0f) - ik[j] * LOG2F;
+    }
+}
+
+AI void quant_consts(const uint32_t* restrict bmax, const uint32_t* restrict bmin,
+                     float* restrict scale, float* restrict expo, float* restrict amax,
+                     float* restrict k, float* restrict lmax, int nb, float F, float steps,
+                     const int EX) {
+    for (int j = 0; j < nb; ++j) {
+        amax[j] = b2f(bmax[j]);
+        scale[j] = amax[j] / F;
+    }
+    if (!EX) return;
+    for (int j = 0; j < nb; ++j) {
+        k[j] = expansion_k(amax[j], b2f(bmin[j]), steps);
+        lmax[j] = flog2((amax[j] >= FLT_MIN_F) ? amax[j] : 1.0f);
+        expo[j] = k[j];
+    }
+}
+
+#define CHUNK 16 /* groups processed together: their per-group scalars are vectorized */
+
+/* Task: p, g, mq, ms, mk, vq, vs, vk, hp, rows, cols, group_size, flags (13 int64).
+   Groups lo..hi-1 of the task; mb / vb hold CHUNK * group_size floats. */
+AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
+                   float* restrict vb, const int PB, const int GB, const int E5, const int EX) {
+    const float F = E5 ? @E5M2_MAX@ : @E4M3_MAX@;
+    const float LOG2F = E5 ? @E5M2_LOG2MAX@ : @E4M3_LOG2MAX@;
+    const float STEPS = E5 ? @E5M2_STEPS@ : @E4M3_STEPS@;
+    const int64_t cols = t[10], gs = t[11];
+    const int64_t gc = (cols + gs - 1) / gs;
+    char* pbase = (char*)(intptr_t)t[0];
+    const char* gbase = (const char*)(intptr_t)t[1];
+    uint8_t* mq = (uint8_t*)(intptr_t)t[2];
+    float* ms = (float*)(intptr_t)t[3];
+    float* mk = (float*)(intptr_t)t[4];
+    uint8_t* vq = (uint8_t*)(intptr_t)t[5];
+    float* vs = (float*)(intptr_t)t[6];
+    float* vk = (float*)(intptr_t)t[7];
+    const float* hp = (const float*)(intptr_t)t[8];
+    const float decay = hp[0], step_size = hp[1], w1 = hp[2], b2 = hp[3], w2 = hp[4];
+    const float eps = hp[5], inv_bc2s = hp[6];
+    const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
+    for (int64_t g0 = lo; g0 < hi; g0 += CHUNK) {
+        const int nb = (int)((hi - g0) < CHUNK ? (hi - g0) : CHUNK);
+        float ikm[CHUNK], bm[CHUNK], ikv[CHUNK], bv[CHUNK];
+        uint32_t mmax[CHUNK], mmin[CHUNK], vmax[CHUNK], vmin[CHUNK];
+        int64_t nn[CHUNK];
+        if (EX) {
+            dequant_consts(ms + g0, mk + g0, ikm, bm, nb, F, LOG2F);
+            dequant_consts(vs + g0, vk + g0, ikv, bv, nb, F, LOG2F);
+        }
+        for (int j = 0; j < nb; ++j) {
+            const int64_t gi = g0 + j, r = gi / gc, c0 = (gi - r * gc) * gs;
+            const int64_t off = r * cols + c0;
+            int64_t n = cols - c0;
+            n = (n < gs) ? n : gs;
+            nn[j] = n;
+            float* restrict p32 = (float*)(pbase + off * psz);
+            uint16_t* restrict pbf = (uint16_t*)(pbase + off * psz);
+            const float* restrict g32 = (const float*)(gbase + off * gsz);
+            const uint16_t* restrict gbf = (const uint16_t*)(gbase + off * gsz);
+            const uint8_t* restrict qm = mq + gi * gs;
+            const uint8_t* restrict qv = vq + gi * gs;
+            float* restrict m_out = mb + j * gs;
+            float* restrict v_out = vb + j * gs;
+            const float sm = ms[gi], sv = vs[gi];
+            const float ik_m = ikm[j], b_m = bm[j], ik_v = ikv[j], b_v = bv[j];
+            uint32_t amx = 0u, amn = INF_BITS, avx = 0u, avn = INF_BITS;
+            for (int64_t i = 0; i < n; ++i) {
+                float qmf = dec_fp8(qm[i], E5), qvf = dec_fp8(qv[i], E5);
+                float mo, vo;
+                if (EX) {
+                    float am = fabsf(qmf), av = fabsf(qvf);
+                    int nzm = am > 0.0f, nzv = av > 0.0f;
+                    float ym = flog2(nzm ? am : 1.0f) * ik_m + b_m;
+                    float yv = flog2(nzv ? av : 1.0f) * ik_v + b_v;
+                    float mm = fexp2(ym), mv = fexp2(yv);
+                    mo = copysignf(nzm ? mm : 0.0f, qmf);
+                    vo = copysignf(nzv ? mv : 0.0f, qvf);
+                } else {
+                    mo = qmf * sm;
+                    vo = qvf * sv;
+                }
+                float g = GB ? bf16_to_f(gbf[i]) : g32[i];
+                float p = PB ? bf16_to_f(pbf[i]) : p32[i];
+                float mn = mo + w1 * (g - mo);
+                float vn = vo * b2 + w2 * g * g;
+                float den = sqrtf(vn) * inv_bc2s + eps;
+                float pn = p * decay - step_size * mn / den;
+                if (PB) pbf[i] = f_to_bf16(pn); else p32[i] = pn;
+                m_out[i] = mn;
+                v_out[i] = vn;
+                uint32_t a = f2b(mn) & 0x7FFFFFFFu, b = f2b(vn) & 0x7FFFFFFFu;
+                amx = (a > amx) ? a : amx;
+                avx = (b > avx) ? b : avx;
+                uint32_t an = (a >= FLT_MIN_BITS) ? a : INF_BITS;
+                uint32_t bn = (b >= FLT_MIN_BITS) ? b : INF_BITS;
+                amn = (an < amn) ? an : amn;
+                avn = (bn < avn) ? bn : avn;
+            }
+            mmax[j] = amx; mmin[j] = amn; vmax[j] = avx; vmin[j] = avn;
+        }
+        float km[CHUNK], kv[CHUNK], lm[CHUNK], lv[CHUNK], am[CHUNK], av[CHUNK];
+        quant_consts(mmax, mmin, ms + g0, EX ? mk + g0 : NULL, am, km, lm, nb, F, STEPS, EX);
+        quant_consts(vmax, vmin, vs + g0, EX ? vk + g0 : NULL, av, kv, lv, nb, F, STEPS, EX);
+        for (int j = 0; j < nb; ++j) {
+            requant(mb + j * gs, mq + (g0 + j) * gs, nn[j], gs, EX ? km[j] : 0.0f,
+                    EX ? lm[j] : 0.0f, am[j], E5, EX);
+            requant(vb + j * gs, vq + (g0 + j) * gs, nn[j], gs, EX ? kv[j] : 0.0f,
+                    EX ? lv[j] : 0.0f, av[j], E5, EX);
+        }
+    }
+}
+
+/* One variant per library: VARIANT = p_bf16 | g_bf16 << 1 | e5m2 << 2 | expansion << 3. */
+static int dispatch(const int64_t* t, int64_t lo, int64_t hi, float* mb, float* vb) {
+    if (t[12] != VARIANT) return 2;
+    run_groups(t, lo, hi, mb, vb, VARIANT & 1, (VARIANT >> 1) & 1, (VARIANT >> 2) & 1,
+               (VARIANT >> 3) & 1);
+    return 0;
+}
+
+static int64_t task_groups(const int64_t* t) { return t[9] * ((t[10] + t[11] - 1) / t[11]); }
+
+typedef struct {
+    const int64_t* tasks;
+    int64_t ntasks, start, stop, maxgs;
+    int rc;
+} work_t;
+
+static void* worker(void* arg) {
+    work_t* w = (work_t*)arg;
+    float* buf = (float*)malloc(2 * CHUNK * w->maxgs * sizeof(float));
+    if (!buf) { w->rc = 1; return NULL; }
+    int64_t base = 0;
+    for (int64_t k = 0; k < w->ntasks && base < w->stop; ++k) {
+        const int64_t* t = w->tasks + 13 * k;
+        int64_t ng = task_groups(t);
+        int64_t lo = (w->start > base ? w->start : base) - base;
+        int64_t hi = (w->stop < base + ng ? w->stop : base + ng) - base;
+        if (lo < hi) {
+            int rc = dispatch(t, lo, hi, buf, buf + CHUNK * w->maxgs);
+            if (rc) w->rc = rc;
+        }
+        base += ng;
+    }
+    free(buf);
+    return NULL;
+}
+
+int adamw_fp8_step(int64_t ntasks, const int64_t* tasks, int64_t nthreads) {
+    int64_t total = 0, maxgs = 1;
+    for (int64_t k = 0; k < ntasks; ++k) {
+        const int64_t* t = tasks + 13 * k;
+        if (t[11] < 1 || t[10] < 1 || t[9] < 0) return 3;
+        total += task_groups(t);
+        maxgs = t[11] > maxgs ? t[11] : maxgs;
+    }
+    int64_t nt = nthreads < 1 ? 1 : nthreads;
+    nt = nt > MAX_THREADS ? MAX_THREADS : nt;
+    int64_t useful = total / 256 + 1; /* at least 256 groups per thread */
+    nt = nt > useful ? useful : nt;
+    work_t w[MAX_THREADS];
+    pthread_t th[MAX_THREADS];
+    int started[MAX_THREADS];
+    for (int64_t i = 0; i < nt; ++i) {
+        w[i].tasks = tasks; w[i].ntasks = ntasks; w[i].maxgs = maxgs; w[i].rc = 0;
+        w[i].start = total * i / nt; w[i].stop = total * (i + 1) / nt;
+        started[i] = 0;
+    }
+    for (int64_t i = 1; i < nt; ++i) started[i] = pthread_create(&th[i], NULL, worker, &w[i]) == 0;
+    for (int64_t i = 1; i < nt; ++i) if (!started[i]) worker(&w[i]);
+    worker(&w[0]);
+    int rc = w[0].rc;
+    for (int64_t i = 1; i < nt; ++i) {
+        if (started[i]) pthread_join(th[i], NULL);
+        if (w[i].rc) rc = w[i].rc;
+    }
+    return rc;
+}
+"""

@@ -1,0 +1,163 @@
+"""Per-tensor AdamW steps used by :class:`hf_fp8.optim.AdamWFp8` (functions, no state).
+
+* :func:`grouped_step`: the quantized step on ``[groups, group_size]`` views, written with
+  plain fp32 torch operations (the reference; ``torch.compile`` of it is a fast path and the
+  C kernel in :mod:`hf_fp8.optim._cpu_kernel` mirrors it bit for bit).
+* :func:`fp32_step`: AdamW with fp32 states for tensors that are not quantized, with the
+  same foreach operations as ``torch.optim.AdamW(foreach=True)``.
+
+Hyper-parameters of the quantized step travel as one fp32 tensor (:func:`hyperparams`) so
+that a compiled step never recompiles when the learning rate changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hf_fp8.numerics.coat import dequantize_groups, quantize_groups
+
+# Order of the fields of the hyper-parameter tensor (shared with the C kernel).
+HP_FIELDS = ("decay", "step_size", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "inv_bc2")
+
+
+def hyperparams(group: dict, step: float, device: torch.device) -> torch.Tensor:
+    """fp32 tensor of :data:`HP_FIELDS` for one step of ``group``.
+
+    ``decay = 1 - lr·wd``, ``step_size = lr / (1 - β1^t)``, ``inv_bc2 = 1 / sqrt(1 - β2^t)``,
+    computed in float64 (a tensor ``lr`` stays on its device: no host sync).
+    """
+    beta1, beta2 = group["betas"]
+    bc1 = 1.0 - beta1**step
+    inv_bc2 = 1.0 / math.sqrt(1.0 - beta2**step)
+    lr, wd = group["lr"], group["weight_decay"]
+    rest = [1.0 - beta1, beta2, 1.0 - beta2, group["eps"], inv_bc2]
+    if isinstance(lr, torch.Tensor):
+        lr64 = lr.detach().reshape(()).to(device=device, dtype=torch.float64)
+        head = torch.stack([1.0 - lr64 * wd, lr64 / bc1])
+        tail = torch.tensor(rest, dtype=torch.float64, device=device)
+        return torch.cat([head, tail]).to(torch.float32)
+    return torch.tensor([1.0 - lr * wd, lr / bc1, *rest], dtype=torch.float32, device=device)
+
+
+def grouped_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m_q: torch.Tensor,
+    m_scale: torch.Tensor,
+    m_exp: torch.Tensor | None,
+    v_q: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_exp: torch.Tensor | None,
+    hp: torch.Tensor,
+) -> None:
+    """One AdamW step on ``[G, group_size]`` tensors with quantized moments, in place.
+
+    ``m_q`` / ``v_q``: fp8 codes ``[G, group_size]``; ``*_scale`` / ``*_exp``: fp32 ``[G]``
+    (``*_exp`` is ``None`` without dynamic range expansion). Every operation is fp32 and in
+    the order the C kernel uses.
+    """
+    decay, step_size, w1, beta2, w2, eps, inv_bc2 = hp.unbind(0)
+    g = grad.float()
+    m = dequantize_groups(m_q, m_scale, m_exp)
+    v = dequantize_groups(v_q, v_scale, v_exp)
+    m = m + w1 * (g - m)
+    v = v * beta2 + w2 * g * g
+    denom = _sqrt_rn(v) * inv_bc2 + eps
+    param.copy_(param.float() * decay - step_size * m / denom)
+    expand = m_exp is not None
+    for new, q, scale, exp in ((m, m_q, m_scale, m_exp), (v, v_q, v_scale, v_exp)):
+        q_new, scale_new, exp_new = quantize_groups(new, q.dtype, dynamic_range_expansion=expand)
+        q.copy_(q_new)
+        scale.copy_(scale_new)
+        if exp is not None and exp_new is not None:
+            exp.copy_(exp_new)
+
+
+def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root on CPU, where torch's fp32 ``sqrt`` may be 1 ulp
+    off: the float64 root rounded once to fp32 is exact, as is the C kernel's ``sqrtf``."""
+    return x.double().sqrt().float() if x.device.type == "cpu" else x.sqrt()
+
+
+def padded_groups(x: torch.Tensor, cols: int, group_size: int) -> torch.Tensor:
+    """``x`` (``[rows, cols]``) zero-padded to whole groups and viewed as ``[G, group_size]``."""
+    pad = (-cols) % group_size
+    if pad:
+        x = F.pad(x, (0, pad))
+    return x.reshape(-1, group_size)
+
+
+def run_grouped(
+    fn,
+    param2d: torch.Tensor,
+    grad2d: torch.Tensor,
+    states: tuple[torch.Tensor | None, ...],
+    hp: torch.Tensor,
+    group_size: int,
+    mark_dynamic: bool = False,
+) -> None:
+    """Call ``fn`` (:func:`grouped_step` or a compiled version) on a ``[rows, cols]`` parameter.
+
+    ``states`` are ``(m_q [rows, Cp], m_scale [rows, Gc], m_exp, v_q, v_scale, v_exp)``.
+    Rows that do not fill whole groups are padded in temporary copies.
+    """
+    rows, cols = param2d.shape
+    m_q, m_scale, m_exp, v_q, v_scale, v_exp = states
+    flat = [
+        m_q.view(-1, group_size),
+        m_scale.view(-1),
+        None if m_exp is None else m_exp.view(-1),
+        v_q.view(-1, group_size),
+        v_scale.view(-1),
+        None if v_exp is None else v_exp.view(-1),
+    ]
+    aligned = cols % group_size == 0 and param2d.is_contiguous()
+    p = param2d.view(-1, group_size) if aligned else padded_groups(param2d, cols, group_size)
+    g = padded_groups(grad2d, cols, group_size)
+    if mark_dynamic:
+        for t in (p, g, *flat):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+    fn(p, g, *flat, hp)
+    if not aligned:
+        param2d.copy_(p.view(rows, -1)[:, :cols])
+
+
+def fp32_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[float],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+) -> None:
+    """AdamW on fp32 states with ``torch.optim.AdamW(foreach=True)``'s operations.
+
+    ``params`` / ``grads`` may be bf16 (computed in fp32 copies, rounded back once).
+    """
+    if not params:
+        return
+    p32 = [p if p.dtype == torch.float32 else p.float() for p in params]
+    g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
+    if weight_decay != 0:
+        torch._foreach_mul_(p32, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, g32, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g32, g32, 1 - beta2)
+    step_size = [(lr / (1 - beta1**s)) * -1 for s in steps]
+    bc2_sqrt = [(1 - beta2**s) ** 0.5 for s in steps]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p32, exp_avgs, denom, step_size)
+    for p, p_32 in zip(params, p32, strict=True):
+        if p is not p_32:
+            p.copy_(p_32)

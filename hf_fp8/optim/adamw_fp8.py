@@ -1,0 +1,357 @@
+"""``AdamWFp8``: AdamW whose two moments are stored in FP8 per group (COAT).
+
+State of a quantized parameter ``p`` (``rows = p.shape[0]``, ``cols = p.numel() // rows``,
+``Gc = ceil(cols / group_size)``; groups are ``group_size`` consecutive elements of a row,
+so they survive FSDP2's dim-0 sharding)::
+
+    step                  fp32 scalar (CPU)
+    exp_avg_fp8           fp8 [rows, Gc·group_size]   (zero padding past cols)
+    exp_avg_scale         fp32 [rows, Gc]             amax / fp8_max
+    exp_avg_exponent      fp32 [rows, Gc]             COAT's k (expansion only)
+    exp_avg_sq_fp8 / exp_avg_sq_scale / exp_avg_sq_exponent    the same for the 2nd moment
+
+≈ 2.13 bytes/parameter with expansion, 2.06 without (fp32 AdamW: 8). A parameter is
+quantized when it has ≥ 2 dims and ≥ ``min_quantize_numel`` (4096) elements; the others
+(biases, norms, tiny tensors) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and follow
+``torch.optim.AdamW`` exactly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from hf_fp8.numerics.formats import fp8_dtype
+from hf_fp8.optim import _cpu_kernel, _step
+from hf_fp8.optim._layout import (
+    QUANT_KEYS,
+    is_quantized_state,
+    local,
+    new_fp32_state,
+    new_quantized_state,
+    quantizable_placements,
+    quantized_states,
+)
+
+IMPLEMENTATIONS = ("auto", "cpu_kernel", "compile", "reference")
+DEFAULT_MIN_QUANTIZE_NUMEL = 4096
+# Options that define the state format: loading a state saved with others is an error.
+FORMAT_OPTIONS = ("group_size", "fp8_format", "dynamic_range_expansion")
+
+
+class AdamWFp8(Optimizer):
+    """AdamW with FP8 moments and COAT dynamic range expansion.
+
+    Args:
+        params: parameters or param groups (each group may override every option below
+            except ``implementation``).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``lr`` may be a tensor).
+        dynamic_range_expansion: COAT's per-group power transform (``False``: plain
+            per-group absmax FP8).
+        group_size: consecutive elements of a row sharing one scale.
+        fp8_format: ``"e4m3"`` (default) or ``"e5m2"``.
+        min_quantize_numel: tensors with fewer elements (and all 1-D tensors) keep fp32
+            states.
+        amsgrad: must be ``False`` (not supported).
+        implementation: ``"auto"`` (fused C kernel for CPU tensors, else ``torch.compile``
+            of the reference step, falling back to the reference if compilation fails),
+            ``"cpu_kernel"``, ``"compile"`` or ``"reference"`` (eager torch). All give the
+            same results; the reference and the C kernel are bit-identical.
+
+    Usage (``import hf_fp8`` registers the Trainer names)::
+
+        opt = hf_fp8.AdamWFp8(model.parameters(), lr=3e-4, weight_decay=0.1)
+        TrainingArguments(..., optim="adamw_fp8_coat")  # COAT expansion
+        TrainingArguments(..., optim="adamw_fp8", optim_args="group_size=64")  # plain FP8
+        # public Trainer route, independent of transformers' internals:
+        Trainer(model, args, optimizer_cls_and_kwargs=(hf_fp8.AdamWFp8, {"lr": 3e-4}))
+
+    Non-finite gradients give non-finite parameters, as with ``torch.optim.AdamW``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        dynamic_range_expansion: bool = True,
+        group_size: int = 128,
+        fp8_format: str = "e4m3",
+        min_quantize_numel: int = DEFAULT_MIN_QUANTIZE_NUMEL,
+        amsgrad: bool = False,
+        implementation: str = "auto",
+    ) -> None:
+        if amsgrad:
+            raise ValueError("AdamWFp8 does not support amsgrad=True (use torch.optim.AdamW)")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation={implementation!r} is not supported; use one of {IMPLEMENTATIONS}"
+            )
+        self.implementation = implementation
+        self._compiled: Callable | None = None
+        self._warned: set[str] = set()
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "dynamic_range_expansion": dynamic_range_expansion,
+            "group_size": group_size,
+            "fp8_format": fp8_format,
+            "min_quantize_numel": min_quantize_numel,
+        }
+        _validate_group(defaults)
+        super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "implementation": self.implementation}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("implementation", "auto")
+        self.__dict__.setdefault("_compiled", None)
+        self.__dict__.setdefault("_warned", set())
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after validating its hyper-parameters and parameters."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _validate_group(group)
+            for p in group["params"]:
+                if torch.is_complex(p):
+                    raise ValueError("AdamWFp8 does not support complex parameters")
+                if not p.is_floating_point():
+                    raise ValueError(f"AdamWFp8 needs floating-point parameters, got {p.dtype}")
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        fp32: dict[torch.device, dict[str, list]] = {}  # per device: foreach needs one
+        batch = _cpu_kernel.Batch()
+        hp_cache: dict[tuple[float, torch.device], torch.Tensor] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("AdamWFp8 does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state, group)
+            state["step"] += 1
+            step = float(state["step"])
+            if not is_quantized_state(state):
+                lists = fp32.setdefault(p.device, {"p": [], "g": [], "m": [], "v": [], "s": []})
+                for key, value in zip(
+                    "pgmvs", (p, p.grad, state["exp_avg"], state["exp_avg_sq"], step), strict=True
+                ):
+                    lists[key].append(local(value) if key != "s" else value)
+                continue
+            param, grad = local(p), local(p.grad)
+            if param.numel() == 0:
+                continue
+            states = tuple(None if s is None else local(s) for s in quantized_states(state))
+            key = (step, param.device)
+            if key not in hp_cache:
+                hp_cache[key] = _step.hyperparams(group, step, param.device)
+            self._quantized_step(param, grad, states, hp_cache[key], group, batch)
+        batch.run()
+        lr = group["lr"]
+        for lists in fp32.values():
+            _step.fp32_step(
+                lists["p"],
+                lists["g"],
+                lists["m"],
+                lists["v"],
+                lists["s"],
+                lr=float(lr) if isinstance(lr, torch.Tensor) else lr,  # host sync on GPU
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+            )
+
+    def _quantized_step(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        states: tuple[torch.Tensor | None, ...],
+        hp: torch.Tensor,
+        group: dict[str, Any],
+        batch: _cpu_kernel.Batch,
+    ) -> None:
+        rows = param.shape[0]
+        cols = param.numel() // rows
+        gs = group["group_size"]
+        expand = group["dynamic_range_expansion"]
+        work = param if param.is_contiguous() else param.contiguous()
+        impl = self._resolve(work, grad, states, expand)
+        if impl == "cpu_kernel":  # queued: one kernel call per group and variant
+            batch.add(work, grad, states, hp, cols, gs, expand, copy_to=param)
+            return
+        p2d, g2d = work.view(rows, cols), grad.reshape(rows, cols)
+        done = False
+        if impl == "compile":
+            try:
+                _step.run_grouped(self._compiled_fn(), p2d, g2d, states, hp, gs, True)
+                done = True
+            except Exception as exc:  # compilation failed: reference from now on
+                self._warn_once("compile", f"torch.compile failed ({exc!r}); using the reference")
+                self.implementation = "reference"
+        if not done:
+            _step.run_grouped(_step.grouped_step, p2d, g2d, states, hp, gs)
+        if work is not param:
+            param.copy_(work)
+
+    def _resolve(self, param: torch.Tensor, grad: torch.Tensor, states: tuple, expand: bool) -> str:
+        impl = self.implementation
+        if impl in ("auto", "cpu_kernel") and _cpu_kernel.supports(param, grad, states):
+            variant = _cpu_kernel.variant(param.dtype, grad.dtype, states[0].dtype, expand)
+            if _cpu_kernel.load(variant):
+                return "cpu_kernel"
+            self._warn_once("kernel", f"CPU kernel unavailable ({_cpu_kernel.error()})")
+        if impl == "reference":
+            return "reference"
+        return "compile"
+
+    def _compiled_fn(self) -> Callable:
+        if self._compiled is None:
+            self._compiled = torch.compile(_step.grouped_step, fullgraph=True, dynamic=False)
+        return self._compiled
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"AdamWFp8: {message}", RuntimeWarning, stacklevel=3)
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        quantize = p.dim() >= 2 and p.numel() >= group["min_quantize_numel"]
+        if quantize and not quantizable_placements(p):
+            self._warn_once(
+                "placements",
+                f"DTensor parameters with placements {p.placements} keep fp32 states: groups "
+                "follow rows, so only Shard(0) and Replicate placements are quantized",
+            )
+            quantize = False
+        if quantize:
+            state.update(
+                new_quantized_state(
+                    p,
+                    group_size=group["group_size"],
+                    fp8=fp8_dtype(group["fp8_format"]),
+                    expand=group["dynamic_range_expansion"],
+                )
+            )
+        else:
+            state.update(new_fp32_state(p))
+
+    # ------------------------------------------------------------ state dict
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state; fp8 codes and fp32 metadata keep their dtypes (only the device moves).
+
+        Raises ``ValueError`` when the state was saved with another ``group_size``,
+        ``fp8_format`` or ``dynamic_range_expansion``.
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state has {len(saved_groups)} parameter groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            for option in FORMAT_OPTIONS:
+                if option in saved and saved[option] != group[option]:
+                    raise ValueError(
+                        f"cannot load an AdamWFp8 state saved with {option}={saved[option]!r} "
+                        f"into param group {i} configured with {option}={group[option]!r}; "
+                        f"create the optimizer with {option}={saved[option]!r}"
+                    )
+        params = {
+            pid: p
+            for saved, group in zip(saved_groups, self.param_groups, strict=True)
+            for pid, p in zip(saved["params"], group["params"], strict=True)
+        }
+        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        for pid, saved_state in state_dict["state"].items():
+            p = params[pid]
+            self.state[p] = {
+                key: _to_param_device(value, p, key) for key, value in saved_state.items()
+            }
+            _check_loaded_state(self.state[p], self._group_of(p), pid)
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+
+def _to_param_device(value: Any, p: torch.Tensor, key: str) -> Any:
+    if not isinstance(value, torch.Tensor) or key == "step":
+        return value
+    if type(value) is not torch.Tensor or type(p) is not torch.Tensor:  # DTensor: as given
+        return value
+    return value.to(device=p.device).contiguous()
+
+
+def _check_loaded_state(state: dict[str, Any], group: dict[str, Any], pid: Any) -> None:
+    if not is_quantized_state(state):
+        return
+    want = fp8_dtype(group["fp8_format"])
+    if state["exp_avg_fp8"].dtype != want or state["exp_avg_sq_fp8"].dtype != want:
+        raise ValueError(
+            f"state of parameter {pid} holds {state['exp_avg_fp8'].dtype} moments, the "
+            f"optimizer expects fp8_format={group['fp8_format']!r} ({want})"
+        )
+    has_exp = "exp_avg_exponent" in state
+    if has_exp != bool(group["dynamic_range_expansion"]):
+        raise ValueError(
+            f"state of parameter {pid} was saved with dynamic_range_expansion={has_exp}"
+        )
+    missing = [k for k in QUANT_KEYS if k not in state and "exponent" not in k]
+    if missing:
+        raise ValueError(f"state of parameter {pid} lacks {missing}")
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError("a tensor lr must have exactly one element")
+    elif not lr >= 0.0:
+        raise ValueError(f"invalid learning rate: {lr}")
+    if not group["eps"] >= 0.0:
+        raise ValueError(f"invalid eps: {group['eps']}")
+    betas = group["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"invalid betas: {betas} (each must be in [0, 1))")
+    if not group["weight_decay"] >= 0.0:
+        raise ValueError(f"invalid weight_decay: {group['weight_decay']}")
+    gs = group["group_size"]
+    if isinstance(gs, bool) or not isinstance(gs, int) or not 1 <= gs <= 65536:
+        raise ValueError(f"group_size must be an int in [1, 65536], got {gs!r}")
+    fp8_dtype(group["fp8_format"])  # raises with the accepted names
+    if not isinstance(group["dynamic_range_expansion"], bool):
+        raise ValueError("dynamic_range_expansion must be a bool")
+    n = group["min_quantize_numel"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"min_quantize_numel must be an int >= 0, got {n!r}")

@@ -1,0 +1,154 @@
+"""The fast paths (C kernel, torch.compile) give the reference step's results."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from hf_fp8.optim import AdamWFp8, _cpu_kernel
+from hf_fp8.optim._layout import QUANT_KEYS
+
+SHAPES = [(40, 256), (33, 200), (1, 4096), (4, 8, 70), (130,)]
+HP = {"lr": 3e-2, "betas": (0.9, 0.99), "weight_decay": 0.1, "min_quantize_numel": 1000}
+
+needs_kernel = pytest.mark.skipif(
+    _cpu_kernel.load() is None, reason=f"C kernel unavailable: {_cpu_kernel.error()}"
+)
+
+
+def adversarial_grads(params: list[torch.Tensor], step: int, grad_dtype: torch.dtype) -> None:
+    """Magnitudes over 33 decades, zero rows and columns, fp32 denormals, huge values."""
+    g = torch.Generator().manual_seed(step)
+    for p in params:
+        mag = 10 ** torch.empty(p.shape).uniform_(-30, 3, generator=g)
+        grad = torch.randn(p.shape, generator=g) * mag
+        flat = grad.view(-1)
+        flat[:: 7 + step] = 0.0
+        if p.dim() >= 2:
+            grad[0] = 0.0  # an all-zero row: zero groups
+        flat[3] = 1e15 if step % 2 else -1e-38  # g² stays finite; 1e-38 is a denormal
+        if grad_dtype != p.dtype and hasattr(p, "grad_dtype"):
+            p.grad_dtype = None  # torch >= 2.10 checks grad.dtype == param.dtype by default
+        p.grad = grad.to(grad_dtype)
+
+
+def run(implementation: str, param_dtype, grad_dtype, fp8_format: str, expand: bool, steps=4):
+    g = torch.Generator().manual_seed(0)
+    params = [
+        torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(param_dtype)) for s in SHAPES
+    ]
+    opt = AdamWFp8(
+        params,
+        fp8_format=fp8_format,
+        dynamic_range_expansion=expand,
+        implementation=implementation,
+        **HP,
+    )
+    for step in range(steps):
+        adversarial_grads(params, step, grad_dtype)
+        opt.step()
+    return params, opt
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    return t.detach().reshape(-1).view(ints[t.dtype.itemsize])
+
+
+def assert_bit_identical(run_a, run_b) -> None:
+    (pa, oa), (pb, ob) = run_a, run_b
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.isfinite(a).all()
+        assert torch.equal(bits(a), bits(b))
+        sa, sb = oa.state[a], ob.state[b]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert torch.equal(bits(sa[key]), bits(sb[key])), key
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("param_dtype", "grad_dtype", "fp8_format", "expand"),
+    list(itertools.product(DTYPES, DTYPES, ["e4m3", "e5m2"], [True, False])),
+)
+def test_cpu_kernel_is_bit_identical_to_reference(param_dtype, grad_dtype, fp8_format, expand):
+    reference = run("reference", param_dtype, grad_dtype, fp8_format, expand)
+    kernel = run("cpu_kernel", param_dtype, grad_dtype, fp8_format, expand)
+    assert_bit_identical(reference, kernel)
+    quantized = [p for p in kernel[0] if QUANT_KEYS[0] in kernel[1].state[p]]
+    assert len(quantized) == 4  # the 1-D tensor keeps fp32 states
+
+
+@needs_kernel
+def test_cpu_kernel_threads_do_not_change_results():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run("cpu_kernel", torch.float32, torch.float32, "e4m3", True)
+        torch.set_num_threads(max(2, threads))
+        many = run("cpu_kernel", torch.float32, torch.float32, "e4m3", True)
+    finally:
+        torch.set_num_threads(threads)
+    assert_bit_identical(one, many)
+
+
+def test_fallbacks_warn_once_and_match_reference(monkeypatch):
+    """No C kernel and a failing torch.compile: one warning each, reference results."""
+    monkeypatch.setattr(_cpu_kernel, "load", lambda variant=0: None)
+
+    def broken_compile(self):
+        def fail(*args):
+            raise RuntimeError("no compiler")
+
+        return fail
+
+    monkeypatch.setattr(AdamWFp8, "_compiled_fn", broken_compile)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = run("auto", torch.float32, torch.float32, "e4m3", True)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert sum("torch.compile failed" in m for m in messages) == 1
+    assert sum("CPU kernel unavailable" in m for m in messages) == 1
+    assert fallback[1].implementation == "reference"
+    assert_bit_identical(run("reference", torch.float32, torch.float32, "e4m3", True), fallback)
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_reference_without_recompiling_for_lr():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    shapes = [(64, 256), (32, 256)]  # two sizes: one graph (dynamic number of groups)
+
+    def make(implementation: str, lr):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+        opt = AdamWFp8(ps, lr=lr, implementation=implementation)
+        return ps, opt
+
+    results = {}
+    for tensor_lr in (False, True):
+        for implementation in ("reference", "compile"):
+            # a fresh tensor per optimizer: LambdaLR updates a tensor lr in place
+            ps, opt = make(implementation, torch.tensor(1e-2) if tensor_lr else 1e-2)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+            graphs = []
+            for step in range(4):
+                adversarial_grads(ps, step, torch.float32)
+                opt.step()
+                sched.step()
+                graphs.append(counters["stats"]["unique_graphs"])
+            results[(implementation, tensor_lr)] = ps
+            if implementation == "compile":
+                assert graphs[-1] == graphs[0], "the lr schedule caused a recompilation"
+    for tensor_lr in (False, True):
+        for a, b in zip(
+            results[("reference", tensor_lr)], results[("compile", tensor_lr)], strict=True
+        ):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
