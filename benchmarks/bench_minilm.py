@@ -104,6 +104,12 @@ def main(argv: list[str] | None = None) -> dict:
         if scheme == "static":
             hf_fp8.calibrate(model, batches, observer="minmax", progress=False)
         results[f"hf_fp8 {scheme}"] = cosine(model)
+    searched = AutoModel.from_pretrained(
+        path,
+        dtype=torch.float32,
+        quantization_config=hf_fp8.Fp8Config("weight_only", weight_scale_method="mse"),
+    )
+    results["hf_fp8 weight_only, weight_scale_method='mse'"] = cosine(searched)
 
     RESULTS.mkdir(exist_ok=True)
     payload = {"sentences": n, "mean_cosine": results, "targets": TARGETS}

@@ -8,7 +8,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from hf_fp8.kernels import check_kernel
 from hf_fp8.modules import default_activation_granularity, validate_scheme
-from hf_fp8.numerics import fp8_dtype
+from hf_fp8.numerics import SCALE_METHODS, fp8_dtype
 
 QUANT_METHOD = "hf_fp8"
 
@@ -34,6 +34,9 @@ class Fp8Config(QuantizationConfigMixin):
         activation_scale: static scale used by every layer.
         activation_scales: static scales per module name (override ``activation_scale``).
         kernel: ``"auto"``, ``"scaled_mm"`` or ``"emulated"``.
+        weight_scale_method: ``"absmax"`` (``amax / fp8_max``, default) or ``"mse"``
+            (per-group clipping that minimises the weight's squared error; slower to
+            quantize, same format on disk).
         dequantize: load an FP8 checkpoint back into high precision.
     """
 
@@ -49,6 +52,7 @@ class Fp8Config(QuantizationConfigMixin):
         activation_scale: float | None = None,
         activation_scales: dict[str, float] | None = None,
         kernel: str = "auto",
+        weight_scale_method: str = "absmax",
         dequantize: bool = False,
         quant_method: str = QUANT_METHOD,
     ) -> None:
@@ -76,6 +80,7 @@ class Fp8Config(QuantizationConfigMixin):
             {str(k): float(v) for k, v in activation_scales.items()} if activation_scales else None
         )
         self.kernel = kernel
+        self.weight_scale_method = weight_scale_method
         self.dequantize = bool(dequantize)
         self.post_init()
 
@@ -86,6 +91,11 @@ class Fp8Config(QuantizationConfigMixin):
         )
         fp8_dtype(self.fp8_format)
         check_kernel(self.kernel)
+        if self.weight_scale_method not in SCALE_METHODS:
+            raise ValueError(
+                f"weight_scale_method={self.weight_scale_method!r} is not supported; use one "
+                f"of {SCALE_METHODS}"
+            )
         if len(self.block_size) != 2 or min(self.block_size) < 1:
             raise ValueError(
                 f"block_size must be two positive ints [rows, cols], got {self.block_size}"

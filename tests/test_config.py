@@ -148,3 +148,10 @@ def test_quantize_model_uses_the_same_config_and_skips_modules(monkeypatch) -> N
     assert out.shape == (3, 8) and bool(torch.isfinite(out).all())
     quantize_model(model, Fp8Config(), skip=["lm_head2"])  # idempotent on converted layers
     assert type(model.lm_head2) is Fp8Linear and model.lm_head2.activation_scheme == "weight_only"
+
+
+def test_weight_scale_method_is_validated_and_round_trips() -> None:
+    config = Fp8Config("weight_only", weight_scale_method="mse")
+    assert Fp8Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(ValueError, match="absmax"):
+        Fp8Config(weight_scale_method="max")

@@ -167,6 +167,7 @@ class Fp8Linear(nn.Linear):
             new.weight_granularity,
             new.block_size,
             name=f"{module_name or 'linear'}.weight",
+            scale_method=getattr(config, "weight_scale_method", "absmax"),
         )
         new.weight = nn.Parameter(w_fp8, requires_grad=False)
         new.weight_scale = nn.Parameter(w_scale, requires_grad=False)

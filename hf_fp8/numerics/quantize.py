@@ -159,20 +159,78 @@ def dequantize(
     return (x_fp8.float() * scale.float()).to(dtype)
 
 
+def _group_sum(x: torch.Tensor, granularity: str, block_size: tuple[int, int]) -> torch.Tensor:
+    """Sum of ``x`` reduced to the shape of the scale (as ``amax`` reduces the max)."""
+    if granularity == "tensor":
+        return x.sum().reshape(1)
+    if granularity == "row":
+        return x.sum(dim=-1, keepdim=True)
+    bn, bk = _check_block(x, block_size)
+    return _to_blocks(x, bn, bk).sum(dim=(-3, -1))
+
+
+SCALE_METHODS = ("absmax", "mse")
+
+
+def mse_scale(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    granularity: str = "row",
+    block_size: tuple[int, int] = (128, 128),
+    candidates: int = 41,
+    lowest: float = 0.6,
+) -> torch.Tensor:
+    """Per-group scale minimising the squared quantization error of ``x``.
+
+    Searches clipping points ``f · amax`` for ``f`` in ``[lowest, 1]`` (``f = 1`` is the
+    absmax scale, so the error never exceeds absmax's); values past the clip saturate.
+    """
+    base = amax(x, granularity, block_size)
+    x32 = x.float()
+    best_scale = amax_to_scale(base, fp8_dtype)
+    best_err = None
+    for frac in torch.linspace(1.0, lowest, candidates).tolist():
+        scale = amax_to_scale(base * frac, fp8_dtype)
+        q = quantize_with_scale(x32, scale, fp8_dtype, granularity, block_size)
+        err = _group_sum(
+            (dequantize(q, scale, torch.float32, granularity, block_size) - x32).square(),
+            granularity,
+            block_size,
+        )
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best_scale = torch.where(better, scale, best_scale)
+        best_err = torch.where(better, err, best_err)
+    return best_scale
+
+
 def quantize_weight(
     weight: torch.Tensor,
     fp8_dtype: torch.dtype,
     granularity: str = "row",
     block_size: tuple[int, int] = (128, 128),
     name: str = "weight",
+    scale_method: str = "absmax",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a ``[N, K]`` weight; raises ``ValueError`` naming ``name`` on NaN / inf."""
+    """Quantize a ``[N, K]`` weight; raises ``ValueError`` naming ``name`` on NaN / inf.
+
+    ``scale_method``: ``"absmax"`` (``amax / fp8_max``) or ``"mse"`` (``mse_scale``).
+    """
     if weight.dim() != 2:
         raise ValueError(
             f"{name} must be 2-D [out_features, in_features], got {tuple(weight.shape)}"
         )
     check_finite(weight, name)
-    return quantize(weight, fp8_dtype, granularity, block_size)
+    if scale_method == "absmax":
+        return quantize(weight, fp8_dtype, granularity, block_size)
+    if scale_method != "mse":
+        raise ValueError(
+            f"scale_method={scale_method!r} is not supported; use one of {SCALE_METHODS}"
+        )
+    scale = mse_scale(weight, fp8_dtype, granularity, block_size)
+    return quantize_with_scale(weight, scale, fp8_dtype, granularity, block_size), scale
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

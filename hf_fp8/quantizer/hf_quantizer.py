@@ -42,6 +42,7 @@ class Fp8QuantizeOp(ConversionOps):
                 module.weight_granularity,
                 module.block_size,
                 name=key,
+                scale_method=self.hf_quantizer.quantization_config.weight_scale_method,
             )
             out[key] = w_fp8.contiguous()
             out[f"{module_name}.weight_scale"] = w_scale
