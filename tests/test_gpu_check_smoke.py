@@ -1,0 +1,28 @@
+"""benchmarks/gpu_check.py runs every code path on tiny CPU shapes (the GPU run needs a lent
+H100/H200; this keeps the script from rotting between such runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "gpu.json"
+    info = module.main(["--cpu-smoke", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == info["rows"]
+    checks = {r["check"] for r in rows}
+    assert checks == {"parity", "linear", "mlp_block", "optimizer"}
+    parity = [r for r in rows if r["check"] == "parity"]
+    assert len(parity) == 6 and all(r["max_rel_diff"] == 0.0 for r in parity)  # CPU: both emulated
+    assert all(r["ms"] > 0 for r in rows if "ms" in r)
