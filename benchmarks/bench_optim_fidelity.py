@@ -54,7 +54,7 @@ MODEL = dict(
     max_position_embeddings=128,
     tie_word_embeddings=False,
 )
-SEQ, BATCH, EVAL_BATCHES = 128, 8, 8
+SEQ, BATCH, EVAL_BATCHES = 128, 8, 32
 LR, WD, WARMUP = 3e-3, 0.1, 30
 OPTIMIZERS = ("adamw_fp32", "adamw_fp8", "adamw_fp8_coat")
 
@@ -76,10 +76,10 @@ def corpus_tokens(n_tokens: int) -> tuple[torch.Tensor, int]:
     return remapped, len(vocab)
 
 
-def make_model(vocab: int) -> torch.nn.Module:
+def make_model(vocab: int, seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **MODEL))
 
 
@@ -137,6 +137,7 @@ class Shadows:
             opt = AdamWFp8(groups, lr=LR, dynamic_range_expansion=name.endswith("coat"))
             self.copies[name] = (params, opt)
         self.update_err: dict[str, list[float]] = {n: [] for n in self.copies}
+        self.update_cos: dict[str, list[float]] = {n: [] for n in self.copies}
         self.moment_err: dict[str, dict[str, list[float]]] = {
             n: {"exp_avg": [], "exp_avg_sq": []} for n in self.copies
         }
@@ -159,13 +160,13 @@ class Shadows:
         ref_norm = torch.sqrt(sum(u.double().pow(2).sum() for u in ref_upd))
         for name, (params, opt) in self.copies.items():
             opt.step()
-            diff = torch.sqrt(
-                sum(
-                    (params[i].detach() - start[i] - u).double().pow(2).sum()
-                    for i, u in zip(quantized, ref_upd, strict=True)
-                )
-            )
+            upd = [params[i].detach() - start[i] for i in quantized]
+            pairs = list(zip(upd, ref_upd, strict=True))
+            diff = torch.sqrt(sum((a - u).double().pow(2).sum() for a, u in pairs))
+            dot = sum((a.double() * u.double()).sum() for a, u in pairs)
+            norm = torch.sqrt(sum(a.double().pow(2).sum() for a in upd))
             self.update_err[name].append(float(diff / ref_norm))
+            self.update_cos[name].append(float(dot / (norm * ref_norm)))
             if measure_moments:
                 for key in ("exp_avg", "exp_avg_sq"):
                     num = den = 0.0
@@ -227,8 +228,9 @@ def train(
     steps: int,
     eval_every: int,
     shadows: bool,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    model = make_model(vocab)
+    model = make_model(vocab, seed)
     opt = make_optimizer(name, model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps))
     shadow = Shadows(model) if shadows else None
@@ -251,6 +253,7 @@ def train(
     out = {
         "eval_curve": curve,
         "final_eval_loss": curve[-1][1],
+        "last3_eval_loss": _mean([c[1] for c in curve[-3:]]),
         "train_loss": train_losses,
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -261,6 +264,7 @@ def train(
             name_q: {
                 "update_rel_error_mean": _mean(shadow.update_err[name_q][skip:]),
                 "update_rel_error_all_steps": _mean(shadow.update_err[name_q]),
+                "update_cosine_similarity": _mean(shadow.update_cos[name_q][skip:]),
                 "exp_avg_rel_error": _mean(shadow.moment_err[name_q]["exp_avg"][skip // 10 :]),
                 "exp_avg_sq_rel_error": _mean(
                     shadow.moment_err[name_q]["exp_avg_sq"][skip // 10 :]
@@ -287,6 +291,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         run = results["runs"][name]
         xs, ys = zip(*run["eval_curve"], strict=True)
         ax1.plot(xs, ys, marker="o", label=f"{name} ({run['final_eval_loss']:.3f})")
+    if "adamw_fp32_seed1" in results["runs"]:
+        xs, ys = zip(*results["runs"]["adamw_fp32_seed1"]["eval_curve"], strict=True)
+        ax1.plot(xs, ys, ls="--", color="gray", label="adamw_fp32, init seed 1 (noise floor)")
     ax1.set(xlabel="step", ylabel="eval loss", title="Small Llama on stdlib source")
     ax1.legend()
     fid = results["runs"]["adamw_fp32"]["fidelity"]
@@ -344,8 +351,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run = train(name, data, evals, vocab, steps, eval_every, shadows=name == "adamw_fp32")
         results["runs"][name] = run
         print(f"{name}: eval loss {run['final_eval_loss']:.4f} ({run['seconds']} s)", flush=True)
+    # noise floor: fp32 AdamW from another initialisation seed (same data)
+    run = train("adamw_fp32", data, evals, vocab, steps, eval_every, shadows=False, seed=1)
+    results["runs"]["adamw_fp32_seed1"] = run
+    print(f"adamw_fp32 (seed 1): eval loss {run['final_eval_loss']:.4f}", flush=True)
     fid = results["runs"]["adamw_fp32"]["fidelity"]
     fp32_loss = results["runs"]["adamw_fp32"]["final_eval_loss"]
+    fp32_last3 = results["runs"]["adamw_fp32"]["last3_eval_loss"]
     coat_err, plain_err = (fid[n]["update_rel_error_mean"] for n in ("adamw_fp8_coat", "adamw_fp8"))
     results["summary"] = {
         "update_rel_error": {"adamw_fp8": plain_err, "adamw_fp8_coat": coat_err},
@@ -357,6 +369,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "eval_loss_rel_vs_fp32": {
             n: results["runs"][n]["final_eval_loss"] / fp32_loss - 1 for n in OPTIMIZERS[1:]
         },
+        "last3_eval_loss_rel_vs_fp32": {
+            n: results["runs"][n]["last3_eval_loss"] / fp32_last3 - 1 for n in OPTIMIZERS[1:]
+        },
+        "update_cosine_similarity": {n: fid[n]["update_cosine_similarity"] for n in fid},
+        "noise_floor_fp32_other_seed_rel": results["runs"]["adamw_fp32_seed1"]["final_eval_loss"]
+        / fp32_loss
+        - 1,
     }
     s = results["summary"]
     results["targets_met"] = {

@@ -33,8 +33,8 @@ AI float flog2(float x) {
     return e + acc * t;
 }
 
-AI float fexp2(float y) {
-    y = (y < -126.0f) ? -126.0f : y;
+/* 2^y for y >= -126 (callers clamp, or know the bound: see requant). */
+AI float fexp2_nc(float y) {
     float r = (y + MAGIC) - MAGIC;
     r = (r > y) ? r - 1.0f : r; /* floor */
     float f = y - r;
@@ -43,6 +43,8 @@ AI float fexp2(float y) {
     float poly = acc * f + 1.0f;
     return b2f(f2b(poly) + (n << 23));
 }
+
+AI float fexp2(float y) { return fexp2_nc((y < -126.0f) ? -126.0f : y); }
 
 AI float dec_fp8(uint8_t c, const int E5) {
     uint32_t s = ((uint32_t)(c & 0x80u)) << 24;
@@ -113,8 +115,10 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
             float x = buf[i];
             float ax = fabsf(x);
             int nz = ax >= FLT_MIN_F;
+            /* y >= LOG2F - log2(F^2/2) > -126 for non-zero x: k (lmax - lmin) <= log2(F^2/2),
+               so the clamp of fexp2 is a no-op; zero lanes are masked below. */
             float y = (flog2(nz ? ax : 1.0f) - lmax) * k + LOG2F;
-            float mag = fexp2(y);
+            float mag = fexp2_nc(y);
             mag = nz ? mag : 0.0f;
             mag = (mag > F) ? F : mag;
             q[i] = enc_fp8(copysignf(mag, x), E5);
@@ -158,6 +162,56 @@ AI void quant_consts(const uint32_t* restrict bmax, const uint32_t* restrict bmi
     }
 }
 
+/* Dequantize, AdamW-update and store the new moments of one group (n elements);
+   red receives the bit-pattern max / min-non-zero of |m| and v. */
+AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
+                     const uint8_t* restrict qv, float* restrict m_out, float* restrict v_out,
+                     float sm, float sv, float ik_m, float b_m, float ik_v, float b_v,
+                     const float* restrict hp, int64_t n, uint32_t* restrict red,
+                     const int PB, const int GB, const int E5, const int EX, const int CLAMP) {
+    const float decay = hp[0], step_size = hp[1], w1 = hp[2], b2 = hp[3], w2 = hp[4];
+    const float eps = hp[5], inv_bc2s = hp[6];
+    float* restrict p32 = (float*)p_;
+    uint16_t* restrict pbf = (uint16_t*)p_;
+    const float* restrict g32 = (const float*)g_;
+    const uint16_t* restrict gbf = (const uint16_t*)g_;
+    uint32_t amx = 0u, amn = INF_BITS, avx = 0u, avn = INF_BITS;
+    for (int64_t i = 0; i < n; ++i) {
+        float qmf = dec_fp8(qm[i], E5), qvf = dec_fp8(qv[i], E5);
+        float mo, vo;
+        if (EX) {
+            float am = fabsf(qmf), av = fabsf(qvf);
+            int nzm = am > 0.0f, nzv = av > 0.0f;
+            float ym = flog2(nzm ? am : 1.0f) * ik_m + b_m;
+            float yv = flog2(nzv ? av : 1.0f) * ik_v + b_v;
+            float mm = CLAMP ? fexp2(ym) : fexp2_nc(ym);
+            float mv = CLAMP ? fexp2(yv) : fexp2_nc(yv);
+            mo = copysignf(nzm ? mm : 0.0f, qmf);
+            vo = copysignf(nzv ? mv : 0.0f, qvf);
+        } else {
+            mo = qmf * sm;
+            vo = qvf * sv;
+        }
+        float g = GB ? bf16_to_f(gbf[i]) : g32[i];
+        float p = PB ? bf16_to_f(pbf[i]) : p32[i];
+        float mn = mo + w1 * (g - mo);
+        float vn = vo * b2 + w2 * g * g;
+        float den = sqrtf(vn) * inv_bc2s + eps;
+        float pn = p * decay - step_size * mn / den;
+        if (PB) pbf[i] = f_to_bf16(pn); else p32[i] = pn;
+        m_out[i] = mn;
+        v_out[i] = vn;
+        uint32_t a = f2b(mn) & 0x7FFFFFFFu, b = f2b(vn) & 0x7FFFFFFFu;
+        amx = (a > amx) ? a : amx;
+        avx = (b > avx) ? b : avx;
+        uint32_t an = (a >= FLT_MIN_BITS) ? a : INF_BITS;
+        uint32_t bn = (b >= FLT_MIN_BITS) ? b : INF_BITS;
+        amn = (an < amn) ? an : amn;
+        avn = (bn < avn) ? bn : avn;
+    }
+    red[0] = amx; red[1] = amn; red[2] = avx; red[3] = avn;
+}
+
 #define CHUNK 16 /* groups processed together: their per-group scalars are vectorized */
 
 /* Task: p, g, mq, ms, mk, vq, vs, vk, hp, rows, cols, group_size, flags (13 int64).
@@ -178,13 +232,12 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
     float* vs = (float*)(intptr_t)t[6];
     float* vk = (float*)(intptr_t)t[7];
     const float* hp = (const float*)(intptr_t)t[8];
-    const float decay = hp[0], step_size = hp[1], w1 = hp[2], b2 = hp[3], w2 = hp[4];
-    const float eps = hp[5], inv_bc2s = hp[6];
+    const float LOG2_MIN_CODE = E5 ? -16.0f : -9.0f; /* flog2 of the smallest positive code */
     const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
     for (int64_t g0 = lo; g0 < hi; g0 += CHUNK) {
         const int nb = (int)((hi - g0) < CHUNK ? (hi - g0) : CHUNK);
-        float ikm[CHUNK], bm[CHUNK], ikv[CHUNK], bv[CHUNK];
-        uint32_t mmax[CHUNK], mmin[CHUNK], vmax[CHUNK], vmin[CHUNK];
+        float ikm[CHUNK] = {0}, bm[CHUNK] = {0}, ikv[CHUNK] = {0}, bv[CHUNK] = {0};
+        uint32_t mmax[CHUNK], mmin[CHUNK], vmax[CHUNK], vmin[CHUNK], stats[4 * CHUNK];
         int64_t nn[CHUNK];
         if (EX) {
             dequant_consts(ms + g0, mk + g0, ikm, bm, nb, F, LOG2F);
@@ -196,50 +249,20 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
             int64_t n = cols - c0;
             n = (n < gs) ? n : gs;
             nn[j] = n;
-            float* restrict p32 = (float*)(pbase + off * psz);
-            uint16_t* restrict pbf = (uint16_t*)(pbase + off * psz);
-            const float* restrict g32 = (const float*)(gbase + off * gsz);
-            const uint16_t* restrict gbf = (const uint16_t*)(gbase + off * gsz);
-            const uint8_t* restrict qm = mq + gi * gs;
-            const uint8_t* restrict qv = vq + gi * gs;
-            float* restrict m_out = mb + j * gs;
-            float* restrict v_out = vb + j * gs;
-            const float sm = ms[gi], sv = vs[gi];
-            const float ik_m = ikm[j], b_m = bm[j], ik_v = ikv[j], b_v = bv[j];
-            uint32_t amx = 0u, amn = INF_BITS, avx = 0u, avn = INF_BITS;
-            for (int64_t i = 0; i < n; ++i) {
-                float qmf = dec_fp8(qm[i], E5), qvf = dec_fp8(qv[i], E5);
-                float mo, vo;
-                if (EX) {
-                    float am = fabsf(qmf), av = fabsf(qvf);
-                    int nzm = am > 0.0f, nzv = av > 0.0f;
-                    float ym = flog2(nzm ? am : 1.0f) * ik_m + b_m;
-                    float yv = flog2(nzv ? av : 1.0f) * ik_v + b_v;
-                    float mm = fexp2(ym), mv = fexp2(yv);
-                    mo = copysignf(nzm ? mm : 0.0f, qmf);
-                    vo = copysignf(nzv ? mv : 0.0f, qvf);
-                } else {
-                    mo = qmf * sm;
-                    vo = qvf * sv;
-                }
-                float g = GB ? bf16_to_f(gbf[i]) : g32[i];
-                float p = PB ? bf16_to_f(pbf[i]) : p32[i];
-                float mn = mo + w1 * (g - mo);
-                float vn = vo * b2 + w2 * g * g;
-                float den = sqrtf(vn) * inv_bc2s + eps;
-                float pn = p * decay - step_size * mn / den;
-                if (PB) pbf[i] = f_to_bf16(pn); else p32[i] = pn;
-                m_out[i] = mn;
-                v_out[i] = vn;
-                uint32_t a = f2b(mn) & 0x7FFFFFFFu, b = f2b(vn) & 0x7FFFFFFFu;
-                amx = (a > amx) ? a : amx;
-                avx = (b > avx) ? b : avx;
-                uint32_t an = (a >= FLT_MIN_BITS) ? a : INF_BITS;
-                uint32_t bn = (b >= FLT_MIN_BITS) ? b : INF_BITS;
-                amn = (an < amn) ? an : amn;
-                avn = (bn < avn) ? bn : avn;
-            }
-            mmax[j] = amx; mmin[j] = amn; vmax[j] = avx; vmin[j] = avn;
+            uint32_t* red = stats + 4 * j;
+            /* y = log2|q|·(1/k) + b >= LOG2_MIN_CODE·(1/k) + b: when that bound is >= -126 for
+               both moments, fexp2's clamp is a no-op and the cheaper loop gives equal bits */
+            int clamp = EX && !((LOG2_MIN_CODE * ikm[j] + bm[j] >= -126.0f) &&
+                                (LOG2_MIN_CODE * ikv[j] + bv[j] >= -126.0f));
+            if (clamp)
+                update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
+                             mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
+                             bv[j], hp, n, red, PB, GB, E5, EX, 1);
+            else
+                update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
+                             mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
+                             bv[j], hp, n, red, PB, GB, E5, EX, 0);
+            mmax[j] = red[0]; mmin[j] = red[1]; vmax[j] = red[2]; vmin[j] = red[3];
         }
         float km[CHUNK], kv[CHUNK], lm[CHUNK], lv[CHUNK], am[CHUNK], av[CHUNK];
         quant_consts(mmax, mmin, ms + g0, EX ? mk + g0 : NULL, am, km, lm, nb, F, STEPS, EX);

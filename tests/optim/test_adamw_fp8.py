@@ -76,9 +76,11 @@ def test_quantized_step_matches_float64_reference(expand, shape, implementation)
         opt.step()
         p_ref, m_ref, v_ref = adamw_reference(p_before, p.grad, m, v, step, **HP)
         update = p_ref - p_before
-        # fp32 arithmetic and the polynomial log2/exp2 (≈2e-5): far below a 0.1% slip in β
+        # fp32 arithmetic and the polynomial log2/exp2 (a few 1e-6, amplified where m nearly
+        # cancels): far below what a 0.1% slip in β1 or β2 would cause
         err = (p.detach().double() - p_ref).abs()
-        assert (err <= 1e-4 * update.abs() + 1e-6 * p_ref.abs() + 1e-12).all()
+        bound = 1e-4 * update.abs() + 2e-6 * update.abs().max() + 1e-6 * p_ref.abs()
+        assert (err <= bound).all()
         state = opt.state[p]
         assert float(state["step"]) == step
         for key, ref in (("exp_avg", m_ref), ("exp_avg_sq", v_ref)):

@@ -27,9 +27,11 @@ def adversarial_grads(params: list[torch.Tensor], step: int, grad_dtype: torch.d
         grad = torch.randn(p.shape, generator=g) * mag
         flat = grad.view(-1)
         flat[:: 7 + step] = 0.0
-        if p.dim() >= 2:
+        if p.dim() >= 2 and p.shape[0] > 1:
             grad[0] = 0.0  # an all-zero row: zero groups
         flat[3] = 1e15 if step % 2 else -1e-38  # g² stays finite; 1e-38 is a denormal
+        if p.shape == (1, 4096):
+            grad *= 1e-36  # moments near FLT_MIN: the kernel's clamped exp2 path
         if grad_dtype != p.dtype and hasattr(p, "grad_dtype"):
             p.grad_dtype = None  # torch >= 2.10 checks grad.dtype == param.dtype by default
         p.grad = grad.to(grad_dtype)
