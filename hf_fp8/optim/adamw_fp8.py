@@ -11,7 +11,8 @@ so they survive FSDP2's dim-0 sharding)::
     exp_avg_sq_fp8 / exp_avg_sq_scale / exp_avg_sq_exponent    the same for the 2nd moment
 
 ≈ 2.13 bytes/parameter with expansion, 2.06 without (fp32 AdamW: 8). A parameter is
-quantized when it has ≥ 2 dims and ≥ ``min_quantize_numel`` (4096) elements; the others
+quantized when it has ≥ 2 dims, ≥ ``min_quantize_numel`` (4096) elements and rows long
+enough that the padded FP8 state is smaller than fp32 (≥ 35 columns at group_size 128); the others
 (biases, norms, tiny tensors) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and follow
 ``torch.optim.AdamW`` exactly.
 """
@@ -248,6 +249,12 @@ class AdamWFp8(Optimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         quantize = p.dim() >= 2 and p.numel() >= group["min_quantize_numel"]
+        if quantize:
+            # Groups live inside rows: short rows (LoRA B is [out, r]) are mostly padding.
+            # Quantize only when the padded FP8 state (1 byte + fp32 scale and exponent per
+            # group, two moments) is smaller than fp32 AdamW's 8 bytes per element.
+            cols, size = p.numel() // p.shape[0], group["group_size"]
+            quantize = 2 * -(-cols // size) * (size + 8) < 8 * cols
         if quantize and not quantizable_placements(p):
             self._warn_once(
                 "placements",
