@@ -18,10 +18,11 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_fp8  # noqa: F401  registers optim="adamw_fp8_coat" / "adamw_fp8"
 from hf_fp8.utils.corpus import stdlib_source_text
+from hf_fp8.utils.tiny import tiny_llama_config
 
 OPTIMS = ("adamw_torch", "adamw_fp8_coat", "adamw_fp8")
 
@@ -47,15 +48,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def train_one(optim: str, args: argparse.Namespace, train: list, evaluation: list) -> dict:
     """Fine-tune a fresh copy of the model with ``optim``; losses and state size."""
     torch.manual_seed(args.seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=args.seq_len,
-    )
+    config = tiny_llama_config(args.hidden, args.layers, args.seq_len)
     model = LlamaForCausalLM(config)
     training_args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix=f"finetune_{optim}_"),

@@ -24,7 +24,6 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
-    LlamaConfig,
     LlamaForCausalLM,
     Trainer,
     TrainingArguments,
@@ -33,6 +32,7 @@ from transformers import (
 import hf_fp8
 from hf_fp8.utils.corpus import stdlib_sentences, stdlib_source_text
 from hf_fp8.utils.minilm import linear_weight_bytes
+from hf_fp8.utils.tiny import tiny_llama_config
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -69,15 +69,7 @@ def trainer_for(model, args: argparse.Namespace, steps: int, lr: float, train: l
 def pretrain_base(args: argparse.Namespace) -> str:
     """Train the small base model on code and save it in bf16; returns its folder."""
     torch.manual_seed(args.seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=args.seq_len,
-    )
+    config = tiny_llama_config(args.hidden, args.layers, args.seq_len)
     model = LlamaForCausalLM(config)
     code = stdlib_source_text(max_chars=args.base_steps * args.batch * args.seq_len * 4)
     train = rows(code, args.base_steps * args.batch, args.seq_len, args.seed)

@@ -28,7 +28,6 @@ from torch.utils.data import DataLoader
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerBase,
     get_cosine_schedule_with_warmup,
@@ -36,6 +35,7 @@ from transformers import (
 
 import hf_fp8
 from hf_fp8.utils.corpus import stdlib_source_text
+from hf_fp8.utils.tiny import tiny_llama_config
 
 
 class Progress:
@@ -72,15 +72,7 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, PreTrainedTo
     if args.model:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         return AutoModelForCausalLM.from_pretrained(args.model), tokenizer
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=args.seq_len,
-    )
+    config = tiny_llama_config(args.hidden, args.layers, args.seq_len)
     return LlamaForCausalLM(config), None
 
 

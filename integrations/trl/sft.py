@@ -20,12 +20,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 from trl import SFTConfig, SFTTrainer
 
 import hf_fp8
 from hf_fp8.utils.corpus import stdlib_sentences
 from hf_fp8.utils.minilm import default_model_path
+from hf_fp8.utils.tiny import tiny_llama_config
 
 
 def tiny_base(args: argparse.Namespace) -> str:
@@ -33,14 +34,11 @@ def tiny_base(args: argparse.Namespace) -> str:
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     tokenizer.eos_token = tokenizer.sep_token  # BERT vocabulary: [SEP] ends a text
     torch.manual_seed(args.seed)
-    config = LlamaConfig(
+    config = tiny_llama_config(
+        args.hidden,
+        args.layers,
+        args.max_length,
         vocab_size=len(tokenizer),
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=args.max_length,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.cls_token_id,
         eos_token_id=tokenizer.sep_token_id,

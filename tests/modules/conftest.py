@@ -1,17 +1,3 @@
-"""Module tests run the eager emulation unless they ask for the ``compiled`` fixture:
-each inductor compilation costs seconds on a cold cache, so only a few are exercised."""
+"""Eager emulation by default; the ``compiled`` fixture opts in (tests/eager_fixtures.py)."""
 
-from __future__ import annotations
-
-import pytest
-
-
-@pytest.fixture(autouse=True)
-def _eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_FP8_COMPILE", "0")
-
-
-@pytest.fixture
-def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the inductor-compiled helpers (the default outside the tests)."""
-    monkeypatch.setenv("HF_FP8_COMPILE", "1")
+from tests.eager_fixtures import _eager, compiled  # noqa: F401
