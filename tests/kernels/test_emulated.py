@@ -202,7 +202,8 @@ def test_never_calls_the_cpu_scaled_mm(monkeypatch) -> None:
             x, w_fp8, w_scale, bias = _operands(m, 64, 32, torch.bfloat16, gran)
             fp8_linear(x, w_fp8, w_scale, bias, activation_scheme=scheme, weight_granularity=gran)
     x, w_fp8, w_scale, bias = _operands(4, 64, 32, torch.bfloat16, "tensor")
-    fp8_linear(
+    out = fp8_linear(
         x, w_fp8, w_scale, bias, activation_scheme="static", weight_granularity="tensor",
         input_scale=torch.tensor([0.01]),
     )  # fmt: skip
+    assert out.shape == (4, 32) and torch.isfinite(out).all()

@@ -136,7 +136,7 @@ def test_extra_repr_is_readable() -> None:
     assert "weight-only" in repr(Fp8Linear.from_linear(_linear(8, 8), _config("weight_only")))
 
 
-def _state_equal(a: dict, b: dict) -> None:
+def assert_state_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
         assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
@@ -150,16 +150,16 @@ def test_state_dict_round_trips_exactly(scheme, granularity) -> None:
     kwargs = source_kwargs(source)
     fresh = Fp8Linear(300, 130, dtype=torch.bfloat16, **kwargs)
     fresh.load_state_dict(state)
-    _state_equal(fresh.state_dict(), state)
+    assert_state_equal(fresh.state_dict(), state)
     existing = Fp8Linear.from_linear(_linear(300, 130), _config(scheme, granularity))
     existing.load_state_dict(state)  # copy_ into live fp8 parameters
-    _state_equal(existing.state_dict(), state)
+    assert_state_equal(existing.state_dict(), state)
     assert not existing.weight.requires_grad
     x = torch.randn(3, 300, dtype=torch.bfloat16)
     assert torch.equal(existing(x), source(x)) and torch.equal(fresh(x), source(x))
     on_meta = Fp8Linear(300, 130, dtype=torch.bfloat16, device="meta", **kwargs)
     on_meta.load_state_dict(state, assign=True)
-    _state_equal(on_meta.state_dict(), state)
+    assert_state_equal(on_meta.state_dict(), state)
     assert not on_meta.weight.requires_grad
     assert torch.equal(on_meta(x), source(x))
 
@@ -178,10 +178,10 @@ def test_torch_save_and_load_weights_only() -> None:
     torch.save(source.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    _state_equal(state, source.state_dict())
+    assert_state_equal(state, source.state_dict())
     target = Fp8Linear(37, 100, dtype=torch.bfloat16, **source_kwargs(source))
     target.load_state_dict(state)
-    _state_equal(target.state_dict(), source.state_dict())
+    assert_state_equal(target.state_dict(), source.state_dict())
 
 
 def test_high_precision_state_dict_is_refused() -> None:
@@ -193,7 +193,7 @@ def test_high_precision_state_dict_is_refused() -> None:
 def test_deepcopy_and_to() -> None:
     module = Fp8Linear.from_linear(_linear(64, 32), _config("static"))
     clone = copy.deepcopy(module)
-    _state_equal(clone.state_dict(), module.state_dict())
+    assert_state_equal(clone.state_dict(), module.state_dict())
     assert clone.weight.data_ptr() != module.weight.data_ptr()
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     assert torch.equal(clone(x), module(x))
@@ -341,7 +341,7 @@ def test_tensor_wise_state_dict_with_scalar_scales_loads() -> None:
     state = {k: v.reshape(()) if k.endswith("scale") else v for k, v in source.state_dict().items()}
     target = Fp8Linear(16, 8, dtype=torch.bfloat16, **source_kwargs(source))
     target.load_state_dict(state)
-    _state_equal(target.state_dict(), source.state_dict())
+    assert_state_equal(target.state_dict(), source.state_dict())
 
 
 def test_input_scale_of_a_dynamic_layer_is_an_unexpected_key() -> None:
