@@ -10,6 +10,7 @@ from transformers.training_args import OptimizerNames
 
 from hf_fp8.optim import AdamWFp8, register_trainer_optimizers
 from hf_fp8.optim import trainer_registry as registry
+from tests.tiny_models import TINY
 
 
 def args(tmp_path, **kwargs) -> TrainingArguments:
@@ -89,16 +90,8 @@ class TokenData(torch.utils.data.Dataset):
 
 def tiny_llama() -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
+    config_cls, model_cls, kwargs = TINY["llama"]
+    return model_cls(config_cls(**kwargs))
 
 
 def train(tmp_path, run: str, resume: str | None = None, **kwargs) -> tuple:
