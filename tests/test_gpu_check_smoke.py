@@ -26,3 +26,15 @@ def test_gpu_check_cpu_smoke(tmp_path):
     parity = [r for r in rows if r["check"] == "parity"]
     assert len(parity) == 6 and all(r["max_rel_diff"] == 0.0 for r in parity)  # CPU: both emulated
     assert all(r["ms"] > 0 for r in rows if "ms" in r)
+    assert not [r for r in rows if "skipped" in r]  # no time budget on the smoke run
+    linear = {(r["mode"], r["variant"]) for r in rows if r["check"] == "linear"}
+    assert ("compiled", "dynamic/row") in linear and ("eager", "weight_only/row") in linear
+    assert {r["variant"] for r in rows if r["check"] == "mlp_block"} == {
+        "bf16",
+        "dynamic/row",
+        "static/tensor",
+    }
+    states = {r["variant"]: r["state_bytes_per_param"] for r in rows if r["check"] == "optimizer"}
+    assert states["AdamW fused"] == 8.0
+    # 2-D parameters above min_quantize_numel: FP8 moments, not AdamWFp8's fp32 fallback
+    assert states["AdamWFp8 coat"] < 4 and states["AdamWFp8 plain"] < 4

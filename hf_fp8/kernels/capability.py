@@ -14,11 +14,25 @@ def check_kernel(kernel: str) -> str:
     return kernel
 
 
-def has_fp8_gemm(device: torch.device | str | None = None) -> bool:
-    """True on CUDA devices with compute capability >= 8.9 (Ada, Hopper, Blackwell)."""
-    if not torch.cuda.is_available():
+@torch.compiler.assume_constant_result
+def _cuda_fp8_tensor_cores(index: int | None) -> bool:
+    """CUDA device ``index`` (``None``: the current one) has compute capability >= 8.9.
+
+    A constant to ``torch.compile``, evaluated once while tracing: dynamo does not
+    constant-fold ``torch.cuda.get_device_capability`` and would trace it into the graph.
+    """
+    if torch.version.hip is not None or not torch.cuda.is_available():
         return False
+    return tuple(torch.cuda.get_device_capability(index)) >= (8, 9)
+
+
+def has_fp8_gemm(device: torch.device | str | None = None) -> bool:
+    """True on CUDA devices with compute capability >= 8.9 (Ada, Hopper, Blackwell).
+
+    Never on CPUs and never on ROCm: MI300 (gfx942) reports capability 9.4 but its
+    ``torch._scaled_mm`` wants the ``*_fnuz`` fp8 dtypes, not ``float8_e4m3fn``.
+    """
     device = torch.device(device if device is not None else "cuda")
     if device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _cuda_fp8_tensor_cores(device.index)

@@ -1,15 +1,28 @@
 """``torch._scaled_mm`` on CUDA GPUs with FP8 tensor cores (compute capability >= 8.9).
 
-Contract (torch 2.x): ``a`` [M, K] row-major fp8, ``b`` [K, N] column-major fp8, K and N
-multiples of 16; scales fp32, either both scalars (tensor-wise, any output dtype) or
-``[M, 1]`` and ``[1, N]`` (row-wise, bf16 output). At most one operand may be e5m2.
+Contract (torch 2.13, ``_meta_registrations._check_scaled_mm_sizes`` and
+``aten/src/ATen/native/cuda/ScaledBlas.cpp``):
+
+* ``a`` [M, K] row-major fp8, ``b`` [K, N] column-major fp8 (the transposed view of a
+  contiguous [N, K] weight); K and N multiples of 16 (M is free); not both e5m2.
+* tensor-wise: both scales fp32 with one element (any high-precision output dtype);
+  row-wise: contiguous fp32 ``scale_a`` [M, 1] and ``scale_b`` [1, N]. The CUTLASS
+  row-wise kernel (sm89, and sm90 with cuBLAS < 12.9) writes bfloat16 only and needs an
+  e4m3 ``b``: both are required here, whatever the build.
+* ``bias`` [N] in the output dtype (bf16 or fp16), added to the fp32 accumulator before
+  the final rounding; not allowed with fp32 output (then added afterwards).
+* ``use_fast_accum=False``: full fp32 accumulation on Hopper, as the emulation does.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hf_fp8.kernels.capability import has_fp8_gemm
+
+# Output dtypes whose bias torch._scaled_mm adds itself (fp32 output rejects a bias).
+_FUSED_BIAS_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def unsupported_reason(
@@ -33,6 +46,8 @@ def unsupported_reason(
     rowwise = "row" in (act_granularity, weight_granularity)
     if rowwise and out_dtype != torch.bfloat16:
         return f"row-wise torch._scaled_mm only writes bfloat16, not {out_dtype}; load in bfloat16"
+    if rowwise and weight_dtype != torch.float8_e4m3fn:
+        return f"row-wise torch._scaled_mm needs an e4m3 weight, not {weight_dtype}"
     return None
 
 
@@ -42,7 +57,7 @@ def _pad_to_16(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t
     widths = [0, 0] * (t.dim() - dim - 1) + [0, pad]
     # F.pad cannot pad fp8: pad the raw bytes (fp8 zero is the zero byte).
-    return torch.nn.functional.pad(t.view(torch.uint8), widths).view(t.dtype)
+    return F.pad(t.view(torch.uint8), widths).view(t.dtype)
 
 
 def scaled_mm_linear(
@@ -55,17 +70,42 @@ def scaled_mm_linear(
 ) -> torch.Tensor:
     """``(a_fp8 * a_scale) @ (w_fp8 * w_scale).T + bias`` on FP8 tensor cores.
 
-    ``a_fp8`` is [M, K]; ``a_scale`` is [1] or [M, 1]; ``w_scale`` is [1] or [N, 1].
+    ``a_fp8`` is [M, K]; ``a_scale`` is [1] or [M, 1]; ``w_fp8`` is [N, K]; ``w_scale`` is
+    [1] or [N, 1]. K and N are zero-padded to multiples of 16 (padded weight rows get scale
+    1 and bias 0, and are sliced off). Returns a contiguous [M, N] tensor in ``out_dtype``.
     """
     m, n = a_fp8.shape[0], w_fp8.shape[0]
-    a, w = _pad_to_16(a_fp8, 1), _pad_to_16(_pad_to_16(w_fp8, 1), 0)
+    # Row-major operands: a non-contiguous activation (a transposed input) or weight (a
+    # GPT-2 Conv1D weight quantized through its transpose) would break the layout rule.
+    a = _pad_to_16(a_fp8, 1).contiguous()
+    w = _pad_to_16(_pad_to_16(w_fp8, 1), 0).contiguous()
+    n_pad = w.shape[0]
     a_scale, w_scale = a_scale.float(), w_scale.float()
     if a_scale.numel() == 1 and w_scale.numel() == 1:
         sa, sb = a_scale.reshape(()), w_scale.reshape(())
-    else:
+    else:  # row-wise; a tensor-wise side is broadcast to its row shape
         sa = a_scale.reshape(-1, 1).expand(m, 1).contiguous()
         sb = w_scale.reshape(1, -1).expand(1, n)
-        sb = torch.nn.functional.pad(sb, (0, w.shape[0] - n), value=1.0).contiguous()
-    out = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-    out = out[:, :n]
-    return out if bias is None else out + bias.to(out_dtype)
+        if n_pad != n:
+            sb = F.pad(sb, (0, n_pad - n), value=1.0)
+        sb = sb.contiguous()
+    fused_bias = None
+    if bias is not None and out_dtype in _FUSED_BIAS_DTYPES:
+        fused_bias = bias.to(out_dtype)
+        if n_pad != n:
+            fused_bias = F.pad(fused_bias, (0, n_pad - n))
+        fused_bias = fused_bias.contiguous()
+    out = torch._scaled_mm(
+        a,
+        w.t(),
+        scale_a=sa,
+        scale_b=sb,
+        bias=fused_bias,
+        out_dtype=out_dtype,
+        use_fast_accum=False,
+    )
+    if n_pad != n:
+        out = out[:, :n].contiguous()
+    if bias is not None and fused_bias is None:
+        out = out + bias.to(out_dtype)
+    return out

@@ -79,6 +79,8 @@ def test_bad_scheme_and_missing_static_scale() -> None:
         ((torch.float16, E4M3, E4M3, "row", "row"), "only writes bfloat16"),
         ((torch.float32, E4M3, E4M3, "tensor", "row"), "only writes bfloat16"),
         ((torch.bfloat16, E5M2, E5M2, "row", "row"), "two e5m2"),
+        ((torch.bfloat16, E4M3, E5M2, "tensor", "row"), "e4m3 weight"),
+        ((torch.bfloat16, E4M3, E5M2, "tensor", "tensor"), None),
         ((torch.bfloat16, E4M3, E4M3, "block", "block"), "block-wise"),
         ((torch.bfloat16, E4M3, E4M3, "row", "block"), "block-wise"),
     ],
@@ -178,6 +180,35 @@ def test_gradients_through_the_scaled_mm_path(fake_fp8_gpu) -> None:
     torch.testing.assert_close(bias.grad, grad_out.sum((0, 1)))
 
 
+@pytest.mark.parametrize(
+    ("scheme", "a_gran", "w_gran"),
+    [("dynamic", "token", "row"), ("static", "tensor", "tensor"), ("dynamic", "tensor", "row")],
+)
+def test_scaled_mm_path_under_torch_compile(fake_fp8_gpu, scheme, a_gran, w_gran) -> None:
+    """The GPU branch traces in one graph with a dynamic token count (the user's
+    torch.compile; the pretend-GPU capability check is a plain Python constant here)."""
+    w_fp8, w_scale = _weight(37, 40, w_gran)
+    bias = torch.randn(37, dtype=torch.bfloat16)
+    kwargs = dict(
+        activation_scheme=scheme, activation_granularity=a_gran, weight_granularity=w_gran,
+        input_scale=torch.tensor([0.01]) if scheme == "static" else None,
+    )  # fmt: skip
+
+    def fn(x):
+        return fp8_linear(x, w_fp8, w_scale, bias, **kwargs)
+
+    torch._dynamo.reset()
+    try:
+        compiled_fn = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+        for m in (3, 17, 64):
+            x = torch.randn(2, m, 40, dtype=torch.bfloat16)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled_fn(x), fn(x), rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+    assert fake_fp8_gpu
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not has_fp8_gemm(), reason="needs a CUDA GPU with compute capability >= 8.9")
 @pytest.mark.parametrize(
@@ -200,8 +231,51 @@ def test_cuda_scaled_mm_matches_the_emulation(compiled, scheme, a_gran, w_gran, 
     emulated = fp8_linear(x, w_fp8, w_scale, bias, kernel="emulated", **kwargs)
     a_fp8, a_scale = quantize_activation(x, E4M3, a_gran, input_scale, 128)
     ref = reference_linear(dequantize(a_fp8, a_scale), dequantize(w_fp8, w_scale), bias)
-    assert_close_to_reference(out.cpu(), _cpu(ref), torch.bfloat16)
+    assert_close_to_reference(out.cpu(), _cpu(ref), torch.bfloat16, fp8_tensor_cores=True)
     assert_close_to_reference(emulated.cpu(), _cpu(ref), torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not has_fp8_gemm(), reason="needs a CUDA GPU with compute capability >= 8.9")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_tensorwise_output_dtypes_and_transposed_weight(dtype) -> None:
+    """Tensor-wise runs for every output dtype (fp32: bias added after the gemm); a
+    weight quantized through its transpose (GPT-2 Conv1D) is not column-major as is."""
+    dev = torch.device("cuda")
+    x = torch.randn(5, 72, device=dev).to(dtype)
+    w_fp8, w_scale = quantize_weight((torch.randn(72, 40, device=dev) * 0.05).t(), E4M3, "tensor")
+    assert not w_fp8.is_contiguous()
+    bias = torch.randn(40, device=dev).to(dtype)
+    kwargs = dict(activation_granularity="tensor", weight_granularity="tensor")
+    out = fp8_linear(x, w_fp8, w_scale, bias, kernel="scaled_mm", **kwargs)
+    a_fp8, a_scale = quantize_activation(x, E4M3, "tensor", None, 128)
+    ref = reference_linear(dequantize(a_fp8, a_scale), dequantize(w_fp8, w_scale), bias)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert_close_to_reference(out.cpu(), _cpu(ref), dtype, fp8_tensor_cores=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not has_fp8_gemm(), reason="needs a CUDA GPU with compute capability >= 8.9")
+@pytest.mark.parametrize(("scheme", "w_gran"), [("dynamic", "row"), ("static", "tensor")])
+def test_cuda_fp8_linear_under_torch_compile(scheme, w_gran) -> None:
+    """One inductor graph (fullgraph: no break at the capability check), same numbers."""
+    dev = torch.device("cuda")
+    w_fp8, w_scale = quantize_weight(torch.randn(100, 64, device=dev) * 0.05, E4M3, w_gran)
+    bias = torch.randn(100, device=dev, dtype=torch.bfloat16)
+    kwargs = dict(
+        activation_scheme=scheme, weight_granularity=w_gran,
+        activation_granularity="tensor" if scheme == "static" else "token",
+        input_scale=torch.tensor([0.01], device=dev) if scheme == "static" else None,
+    )  # fmt: skip
+
+    def fn(x):
+        return fp8_linear(x, w_fp8, w_scale, bias, kernel="scaled_mm", **kwargs)
+
+    compiled_fn = torch.compile(fn, fullgraph=True, dynamic=True)
+    for m in (7, 48):
+        x = torch.randn(m, 64, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled_fn(x), fn(x), rtol=2**-7, atol=1e-2)
 
 
 def _cpu(ref):
