@@ -51,11 +51,14 @@ def run(fn: Callable, *args: Any, **static: Hashable) -> Any:
     after a compilation failure (with one warning: correct but slower). An error that the
     eager function raises as well is the caller's and propagates.
     """
+    # Checked first: under the user's torch.compile the key below would be traced too, and
+    # dynamo cannot sort static values that became symbolic (dynamic=True): a graph break.
+    if torch.compiler.is_compiling():
+        return fn(*args, **static)
     key = (fn, tuple(sorted(static.items())))
     if (
         not compile_enabled()
         or key in _FAILED
-        or torch.compiler.is_compiling()
         or any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
     ):
         return fn(*args, **static)

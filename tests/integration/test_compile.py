@@ -18,17 +18,22 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fp8_linear_has_no_graph_breaks(name):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fp8_linear_has_no_graph_breaks(name, dynamic):
+    """Prefill-sized and decode-sized inputs (≤ 4 tokens take the GEMV kernel), with static
+    and dynamic shapes: one graph each, same numbers as eager."""
     torch.manual_seed(0)
     layer = Fp8Linear.from_linear(torch.nn.Linear(64, 48).to(torch.bfloat16), CONFIGS[name])
-    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
-    explanation = torch._dynamo.explain(layer)(x)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    assert explanation.graph_count == 1
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True)
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
+    for shape in ((2, 5, 64), (1, 1, 64), (1, 3, 64)):
+        x = torch.randn(shape, dtype=torch.bfloat16)
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(layer)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), layer(x), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.slow
