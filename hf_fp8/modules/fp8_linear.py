@@ -101,30 +101,36 @@ class Fp8Linear(nn.Linear):
                 activation_scheme, weight_granularity
             )
         validate_scheme(activation_scheme, weight_granularity, activation_granularity)
-        self.in_features, self.out_features = in_features, out_features
-        self.activation_scheme = activation_scheme
-        self.weight_granularity = weight_granularity
-        self.activation_granularity = activation_granularity
-        self.fp8_format = fp8_format
-        self.block_size = tuple(block_size)
-        self.kernel = check_kernel(kernel)
-        self.compute_dtype = dtype or torch.get_default_dtype()
-        scale_shape = weight_scale_shape(
-            out_features, in_features, weight_granularity, self.block_size
+        block_size = tuple(block_size)
+        compute_dtype = dtype or torch.get_default_dtype()
+        # Plain attributes go straight into __dict__, as nn.Module.__init__ does its own:
+        # Module.__setattr__ costs microseconds each, and a model load builds one module per
+        # linear layer.
+        self.__dict__.update(
+            in_features=in_features,
+            out_features=out_features,
+            activation_scheme=activation_scheme,
+            weight_granularity=weight_granularity,
+            activation_granularity=activation_granularity,
+            fp8_format=fp8_format,
+            block_size=block_size,
+            kernel=check_kernel(kernel),
+            compute_dtype=compute_dtype,
         )
-        self.weight = nn.Parameter(
-            torch.zeros(out_features, in_features, device=device, dtype=fp8_dtype(fp8_format)),
-            requires_grad=False,
-        )
-        self.weight_scale = nn.Parameter(
-            torch.ones(scale_shape, device=device, dtype=torch.float32), requires_grad=False
-        )
-        if bias:
-            self.bias = nn.Parameter(
-                torch.zeros(out_features, device=device, dtype=self.compute_dtype)
-            )
-        else:
-            self.register_parameter("bias", None)
+        scale_shape = weight_scale_shape(out_features, in_features, weight_granularity, block_size)
+        # Fill only real storage: the quantizer and ``from_linear`` build on meta, where a fill
+        # is a needless op (and, per module, a costly one).
+        weight = torch.empty(out_features, in_features, device=device, dtype=fp8_dtype(fp8_format))
+        weight_scale = torch.empty(scale_shape, device=device, dtype=torch.float32)
+        bias_hp = torch.empty(out_features, device=device, dtype=compute_dtype) if bias else None
+        if not weight.is_meta:
+            weight.zero_()
+            weight_scale.fill_(1.0)
+            if bias_hp is not None:
+                bias_hp.zero_()
+        self.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+        self.register_parameter("weight_scale", nn.Parameter(weight_scale, requires_grad=False))
+        self.register_parameter("bias", None if bias_hp is None else nn.Parameter(bias_hp))
         self.register_parameter("input_scale", None)
         if input_scale is not None:
             self.set_input_scale(input_scale)

@@ -96,36 +96,48 @@ class Fp8HfQuantizer(HfQuantizer):
             )
             config.modules_to_not_convert = sorted(skip)
         self.modules_to_not_convert = skip
+        modules = dict(model.named_modules())  # one walk: parents are looked up here
         targets = [
             (name, module)
-            for name, module in model.named_modules()
+            for name, module in modules.items()
             if (type(module) is nn.Linear or is_conv1d(module)) and not matches_module(name, skip)
         ]
+        static_pre_quantized = self.pre_quantized and config.activation_scheme == "static"
         for name, module in targets:
             in_features, out_features = linear_shape(module)
             if is_conv1d(module) and not self.pre_quantized:
                 self.transposed_modules.add(name)
             kwargs_ = config.linear_kwargs(name)
             input_scale = kwargs_.pop("input_scale")
-            with torch.device("meta"):
-                new = Fp8Linear(
-                    in_features,
-                    out_features,
-                    module.bias is not None,
-                    dtype=module.weight.dtype,
-                    **kwargs_,
+            # device="meta" rather than a `torch.device("meta")` block: the loader's meta
+            # context is already active, and a nested one adds a second Python mode to every
+            # tensor op (this loop runs once per linear layer of every load).
+            new = Fp8Linear(
+                in_features,
+                out_features,
+                module.bias is not None,
+                device="meta",
+                dtype=module.weight.dtype,
+                **kwargs_,
+            )
+            if static_pre_quantized:
+                new.input_scale = nn.Parameter(
+                    torch.empty(1, dtype=torch.float32, device="meta"), requires_grad=False
                 )
-                if self.pre_quantized and config.activation_scheme == "static":
-                    new.input_scale = nn.Parameter(
-                        torch.empty(1, dtype=torch.float32), requires_grad=False
-                    )
             new._hf_fp8_input_scale = input_scale  # applied after loading (on-the-fly)
             new._is_hf_initialized = (
                 True  # never random-init fp8 storage; missing keys are caught below
             )
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+            setattr(modules[parent_name], child, new)
         model.config.quantization_config = config
+
+    def update_parallel_plan(self, model, plan: dict[str, str]) -> None:
+        # The base class walks every parameter name to add tensor-parallel entries for the
+        # `serialized_names` companions; hf_fp8 declares none (its tensors keep the module's
+        # names), so that walk would add nothing.
+        if getattr(self, "serialized_names", None):
+            super().update_parallel_plan(model, plan)
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         if self.pre_quantized:

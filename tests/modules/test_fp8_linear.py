@@ -301,6 +301,26 @@ def test_direct_construction_and_validation() -> None:
         Fp8Linear(8, 8, kernel="cuda")
 
 
+def test_direct_construction_fills_real_storage_only() -> None:
+    """Zero weight, unit scale, zero bias on a real device; bare meta tensors on meta."""
+    module = Fp8Linear(16, 8, dtype=torch.bfloat16)
+    assert list(module.state_dict()) == ["weight", "weight_scale", "bias"]
+    assert module.weight.dtype == torch.float8_e4m3fn
+    assert not module.weight.view(torch.uint8).any()
+    assert torch.equal(module.weight_scale, torch.ones(8, 1))
+    assert torch.equal(module.bias, torch.zeros(8, dtype=torch.bfloat16))
+    assert not module.weight.requires_grad and module.bias.requires_grad
+    assert module.input_scale is None
+    for on_meta in (Fp8Linear(16, 8, device="meta"), _meta_default_device_layer()):
+        assert all(p.is_meta for p in on_meta.parameters())
+        assert on_meta.weight_scale.shape == (8, 1) and on_meta.bias.dtype == torch.float32
+
+
+def _meta_default_device_layer() -> Fp8Linear:
+    with torch.device("meta"):
+        return Fp8Linear(16, 8)
+
+
 def test_e5m2_weights() -> None:
     linear = _linear(64, 32, dtype=torch.float32)
     module = Fp8Linear.from_linear(linear, Fp8Config("weight_only", fp8_format="e5m2"))

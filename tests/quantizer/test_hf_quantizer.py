@@ -199,3 +199,22 @@ def test_empty_skip_list_round_trips():
     config = Fp8Config("dynamic", modules_to_not_convert=[])
     assert config.modules_to_not_convert == []
     assert Fp8Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_layers_are_swapped_on_meta_without_a_device_context():
+    """The swap builds meta layers itself (the loader's meta context is not needed) and
+    leaves the tensor-parallel plans alone."""
+    from tests.tiny_models import TINY
+
+    config_cls, model_cls, kwargs = TINY["llama"]
+    with torch.device("meta"):
+        model = model_cls(config_cls(**kwargs))
+    quantizer = hf_fp8.Fp8HfQuantizer(Fp8Config("dynamic"), pre_quantized=False)
+    tp_plan, ep_plan = dict(model.tp_plan), dict(model.ep_plan)
+    quantizer.preprocess_model(model)
+    swapped = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(swapped) == 7 * kwargs["num_hidden_layers"]
+    assert all(p.is_meta for m in swapped.values() for p in m.parameters())
+    assert all(m._is_hf_initialized for m in swapped.values())
+    assert type(model.lm_head) is torch.nn.Linear
+    assert model.tp_plan == tp_plan and model.ep_plan == ep_plan
