@@ -1,7 +1,8 @@
 """Model cards on ``save_pretrained`` and ``push_to_hub`` of models loaded through hf_fp8.
 
-After an hf_fp8 load, :func:`attach_card_hooks` binds two methods on the model instance
-(deep-copy safe: bound methods re-bind to the copy): ``save_pretrained`` writes ``README.md``
+After an hf_fp8 load, :func:`attach_card_hooks` sets two methods on the model instance
+(held through a weak reference, so that the model is freed as soon as it is dropped, and
+re-bound to the copy by ``copy.deepcopy``): ``save_pretrained`` writes ``README.md``
 next to the weights, and ``_upload_modified_files`` — where ``push_to_hub`` and
 ``save_pretrained(push_to_hub=True)`` both end — replaces the placeholder card transformers
 wrote with hf_fp8's. Nothing here touches the network.
@@ -10,7 +11,8 @@ wrote with hf_fp8's. Nothing here touches the network.
 from __future__ import annotations
 
 import os
-import types
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,34 @@ def _upload_modified_files(
     return type(self)._upload_modified_files(self, working_dir, repo_id, *args, **kwargs)
 
 
+class _WeakMethod:
+    """``fn`` bound to ``model`` without a strong reference: a bound method stored on the
+    instance would make a reference cycle, keeping a dropped model (and its weights) alive
+    until the garbage collector's next full pass."""
+
+    def __init__(self, fn: Callable, model: nn.Module) -> None:
+        self._fn, self._model = fn, weakref.ref(model)
+
+    @property
+    def __self__(self) -> nn.Module | None:
+        return self._model()
+
+    @property
+    def __func__(self) -> Callable:
+        return self._fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("hf_fp8: the model this method belonged to was deleted")
+        return self._fn(model, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _WeakMethod:
+        # copy.deepcopy registers the model's copy in `memo` before copying its __dict__.
+        model = self._model()
+        return _WeakMethod(self._fn, memo.get(id(model), model))
+
+
 def attach_card_hooks(model: nn.Module, hf_quantizer: Any = None) -> None:
     """Make ``model``'s saves and pushes carry hf_fp8's model card (idempotent). The base
     model is the checkpoint quantized on the fly, or what the card of a reloaded FP8
@@ -94,5 +124,5 @@ def attach_card_hooks(model: nn.Module, hf_quantizer: Any = None) -> None:
             state.setdefault("fidelity", previous.fidelity)
     elif name:
         state.setdefault("base_model", hub_model_id(name) or _local_name(name))
-    model.save_pretrained = types.MethodType(_save_pretrained, model)
-    model._upload_modified_files = types.MethodType(_upload_modified_files, model)
+    model.save_pretrained = _WeakMethod(_save_pretrained, model)
+    model._upload_modified_files = _WeakMethod(_upload_modified_files, model)

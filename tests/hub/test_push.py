@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
+import weakref
 
 import torch
 from huggingface_hub import ModelCard
@@ -112,3 +114,17 @@ def test_card_hooks_follow_deepcopy(fake_hub, tiny_model_dir, tmp_path):
     twin.save_pretrained(tmp_path / "twin")
     assert read_card_info((tmp_path / "twin" / "README.md").read_text()).base_model == BASE
     assert fake_hub.calls == []
+
+
+def test_card_hooks_do_not_keep_a_dropped_model_alive(fake_hub, tiny_model_dir):
+    """Freed by reference counting alone (no cycle through the instance's methods)."""
+    model = _base_from_cache(fake_hub, tiny_model_dir)
+    assert model.save_pretrained.__self__ is model
+    ref = weakref.ref(model)
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
