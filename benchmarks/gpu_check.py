@@ -8,7 +8,10 @@
    on Llama-3-8B MLP shapes (K=4096, N=14336 and back);
 3. a compiled Llama-shaped MLP block (gate/up/down + SiLU), FP8 vs bf16;
 4. ``AdamWFp8`` step time and state bytes vs ``torch.optim.AdamW(fused=True)`` on ~1B
-   parameters (60 matrices of 4096 × 4096: 1-D tensors would keep fp32 states).
+   parameters (60 matrices of 4096 × 4096: 1-D tensors would keep fp32 states);
+5. optional: weight-only at M = 16 through the fused GEMV the CPU path uses for M ≤ 4
+   (a candidate for CUDA; the default CUDA weight-only path decodes the weight, then bf16
+   matmul).
 
 Compilations dominate the run time (about 14, each 5–60 s): compiled linears use
 ``dynamic=True`` (one graph per layer and recipe for every M), weight-only is measured
@@ -150,6 +153,47 @@ def linear_speed(device, shapes, ms, iters: int) -> list[dict]:
             if mode == "compiled":
                 row["graph_breaks"] = breaks[name]
             rows.append(row)
+    return rows
+
+
+def weight_only_gemv(device, shapes, m: int, iters: int) -> list[dict]:
+    """Candidate for weight-only at small M: the CPU's fused GEMV (each fp8 weight element
+    read once for all ``m`` tokens, compiled by inductor), against bf16 and the default
+    weight-only path. Informs whether the GEMV path should also serve CUDA; not used there yet.
+    """
+    from hf_fp8.kernels import compiled
+    from hf_fp8.kernels.emulated import _gemv
+
+    rows = []
+    for k, n in shapes:
+        linear = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+        module = _fp8(linear, "weight_only", "row", "auto")
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+
+        def gemv(x=x, module=module):
+            return compiled.run(
+                _gemv, x.float(), module.weight, None, module.weight_scale, None,
+                tokens=m, out_dtype=x.dtype,
+            )  # fmt: skip
+
+        with torch.no_grad():
+            ref = module(x).float()
+            diff = float((gemv().float() - ref).abs().max() / ref.abs().max())
+            bf16_ms = _time(lambda f=linear, x=x: f(x), device, iters)
+            ms_ = _time(gemv, device, iters)
+        rows.append(
+            {
+                "check": "linear",
+                "M": m,
+                "K": k,
+                "N": n,
+                "mode": "compiled",
+                "variant": "weight_only/row fused GEMV (candidate)",
+                "ms": ms_,
+                "speedup_vs_bf16": bf16_ms / ms_,
+                "max_rel_diff": diff,
+            }
+        )
     return rows
 
 
@@ -355,6 +399,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         opt_rows.append({"check": "optimizer", "variant": "AdamWFp8 plain", "skipped": "budget"})
     rows += mlp_rows + opt_rows
+    if time_left(45):
+        rows += timed("weight_only_gemv", weight_only_gemv, device, shapes, ms[0], iters)
+    else:
+        rows.append({"check": "linear", "variant": "weight_only fused GEMV", "skipped": "budget"})
     info = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
