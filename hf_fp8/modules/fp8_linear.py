@@ -175,7 +175,7 @@ class Fp8Linear(nn.Linear):
             name=f"{module_name or 'linear'}.weight",
             scale_method=getattr(config, "weight_scale_method", "absmax"),
         )
-        new.weight = nn.Parameter(w_fp8, requires_grad=False)
+        new.weight = nn.Parameter(w_fp8.contiguous(), requires_grad=False)  # Conv1D: a .t() view
         new.weight_scale = nn.Parameter(w_scale, requires_grad=False)
         if linear.bias is not None:
             new.bias = nn.Parameter(

@@ -74,3 +74,23 @@ def test_non_finite_weight_error_names_the_layer() -> None:
         model[0].mlp[2].weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"0\.mlp\.2\.weight"):
         quantize_model(model, Fp8Config())
+
+
+def test_conv1d_is_swapped_with_a_contiguous_out_by_in_weight(monkeypatch) -> None:
+    """GPT-2's Conv1D stores [in, out]; the FP8 weight is stored [out, in] and contiguous
+    (the transposed view would be copied by torch._scaled_mm at every call)."""
+    from transformers.pytorch_utils import Conv1D
+
+    monkeypatch.setenv("HF_FP8_COMPILE", "0")
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(c_fc=Conv1D(48, 32)))
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        ref = model(x)
+    quantize_model(model, Fp8Config("weight_only", weight_granularity="tensor"))
+    layer = model.c_fc
+    assert isinstance(layer, Fp8Linear) and layer.weight.shape == (48, 32)
+    assert layer.weight.is_contiguous()
+    with torch.no_grad():
+        rel = ((model(x) - ref).norm() / ref.norm()).item()
+    assert rel < 0.05
