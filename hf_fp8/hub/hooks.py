@@ -1,17 +1,17 @@
 """Model cards on ``save_pretrained`` and ``push_to_hub`` of models loaded through hf_fp8.
 
-After an hf_fp8 load, :func:`attach_card_hooks` sets two methods on the model instance
-(held through a weak reference, so that the model is freed as soon as it is dropped, and
-re-bound to the copy by ``copy.deepcopy``): ``save_pretrained`` writes ``README.md``
-next to the weights, and ``_upload_modified_files`` — where ``push_to_hub`` and
-``save_pretrained(push_to_hub=True)`` both end — replaces the placeholder card transformers
-wrote with hf_fp8's. Nothing here touches the network.
+After an hf_fp8 load, :func:`attach_card_hooks` marks the model (state in its
+``__dict__``, so copies keep it) and wraps two ``PreTrainedModel`` methods once, which act
+on marked models only: ``save_pretrained`` writes ``README.md`` next to the weights, and
+``_upload_modified_files`` — where ``push_to_hub`` and ``save_pretrained(push_to_hub=True)``
+both end — replaces the placeholder card transformers wrote with hf_fp8's. Nothing here
+touches the network.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,9 +64,17 @@ def set_card_info(
         state["fidelity"] = {str(k): v for k, v in fidelity.items()}
 
 
+_ORIGINAL: dict[str, Callable] = {}  # transformers' own methods, once wrapped
+
+
 def _save_pretrained(self: nn.Module, save_directory: str | os.PathLike, *args, **kwargs):
-    result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
-    if not kwargs.get("push_to_hub") and _is_fp8(self) and os.path.isdir(save_directory):
+    result = _ORIGINAL["save_pretrained"](self, save_directory, *args, **kwargs)
+    if (
+        _STATE in self.__dict__
+        and not kwargs.get("push_to_hub")
+        and _is_fp8(self)
+        and os.path.isdir(save_directory)
+    ):
         write_model_card(
             save_directory, info_from_model(self), model_id=_local_name(save_directory)
         )
@@ -76,45 +84,41 @@ def _save_pretrained(self: nn.Module, save_directory: str | os.PathLike, *args, 
 def _upload_modified_files(
     self: nn.Module, working_dir: str | os.PathLike, repo_id: str, *args, **kwargs
 ):
-    if _is_fp8(self):
+    if _STATE in self.__dict__ and _is_fp8(self):
         write_model_card(working_dir, info_from_model(self, repo_id=repo_id))
-    return type(self)._upload_modified_files(self, working_dir, repo_id, *args, **kwargs)
+    return _ORIGINAL["_upload_modified_files"](self, working_dir, repo_id, *args, **kwargs)
 
 
-class _WeakMethod:
-    """``fn`` bound to ``model`` without a strong reference: a bound method stored on the
-    instance would make a reference cycle, keeping a dropped model (and its weights) alive
-    until the garbage collector's next full pass."""
+def _wrap_transformers_methods() -> None:
+    """Wrap ``PreTrainedModel.save_pretrained`` / ``_upload_modified_files`` once.
 
-    def __init__(self, fn: Callable, model: nn.Module) -> None:
-        self._fn, self._model = fn, weakref.ref(model)
+    The wrappers act only on models :func:`attach_card_hooks` marked (their ``__dict__``
+    holds the card state) and call transformers' own method otherwise. Methods on the class,
+    not on the instance: a bound method stored on the instance would make a reference cycle
+    (a dropped model would keep its weights until the next full garbage collection).
+    """
+    from transformers import PreTrainedModel
 
-    @property
-    def __self__(self) -> nn.Module | None:
-        return self._model()
-
-    @property
-    def __func__(self) -> Callable:
-        return self._fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model = self._model()
-        if model is None:
-            raise ReferenceError("hf_fp8: the model this method belonged to was deleted")
-        return self._fn(model, *args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> _WeakMethod:
-        # copy.deepcopy registers the model's copy in `memo` before copying its __dict__.
-        model = self._model()
-        return _WeakMethod(self._fn, memo.get(id(model), model))
+    if _ORIGINAL:
+        return
+    for name, wrapper in (
+        ("save_pretrained", _save_pretrained),
+        ("_upload_modified_files", _upload_modified_files),
+    ):
+        original = getattr(PreTrainedModel, name)
+        _ORIGINAL[name] = original
+        setattr(PreTrainedModel, name, functools.wraps(original)(wrapper))
 
 
 def attach_card_hooks(model: nn.Module, hf_quantizer: Any = None) -> None:
     """Make ``model``'s saves and pushes carry hf_fp8's model card (idempotent). The base
     model is the checkpoint quantized on the fly, or what the card of a reloaded FP8
     checkpoint names."""
-    if not hasattr(type(model), "_upload_modified_files"):
-        return  # not a transformers model
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return
+    _wrap_transformers_methods()
     state = model.__dict__.setdefault(_STATE, {})
     name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     if hf_quantizer is not None and getattr(hf_quantizer, "pre_quantized", False):
@@ -124,5 +128,3 @@ def attach_card_hooks(model: nn.Module, hf_quantizer: Any = None) -> None:
             state.setdefault("fidelity", previous.fidelity)
     elif name:
         state.setdefault("base_model", hub_model_id(name) or _local_name(name))
-    model.save_pretrained = _WeakMethod(_save_pretrained, model)
-    model._upload_modified_files = _WeakMethod(_upload_modified_files, model)

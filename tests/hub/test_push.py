@@ -128,3 +128,13 @@ def test_card_hooks_do_not_keep_a_dropped_model_alive(fake_hub, tiny_model_dir):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_card_on_a_chained_save_and_none_for_plain_models(fake_hub, tiny_model_dir, tmp_path):
+    """``from_pretrained(...).save_pretrained(out)`` (the model is a temporary) writes the
+    card; a model loaded without hf_fp8 in the same process gets none."""
+    _base_from_cache(fake_hub, tiny_model_dir).save_pretrained(tmp_path / "fp8")
+    assert read_card_info((tmp_path / "fp8" / "README.md").read_text()).base_model == BASE
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).save_pretrained(tmp_path / "hp")
+    assert (tmp_path / "hp" / "config.json").exists()
+    assert not (tmp_path / "hp" / "README.md").exists()
