@@ -34,6 +34,11 @@ def unsupported_reason(
     weight_granularity: str,
 ) -> str | None:
     """Why ``_scaled_mm`` cannot run this product, or ``None`` when it can."""
+    if device.type == "cuda" and torch.version.hip is not None:
+        return (
+            "torch._scaled_mm on ROCm takes the *_fnuz fp8 dtypes, not hf_fp8's OCP "
+            "float8_e4m3fn / e5m2; the emulated kernel runs instead"
+        )
     if not has_fp8_gemm(device):
         return (
             f"torch._scaled_mm needs a CUDA GPU with compute capability >= 8.9; the input is on "
@@ -60,6 +65,14 @@ def _pad_to_16(t: torch.Tensor, dim: int) -> torch.Tensor:
     return F.pad(t.view(torch.uint8), widths).view(t.dtype)
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with strides ``(cols, 1)``: ``.contiguous()`` alone keeps e.g. the ``(1, 1)``
+    strides of a one-row transposed view, which ``_scaled_mm``'s layout check rejects."""
+    if t.stride() == (t.shape[1], 1):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def scaled_mm_linear(
     a_fp8: torch.Tensor,
     a_scale: torch.Tensor,
@@ -77,8 +90,8 @@ def scaled_mm_linear(
     m, n = a_fp8.shape[0], w_fp8.shape[0]
     # Row-major operands: a non-contiguous activation (a transposed input) or weight (a
     # GPT-2 Conv1D weight quantized through its transpose) would break the layout rule.
-    a = _pad_to_16(a_fp8, 1).contiguous()
-    w = _pad_to_16(_pad_to_16(w_fp8, 1), 0).contiguous()
+    a = _row_major(_pad_to_16(a_fp8, 1))
+    w = _row_major(_pad_to_16(_pad_to_16(w_fp8, 1), 0))
     n_pad = w.shape[0]
     a_scale, w_scale = a_scale.float(), w_scale.float()
     if a_scale.numel() == 1 and w_scale.numel() == 1:

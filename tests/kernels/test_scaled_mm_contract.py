@@ -16,7 +16,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hf_fp8.kernels import has_fp8_gemm, quantize_activation, scaled_mm_linear
+from hf_fp8.kernels import (
+    has_fp8_gemm,
+    quantize_activation,
+    scaled_mm_linear,
+    unsupported_reason,
+)
 from hf_fp8.numerics import dequantize, quantize_weight
 from tests.kernels.reference import E4M3, assert_close_to_reference, reference_linear
 
@@ -147,6 +152,25 @@ def test_non_contiguous_operands_are_made_row_major(contract_checked) -> None:
     assert_close_to_reference(out, ref, torch.bfloat16)
 
 
+def test_one_row_transposed_view_is_made_row_major(contract_checked) -> None:
+    """``[1, K]`` with strides ``(1, 1)`` counts as contiguous, yet is not row-major."""
+    a_fp8 = (torch.randn(32, 1) * 4).to(E4M3).t()
+    assert a_fp8.is_contiguous() and a_fp8.stride() == (1, 1)
+    w_fp8, w_scale = quantize_weight(torch.randn(16, 32) * 0.05, E4M3, "tensor")
+    one = torch.tensor([1.0])
+    out = scaled_mm_linear(a_fp8, one, w_fp8, w_scale, None, torch.bfloat16)
+    ref = reference_linear(dequantize(a_fp8, one), dequantize(w_fp8, w_scale), None)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+
+
+def test_rocm_is_sent_to_the_emulation_with_its_own_reason(monkeypatch) -> None:
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    reason = unsupported_reason(
+        torch.device("cuda"), torch.bfloat16, E4M3, E4M3, "tensor", "tensor"
+    )
+    assert reason is not None and "ROCm" in reason and "fnuz" in reason
+
+
 def test_has_fp8_gemm_by_capability(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "hip", None)
@@ -168,7 +192,11 @@ def test_has_fp8_gemm_is_a_constant_under_torch_compile(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: torch.empty(0, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a: None)
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    # opaque to dynamo (as the real CUDA query is): fullgraph fails unless the capability
+    # check is a compile-time constant
+    monkeypatch.setattr(
+        torch.cuda, "get_device_capability", torch._dynamo.disable(lambda i=None: (9, 0))
+    )
 
     def fn(x):
         return x + 1 if has_fp8_gemm(torch.device("cuda")) else x - 1
@@ -179,6 +207,3 @@ def test_has_fp8_gemm_is_a_constant_under_torch_compile(monkeypatch) -> None:
     finally:
         torch._dynamo.reset()
     assert torch.equal(out, torch.ones(2))
-    # evaluated once while tracing, not traced: torch.cuda.get_device_capability is not
-    # constant-folded by dynamo and would otherwise land in the graph
-    assert getattr(capability._cuda_fp8_tensor_cores, "_dynamo_marked_constant", False)
