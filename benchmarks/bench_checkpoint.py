@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer repeats")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
-    hidden, layers, repeats = (1024, 4, 3) if args.quick else (2048, 8, 5)
+    hidden, layers, repeats = (1024, 4, 3) if args.quick else (2048, 8, 15)
     config = LlamaConfig(
         vocab_size=2 * hidden,
         hidden_size=hidden,
