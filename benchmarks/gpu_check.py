@@ -368,41 +368,29 @@ def main(argv: list[str] | None = None) -> dict:
         opt_iters,
         ["AdamW fused", "AdamWFp8 coat"],
     )
+
     # optional rows, while the budget lasts (each is about one compilation)
-    if time_left(60):
-        more, _ = timed(
-            "mlp_block_static",
-            mlp_block,
-            device,
-            hidden,
-            inter,
-            m_mlp,
-            iters,
-            ["static/tensor"],
-            bf16_ms,
-        )
-        mlp_rows += more
-    else:
-        mlp_rows.append({"check": "mlp_block", "variant": "static/tensor", "skipped": "budget"})
-    if time_left(60):
-        more, _ = timed(
-            "optimizer_plain",
-            optimizer_step,
-            device,
-            opt_shape,
-            opt_count,
-            opt_iters,
-            ["AdamWFp8 plain"],
-            fused_ms,
-        )
-        opt_rows += more
-    else:
-        opt_rows.append({"check": "optimizer", "variant": "AdamWFp8 plain", "skipped": "budget"})
+    def optional(section: str, reserve_s: float, row: dict, fn, *fn_args) -> list[dict]:
+        """Rows of ``fn(*fn_args)`` while the time budget lasts, else ``row`` marked skipped."""
+        if not time_left(reserve_s):
+            return [{**row, "skipped": "budget"}]
+        out = timed(section, fn, *fn_args)
+        return out[0] if isinstance(out, tuple) else out
+
+    mlp = [device, hidden, inter, m_mlp, iters, ["static/tensor"], bf16_ms]
+    mlp_rows += optional(
+        "mlp_block_static", 60, {"check": "mlp_block", "variant": "static/tensor"}, mlp_block, *mlp
+    )
+    opt = [device, opt_shape, opt_count, opt_iters, ["AdamWFp8 plain"], fused_ms]
+    opt_rows += optional(
+        "optimizer_plain", 60, {"check": "optimizer", "variant": "AdamWFp8 plain"},
+        optimizer_step, *opt,
+    )  # fmt: skip
     rows += mlp_rows + opt_rows
-    if time_left(45):
-        rows += timed("weight_only_gemv", weight_only_gemv, device, shapes, ms[0], iters)
-    else:
-        rows.append({"check": "linear", "variant": "weight_only fused GEMV", "skipped": "budget"})
+    rows += optional(
+        "weight_only_gemv", 45, {"check": "linear", "variant": "weight_only fused GEMV"},
+        weight_only_gemv, device, shapes, ms[0], iters,
+    )  # fmt: skip
     info = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
