@@ -145,10 +145,13 @@ class Fp8Linear(nn.Linear):
                 f"input_scale is only used by activation_scheme='static', this layer is "
                 f"{self.activation_scheme!r}"
             )
-        scale = torch.as_tensor(scale, dtype=torch.float32, device=self.weight.device).reshape(1)
-        if not bool(torch.isfinite(scale).all()) or float(scale) <= 0:
-            raise ValueError(f"input_scale must be a positive finite number, got {float(scale)}")
-        self.input_scale = nn.Parameter(scale.clone(), requires_grad=False)
+        scale = torch.as_tensor(scale, dtype=torch.float32).reshape(1)
+        if not scale.is_meta:  # a meta value cannot be checked (nor a meta layer hold one)
+            value = float(scale.detach().cpu())
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"input_scale must be a positive finite number, got {value}")
+        scale = scale.detach().to(self.weight.device, copy=True)
+        self.input_scale = nn.Parameter(scale, requires_grad=False)
 
     @classmethod
     def from_linear(
@@ -226,8 +229,10 @@ class Fp8Linear(nn.Linear):
 
         def keep_storage_dtype(t: torch.Tensor) -> torch.Tensor:
             if any(t is p for p in frozen):
-                return t.to(device=fn(t.detach()[:0]).device)
-            return fn(t)
+                probe = fn(t.detach()[:0])  # where and in what dtype fn would put t
+                if probe.dtype != t.dtype:  # a dtype cast: move only
+                    return t.to(device=probe.device)
+            return fn(t)  # device moves, to_empty, ...
 
         self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
         return super()._apply(keep_storage_dtype, recurse)

@@ -215,6 +215,23 @@ def test_deepcopy_and_to() -> None:
     assert model[0].compute_dtype == torch.float32 and model[0].weight.dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_meta_construction_then_to_empty_and_load(scheme) -> None:
+    """The deferred-init route (accelerate's init_empty_weights, FSDP2): build on meta, even
+    with a static scale, materialize with to_empty, fill from a state dict."""
+    source = Fp8Linear.from_linear(_linear(64, 32), _config(scheme))
+    extra = {"input_scale": 0.05} if scheme == "static" else {}
+    kwargs = dict(activation_scheme=scheme, weight_granularity=source.weight_granularity)
+    empty = Fp8Linear(64, 32, device="meta", dtype=torch.bfloat16, **kwargs, **extra)
+    assert empty.weight.is_meta and (scheme == "dynamic" or empty.input_scale.is_meta)
+    empty.to_empty(device="cpu")
+    assert empty.weight.device.type == "cpu" and empty.weight.dtype == source.weight.dtype
+    assert empty.weight_scale.dtype == torch.float32
+    empty.load_state_dict(source.state_dict())
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(empty(x), source(x))
+
+
 def test_static_without_a_scale_says_how_to_get_one() -> None:
     module = Fp8Linear.from_linear(_linear(16, 8), Fp8Config("static"))
     assert module.input_scale is None
