@@ -46,6 +46,8 @@ _compiled_names: list[str] = []
 def run(fn: Callable, *args: Any, **static: Hashable) -> Any:
     """``fn(*args, **static)``, compiled by inductor once per value of ``static``.
 
+    ``fn`` must be pure: it may receive contiguous copies of its tensor arguments.
+
     Runs ``fn`` eagerly when compilation is disabled, when the caller is itself being
     compiled (the user's ``torch.compile`` traces the eager body), for meta tensors, and
     after a compilation failure (with one warning: correct but slower). An error that the
@@ -62,10 +64,12 @@ def run(fn: Callable, *args: Any, **static: Hashable) -> Any:
         or any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
     ):
         return fn(*args, **static)
-    # Parameters get static shapes in dynamo even with dynamic=True (one recompile per
-    # weight shape, then eager after 8): pass plain tensors. Callers never need autograd
-    # here (the FP8 autograd Function runs its forward without grad).
-    args = tuple(a.detach() if isinstance(a, torch.nn.Parameter) else a for a in args)
+    # Pass plain, contiguous, base-less tensors. Dynamo guards on what it is given: a
+    # Parameter gets static shapes even with dynamic=True, a view (an input reshaped to 2-D)
+    # guards on its base's sizes, a strided input on its strides — each a recompile, and
+    # eager after 8 of them. detach() drops both the Parameter type and the base; callers
+    # never need autograd here (the FP8 autograd Function runs its forward without grad).
+    args = tuple(a.detach().contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     try:
         return _compiled(fn, key)(*args, **static)
     except Exception as err:

@@ -127,3 +127,27 @@ def test_an_input_error_is_raised_and_does_not_disable_compilation(monkeypatch, 
     with pytest.raises(RuntimeError):
         compiled_module.run(torch.mm, torch.randn(2, 3), torch.randn(4, 5))
     assert not compiled_module._FAILED
+
+
+def _scaled_rows(x: torch.Tensor, w: torch.Tensor, *, tag: str) -> torch.Tensor:
+    return (x.float() * 2.0) @ w.float().T
+
+
+def test_views_strides_and_parameters_do_not_recompile(compiled) -> None:
+    """An input reshaped from 3-D (a view), a transposed one and a Parameter weight all run
+    the first graph: dynamo would otherwise guard on the base, the strides, the static
+    Parameter shape — one recompile each, and eager after 8."""
+    from torch._dynamo.utils import counters
+
+    w = torch.nn.Parameter(torch.randn(24, 40), requires_grad=False)
+    calls = [
+        torch.randn(5, 40),
+        torch.randn(2, 3, 40).reshape(6, 40),  # a view with a 3-D base
+        torch.randn(40, 7).t(),  # non-contiguous
+        torch.randn(9, 40),
+    ]
+    before = counters["stats"]["unique_graphs"]
+    for x in calls:
+        out = compiled_module.run(_scaled_rows, x, w, tag="recompile-test")
+        torch.testing.assert_close(out, _scaled_rows(x, w, tag=""))
+    assert counters["stats"]["unique_graphs"] - before == 1
