@@ -140,14 +140,25 @@ def _mm_forward(
     w = _decode_weight(w_fp8, w_scale, dtype=dtype, gran=w_gran, block_size=block_size, post=w_post)
     if not (w_post or a_post):
         return F.linear(a, w, bias)
-    acc = F.linear(a, w).float()
+    return _epilogue(F.linear(a, w).float(), a_scale, w_scale if w_post else None, bias, dtype)
+
+
+def _epilogue(
+    acc: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp32 accumulator × activation and weight scales (``None``: folded into the operand)
+    + bias, rounded once to ``out_dtype``."""
     if a_scale is not None:
         acc = acc * a_scale
-    if w_post:
+    if w_scale is not None:
         acc = acc * w_scale.float().reshape(1, -1)
     if bias is not None:
         acc = acc + bias.float()
-    return acc.to(dtype)
+    return acc.to(out_dtype)
 
 
 def _gemv(
@@ -167,12 +178,7 @@ def _gemv(
     """
     w = w_fp8.float()
     acc = torch.stack([(a[i] * w).sum(-1) for i in range(tokens)])
-    if a_scale is not None:
-        acc = acc * a_scale
-    acc = acc * w_scale.float().reshape(1, -1)
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(out_dtype)
+    return _epilogue(acc, a_scale, w_scale, bias, out_dtype)
 
 
 def emulated_linear(
