@@ -1,0 +1,131 @@
+"""Checks for FP8 tensors and scales read from disk (pure functions, torch only).
+
+Every tensor a checkpoint hands to hf_fp8 goes through these before use (DESIGN §8). A bad
+tensor raises :class:`CheckpointTensorError` naming the tensor, what was found and the fix;
+nothing is repaired silently.
+
+Scale bounds. A scale must be float32, finite and > 0. It also has an upper bound:
+``scale * fp8_max`` is the largest magnitude the tensor can dequantize to, and that magnitude
+is multiplied by the other matmul operand. :func:`max_scale` allows magnitudes up to
+``sqrt(finfo(compute_dtype).max)`` (1.8e19 for bfloat16 / float32, 256 for float16): past it,
+the product of two such operands is no longer finite in the compute dtype, and no real
+weight or activation comes near it (a ×1e30 corruption of a 1e-3 scale lands at 1e27).
+There is no lower bound: an all-zero weight row legitimately stores ``AMAX_EPS / fp8_max``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hf_fp8.numerics.formats import FP8_DTYPES, fp8_max, is_fp8
+
+_FIX = "re-export the checkpoint with hf_fp8 (save_pretrained) or repair this tensor"
+_FORMAT_NAMES = {dtype: name for name, dtype in FP8_DTYPES.items()}
+# Bit masks of the non-finite codes (NaN for e4m3fn; inf and NaN for e5m2): a code is
+# non-finite when ``byte & mask == mask``.
+_NONFINITE_MASK = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+
+
+class CheckpointTensorError(ValueError):
+    """A tensor read from a checkpoint has the wrong dtype, shape or values."""
+
+
+def _shape(shape) -> tuple[int, ...]:
+    return tuple(int(s) for s in shape)
+
+
+def max_scale(fp8_dtype: torch.dtype, compute_dtype: torch.dtype) -> float:
+    """Largest sane scale: ``scale * fp8_max`` must stay ≤ ``sqrt(finfo(compute_dtype).max)``."""
+    return math.sqrt(float(torch.finfo(compute_dtype).max)) / fp8_max(fp8_dtype)
+
+
+def check_fp8_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    shape: tuple[int, ...] | torch.Size | None,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Check an FP8 tensor from disk: exactly ``dtype``, ``shape``, and no NaN / inf codes.
+
+    Returns ``t`` unchanged. ``check_values=False`` skips the pass over the values (one
+    byte compare per element); meta tensors are never read.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointTensorError(f"{name}: expected a tensor, found {type(t).__name__}")
+    if t.dtype != dtype:
+        wanted = _FORMAT_NAMES.get(dtype, str(dtype))
+        if is_fp8(t.dtype):
+            found = _FORMAT_NAMES[t.dtype]
+            raise CheckpointTensorError(
+                f"{name}: stored as fp8 {found} ({t.dtype}), but the config says "
+                f"fp8_format={wanted!r}. The config and the stored bytes disagree: set "
+                f"quantization_config.fp8_format={found!r} if the bytes are right, or {_FIX}"
+            )
+        raise CheckpointTensorError(
+            f"{name}: expected fp8 {wanted} ({dtype}), found {t.dtype}. A high-precision "
+            "tensor cannot stand in for FP8 codes: quantize the high-precision model with "
+            f"Fp8Config / hf_fp8.quantize_model instead, or {_FIX}"
+        )
+    if shape is not None and tuple(t.shape) != _shape(shape):
+        raise CheckpointTensorError(
+            f"{name}: expected shape {_shape(shape)}, found {tuple(t.shape)}; "
+            f"the checkpoint does not match this model's config: {_FIX}"
+        )
+    if check_values and not t.is_meta and t.numel():
+        mask = _NONFINITE_MASK[dtype]
+        bad = int((t.view(torch.uint8) & mask).eq(mask).sum())
+        if bad:
+            raise CheckpointTensorError(f"{name}: holds {bad} NaN/inf fp8 code(s); {_FIX}")
+    return t
+
+
+def check_scale_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    shape: tuple[int, ...] | torch.Size | None = None,
+    max_value: float | None = None,
+) -> torch.Tensor:
+    """Check a scale from disk: float32, finite, > 0, ≤ ``max_value``, of ``shape``.
+
+    A 0-d scalar passes where ``shape`` is ``(1,)`` (AutoFP8 / vLLM ``fp8`` store scalars).
+    ``max_value`` is usually :func:`max_scale`. Returns ``t`` unchanged; meta tensors are
+    checked for dtype and shape only.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointTensorError(f"{name}: expected a tensor, found {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise CheckpointTensorError(f"{name}: a scale must be float32, found {t.dtype}; {_FIX}")
+    if shape is not None:
+        expected = _shape(shape)
+        scalar_ok = expected == (1,) and t.dim() == 0
+        if tuple(t.shape) != expected and not scalar_ok:
+            raise CheckpointTensorError(
+                f"{name}: expected scale shape {expected}, found {tuple(t.shape)}; the "
+                f"checkpoint's granularity or block size does not match its config: {_FIX}"
+            )
+    if t.is_meta or not t.numel():
+        return t
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise CheckpointTensorError(
+            f"{name}: holds {bad} non-finite value(s) (NaN or inf) out of {t.numel()}; {_FIX}"
+        )
+    low = float(t.min())
+    if low <= 0:
+        raise CheckpointTensorError(f"{name}: a scale must be > 0, found min {low:g}; {_FIX}")
+    if max_value is not None:
+        high = float(t.max())
+        if high > max_value:
+            raise CheckpointTensorError(
+                f"{name}: scale {high:g} exceeds the sane bound {max_value:g} (scale * fp8_max "
+                "must stay below the square root of the compute dtype's max, or the matmul "
+                f"overflows); {_FIX}, or load in bfloat16 / float32 if the compute dtype is "
+                "float16"
+            )
+    return t

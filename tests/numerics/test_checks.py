@@ -1,0 +1,119 @@
+"""hf_fp8.numerics.checks: every bad tensor raises CheckpointTensorError naming it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_fp8.numerics.checks import (
+    CheckpointTensorError,
+    check_fp8_tensor,
+    check_scale_tensor,
+    max_scale,
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _codes(dtype, values=(0.5, -1.0, 2.0, 0.0)):
+    return torch.tensor(values).to(dtype).reshape(2, 2)
+
+
+def test_good_tensors_pass_unchanged():
+    w = _codes(E4M3)
+    assert check_fp8_tensor("w", w, dtype=E4M3, shape=(2, 2)) is w
+    s = torch.tensor([[0.5], [2.0]])
+    assert check_scale_tensor("s", s, shape=(2, 1), max_value=10.0) is s
+    # AutoFP8 / vLLM scalar scales stand in for [1]
+    check_scale_tensor("s", torch.tensor(0.25), shape=(1,))
+
+
+def test_error_is_a_value_error():
+    assert issubclass(CheckpointTensorError, ValueError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_high_precision_in_fp8_slot(dtype):
+    with pytest.raises(CheckpointTensorError, match=r"layer\.weight: expected fp8 e4m3.*quantize"):
+        check_fp8_tensor("layer.weight", torch.ones(2, 2, dtype=dtype), dtype=E4M3, shape=(2, 2))
+
+
+def test_other_fp8_format_names_both():
+    with pytest.raises(CheckpointTensorError, match=r"w: stored as fp8 e5m2.*fp8_format='e4m3'"):
+        check_fp8_tensor("w", _codes(E5M2), dtype=E4M3, shape=(2, 2))
+    with pytest.raises(
+        CheckpointTensorError,
+        match=r"stored as fp8 e4m3.*says fp8_format='e5m2'.*fp8_format='e4m3' if",
+    ):
+        check_fp8_tensor("w", _codes(E4M3), dtype=E5M2, shape=(2, 2))
+
+
+def test_fp8_shape():
+    with pytest.raises(CheckpointTensorError, match=r"w: expected shape \(4, 1\), found \(2, 2\)"):
+        check_fp8_tensor("w", _codes(E4M3), dtype=E4M3, shape=(4, 1))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bad_bytes"),
+    [(E4M3, [0x7F, 0xFF]), (E5M2, [0x7C, 0xFC, 0x7D, 0xFF])],  # NaN; e5m2: ±inf and NaN
+)
+def test_nonfinite_fp8_codes(dtype, bad_bytes):
+    # the bit patterns are written by hand (IEEE-style layouts), not by the code under test
+    for byte in bad_bytes:
+        raw = torch.tensor([0x38, byte, 0x00, 0x40], dtype=torch.uint8)
+        t = raw.view(dtype).reshape(2, 2)
+        assert not torch.isfinite(t.float()).all()  # really non-finite
+        with pytest.raises(CheckpointTensorError, match=r"w: holds 1 NaN/inf"):
+            check_fp8_tensor("w", t, dtype=dtype, shape=(2, 2))
+    # the largest finite codes pass: 0x7E (448) for e4m3fn, 0x7B (57344) for e5m2
+    top = torch.tensor([0x7E if dtype == E4M3 else 0x7B], dtype=torch.uint8).view(dtype)
+    assert float(top.float()) == torch.finfo(dtype).max
+    check_fp8_tensor("w", top, dtype=dtype, shape=(1,))
+
+
+def test_meta_tensors_skip_values_not_dtype():
+    check_fp8_tensor("w", torch.empty(2, 2, dtype=E4M3, device="meta"), dtype=E4M3, shape=(2, 2))
+    check_scale_tensor("s", torch.empty(1, device="meta"), shape=(1,))
+    with pytest.raises(CheckpointTensorError):
+        check_scale_tensor("s", torch.empty(1, dtype=torch.int32, device="meta"))
+
+
+@pytest.mark.parametrize(
+    ("value", "pattern"),
+    [
+        (float("nan"), "non-finite"),
+        (float("inf"), "non-finite"),
+        (0.0, "must be > 0"),
+        (-0.5, "must be > 0"),
+    ],
+)
+def test_bad_scale_values(value, pattern):
+    t = torch.tensor([[1.0], [value]])
+    with pytest.raises(CheckpointTensorError, match=rf"blk\.weight_scale: .*{pattern}"):
+        check_scale_tensor("blk.weight_scale", t, shape=(2, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float16, torch.bfloat16, torch.float64])
+def test_scale_dtype(dtype):
+    with pytest.raises(CheckpointTensorError, match=rf"s: a scale must be float32, found {dtype}"):
+        check_scale_tensor("s", torch.ones(1, dtype=dtype), shape=(1,))
+
+
+def test_scale_shape():
+    with pytest.raises(CheckpointTensorError, match=r"expected scale shape \(3, 1\), found \(1,\)"):
+        check_scale_tensor("s", torch.ones(1), shape=(3, 1))
+    with pytest.raises(CheckpointTensorError, match="expected scale shape"):
+        check_scale_tensor("s", torch.tensor(1.0), shape=(3, 1))  # scalars only stand in for [1]
+
+
+def test_max_scale_bound():
+    # reference: sqrt of the compute dtype's max over the fp8 max, from the published constants
+    assert max_scale(E4M3, torch.float16) == pytest.approx(math.sqrt(65504.0) / 448.0)
+    assert max_scale(E4M3, torch.bfloat16) == pytest.approx(math.sqrt(3.3895313892515355e38) / 448)
+    assert max_scale(E5M2, torch.float32) == pytest.approx(math.sqrt(3.4028234663852886e38) / 57344)
+    bound = max_scale(E4M3, torch.bfloat16)
+    check_scale_tensor("s", torch.tensor([bound * 0.99]), max_value=bound)
+    with pytest.raises(CheckpointTensorError, match=r"s: scale .* exceeds the sane bound"):
+        check_scale_tensor("s", torch.tensor([1e-3 * 1e30]), max_value=bound)
