@@ -1,0 +1,209 @@
+"""Safe paths and atomic folder writes: nothing outside its folder, no half-written checkpoint.
+
+* ``contained(root, relpath)`` resolves a path named by a file (a shard in an index, a file to
+  copy or upload) and refuses it unless it lies inside ``root``; symlinks are refused (except
+  links into ``links_within``, e.g. a Hub cache snapshot's links into its ``blobs/``).
+* ``atomic_folder(dest)`` yields an empty temporary sibling folder to write into. On success
+  the result replaces ``dest`` in one step (an atomic directory exchange on Linux): files of an
+  existing ``dest`` that the writer did not write (LoRA adapters, README, sentence-transformers
+  files …) are kept, unless named in ``drop``. On failure ``dest`` is untouched and only the
+  temporary folder is removed. A process killed mid-write leaves the old folder as it was (plus
+  a hidden ``.NAME.hf_fp8-tmp-*`` sibling that can be deleted).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fnmatch
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TMP_MARKER = ".hf_fp8-tmp-"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+class UnsafePathError(ValueError):
+    """A path escapes its folder, is absolute, or goes through a symlink."""
+
+
+def _is_link(path: Path) -> bool:
+    return path.is_symlink() or (hasattr(path, "is_junction") and path.is_junction())
+
+
+def contained(
+    root: str | os.PathLike,
+    relpath: str | os.PathLike,
+    *,
+    links_within: str | os.PathLike | None = None,
+) -> Path:
+    """``root / relpath`` resolved; raises ``UnsafePathError`` when ``relpath`` is absolute,
+    leaves ``root`` (``..``), or passes through a symlink. With ``links_within``, a symlink
+    whose target lies inside that folder is allowed (Hub cache snapshots link into ``blobs/``).
+    The path need not exist."""
+    base = Path(root).resolve()
+    rel = Path(relpath)
+    text = os.fspath(relpath)
+    if rel.is_absolute() or rel.drive or text.startswith(("/", "\\")):
+        raise UnsafePathError(
+            f"{text!r} is an absolute path; files of {base} must be named relative to it"
+        )
+    allowed = Path(links_within).resolve() if links_within is not None else None
+    current = base
+    for part in rel.parts:
+        if part in ("", "."):
+            continue
+        if part == "..":
+            raise UnsafePathError(f"{text!r} leaves the folder {base} ('..' is not allowed)")
+        current = current / part
+        if _is_link(current):
+            target = current.resolve()
+            if allowed is None or not target.is_relative_to(allowed):
+                raise UnsafePathError(
+                    f"{current} is a symlink: hf_fp8 does not follow links in a checkpoint "
+                    "folder; replace it with the file itself"
+                )
+            current = target
+    final = current.resolve()
+    if not (final.is_relative_to(base) or (allowed is not None and final.is_relative_to(allowed))):
+        raise UnsafePathError(f"{text!r} resolves outside the folder {base}")
+    return current
+
+
+def hub_cache_root(folder: str | os.PathLike) -> Path | None:
+    """The repo folder (``models--org--name``) when ``folder`` is a Hub cache snapshot, whose
+    files are symlinks into the repo's ``blobs/``; else ``None``."""
+    folder = Path(folder).resolve()
+    repo = folder.parent.parent
+    if folder.parent.name == "snapshots" and (repo / "blobs").is_dir():
+        return repo / "blobs"
+    return None
+
+
+# -- atomic folder writes --------------------------------------------------------------------
+def _libc_exchange() -> ctypes._CFuncPtr | None:
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).renameat2 if name else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _libc_exchange()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where
+    the system or file system cannot."""
+    if _RENAMEAT2 is None:
+        return False
+    rc = _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)  # kept as the link it is, never followed
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _dropped(rel: str, drop: Iterable[str]) -> bool:
+    return any(rel == pattern or fnmatch.fnmatchcase(rel, pattern) for pattern in drop)
+
+
+def _keep_old_files(old: Path, new: Path, drop: tuple[str, ...], prefix: str = "") -> None:
+    """Bring every entry of ``old`` that ``new`` lacks into ``new`` (hard links, no copies of
+    data), except the relative paths matching ``drop``."""
+    for entry in os.scandir(old):
+        rel = f"{prefix}{entry.name}"
+        if _dropped(rel, drop):
+            continue
+        src, dst = old / entry.name, new / entry.name
+        if entry.is_dir(follow_symlinks=False):
+            if dst.is_dir() and not dst.is_symlink():
+                _keep_old_files(src, dst, drop, f"{rel}/")
+            elif not os.path.lexists(dst):
+                dst.mkdir()
+                shutil.copystat(src, dst)
+                _keep_old_files(src, dst, drop, f"{rel}/")
+        elif not os.path.lexists(dst):
+            _link_or_copy(src, dst)
+
+
+def _move_into(tmp: Path, dest: Path) -> None:
+    """Fallback where directories cannot be exchanged: replace file by file."""
+    for path in sorted(tmp.rglob("*")):
+        target = dest / path.relative_to(tmp)
+        if path.is_dir() and not path.is_symlink():
+            target.mkdir(exist_ok=True)
+        else:
+            os.replace(path, target)
+
+
+@contextmanager
+def atomic_folder(dest: str | os.PathLike, *, drop: Iterable[str] = ()) -> Iterator[Path]:
+    """Write a folder atomically: ``with atomic_folder(out) as tmp: save_into(tmp)``.
+
+    ``tmp`` is a new empty sibling of ``dest``. When the block succeeds, ``dest`` becomes
+    ``tmp``'s files plus the files ``dest`` already had that the block did not write, except
+    those matching ``drop`` (relative paths or glob patterns, e.g. stale weight shards).
+    When the block raises (or the process dies), ``dest`` is left as it was and only ``tmp``
+    is removed (a killed process leaves ``tmp`` behind). A ``dest`` that is a symlink is
+    written through to its target folder.
+    """
+    dest = Path(dest).expanduser()
+    if dest.is_symlink():
+        dest = dest.resolve()
+    dest = dest.absolute()
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(f"{dest} is a file: the output must be a folder")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
+    try:
+        yield tmp
+        _commit(tmp, dest, tuple(drop))
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _commit(tmp: Path, dest: Path, drop: tuple[str, ...]) -> None:
+    if not dest.exists():
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700: give the folder the usual mode
+        os.rename(tmp, dest)
+        return
+    _keep_old_files(dest, tmp, drop)
+    tmp.chmod(stat.S_IMODE(dest.stat().st_mode))
+    if _exchange(tmp, dest):  # dest now holds the new files, tmp the old ones
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    for entry in list(dest.iterdir()):  # no exchange: drop what is replaced, move file by file
+        rel = entry.name
+        if _dropped(rel, drop) and not os.path.lexists(tmp / rel):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    _move_into(tmp, dest)

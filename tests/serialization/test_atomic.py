@@ -1,0 +1,245 @@
+"""atomic_folder: all-or-nothing folder writes; contained: no path leaves its folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hf_fp8 import Fp8Config
+from hf_fp8.serialization.atomic import (
+    TMP_MARKER,
+    UnsafePathError,
+    atomic_folder,
+    contained,
+    hub_cache_root,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _temps(parent: Path) -> list[Path]:
+    return [p for p in parent.iterdir() if TMP_MARKER in p.name]
+
+
+# -- atomic_folder ----------------------------------------------------------------------------
+def test_new_folder_appears_whole(tmp_path):
+    dest = tmp_path / "a" / "out"
+    with atomic_folder(dest) as tmp:
+        assert tmp.parent == dest.parent and not dest.exists()
+        (tmp / "x.txt").write_text("new")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "y.txt").write_text("y")
+    assert _tree(dest) == {"x.txt": b"new", "sub/y.txt": b"y"}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (dest.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's 0700
+    assert _temps(dest.parent) == []
+
+
+def test_existing_folder_keeps_what_was_not_written(tmp_path):
+    dest = tmp_path / "out"
+    (dest / "1_Pooling").mkdir(parents=True)
+    (dest / "1_Pooling" / "config.json").write_text("pool")
+    (dest / "adapter_model.safetensors").write_text("lora")
+    (dest / "README.md").write_text("mine")
+    (dest / "model.safetensors").write_text("old weights")
+    (dest / "model-00001-of-00002.safetensors").write_text("old shard")
+    (dest / "link").symlink_to("/etc/hostname")
+    mode = 0o750
+    dest.chmod(mode)
+    with atomic_folder(dest, drop=["model-*-of-*.safetensors"]) as tmp:
+        (tmp / "model.safetensors").write_text("new weights")
+        (tmp / "1_Pooling").mkdir()
+        (tmp / "1_Pooling" / "extra.json").write_text("e")
+    assert _tree(dest) == {
+        "1_Pooling/config.json": b"pool",
+        "1_Pooling/extra.json": b"e",
+        "README.md": b"mine",
+        "adapter_model.safetensors": b"lora",
+        "model.safetensors": b"new weights",
+        "link": Path("/etc/hostname").read_bytes(),
+    }
+    assert (dest / "link").is_symlink()  # kept as the link, never copied through
+    assert (dest.stat().st_mode & 0o777) == mode
+    assert _temps(tmp_path) == []
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_failure_leaves_dest_untouched(tmp_path, exists):
+    dest = tmp_path / "out"
+    if exists:
+        dest.mkdir()
+        (dest / "model.safetensors").write_text("old")
+    before = _tree(dest) if exists else None
+    with pytest.raises(RuntimeError, match="boom"), atomic_folder(dest) as tmp:
+        (tmp / "model.safetensors").write_text("half")
+        raise RuntimeError("boom")
+    assert (_tree(dest) if exists else dest.exists()) == (before if exists else False)
+    assert _temps(tmp_path) == []
+
+
+def test_symlinked_dest_is_written_through(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "keep.txt").write_text("k")
+    (tmp_path / "alias").symlink_to(real)
+    with atomic_folder(tmp_path / "alias") as tmp:
+        (tmp / "new.txt").write_text("n")
+    assert (tmp_path / "alias").is_symlink()
+    assert _tree(real) == {"keep.txt": b"k", "new.txt": b"n"}
+
+
+def test_dest_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"), atomic_folder(tmp_path / "f"):
+        pass
+
+
+# -- contained --------------------------------------------------------------------------------
+def test_contained_accepts_paths_inside(tmp_path):
+    (tmp_path / "sub").mkdir()
+    assert contained(tmp_path, "sub/a.safetensors") == tmp_path.resolve() / "sub/a.safetensors"
+    assert contained(tmp_path, "./b.json") == tmp_path.resolve() / "b.json"
+
+
+@pytest.mark.parametrize(
+    "bad", ["../victim.safetensors", "./../../x/victim.safetensors", "sub/../../x", "/etc/passwd"]
+)
+def test_contained_refuses_escapes(tmp_path, bad):
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(UnsafePathError, match=r"absolute|leaves the folder"):
+        contained(tmp_path / "sub", bad)
+
+
+def test_contained_refuses_symlinks(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_text("s")
+    (root / "file.safetensors").symlink_to(outside / "secret")
+    (root / "dir").symlink_to(outside)
+    (root / "inner").symlink_to(root / "file.safetensors")
+    for rel in ("file.safetensors", "dir/secret", "inner"):
+        with pytest.raises(UnsafePathError, match="is a symlink"):
+            contained(root, rel)
+
+
+def test_contained_allows_links_into_hub_blobs(tmp_path):
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "blobs" / "123").write_text("w")
+    (repo / "snapshots" / "abc" / "model.safetensors").symlink_to("../../blobs/123")
+    (repo / "snapshots" / "abc" / "evil").symlink_to(tmp_path)
+    snap = repo / "snapshots" / "abc"
+    blobs = hub_cache_root(snap)
+    assert blobs == (repo / "blobs").resolve()
+    assert contained(snap, "model.safetensors", links_within=blobs).read_text() == "w"
+    with pytest.raises(UnsafePathError, match="symlink"):
+        contained(snap, "evil", links_within=blobs)
+    assert hub_cache_root(tmp_path) is None
+
+
+# -- a killed save over an existing checkpoint --------------------------------------------------
+_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import hf_fp8
+    from hf_fp8.serialization import atomic
+    from transformers import AutoModelForCausalLM
+
+    src, dest, stage = sys.argv[1:4]
+    model = AutoModelForCausalLM.from_pretrained(
+        src, quantization_config=hf_fp8.Fp8Config("weight_only")
+    )
+
+    def hang(name):
+        print(name, flush=True)
+        time.sleep(600)
+
+    real = atomic._exchange
+
+    def exchange(a, b):
+        if stage == "before-exchange":
+            hang(stage)
+        done = real(a, b)
+        if stage == "after-exchange":
+            hang(stage)
+        return done
+
+    atomic._exchange = exchange
+    with atomic.atomic_folder(dest) as tmp:
+        model.save_pretrained(tmp)
+        if stage == "mid-write":
+            weights = tmp / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+            hang(stage)
+    print("done", flush=True)
+    """
+)
+
+
+def _state(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_killed_save_leaves_old_or_new_checkpoint(tmp_path, tiny_model_dir):
+    src = tiny_model_dir("llama")
+    old_model = AutoModelForCausalLM.from_pretrained(src, quantization_config=Fp8Config("dynamic"))
+    stages = {"mid-write": "old", "before-exchange": "old", "after-exchange": "new"}
+    dests = {}
+    for stage in stages:
+        dests[stage] = tmp_path / stage
+        old_model.save_pretrained(dests[stage])
+        (dests[stage] / "adapter_model.safetensors").write_text("lora")
+    old = _state(dests["mid-write"])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_FP8_COMPILE": "0", "PYTHONPATH": str(REPO)}
+    procs = {
+        stage: subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(src), str(dests[stage]), stage],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        for stage in stages
+    }
+    for stage, proc in procs.items():
+        line = proc.stdout.readline().strip()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert line == stage, f"child never reached {stage}"
+    new_model = AutoModelForCausalLM.from_pretrained(
+        src, quantization_config=Fp8Config("weight_only")
+    )
+    new = new_model.state_dict()
+    for stage, expected in stages.items():
+        dest = dests[stage]
+        loaded = AutoModelForCausalLM.from_pretrained(dest)  # loadable, as hf_fp8 model
+        scheme = loaded.config.quantization_config.activation_scheme
+        assert scheme == ("dynamic" if expected == "old" else "weight_only"), stage
+        want = old if expected == "old" else new
+        got = _state(dest)
+        assert got.keys() <= want.keys() and len(got) > 0
+        for key, value in got.items():
+            assert torch.equal(value.view(torch.uint8), want[key].view(torch.uint8)), key
+        assert (dest / "adapter_model.safetensors").read_text() == "lora"
