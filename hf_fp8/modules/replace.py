@@ -8,21 +8,10 @@ import torch
 from torch import nn
 
 from hf_fp8.modules.fp8_linear import Fp8Linear
+from hf_fp8.modules.selection import is_conv1d, matches_module
 
 if TYPE_CHECKING:
     from hf_fp8.config import Fp8Config
-
-
-def matches_module(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
-    """True when ``name`` is one of ``patterns`` or contains one as dotted components
-    (``"lm_head"`` matches ``"lm_head"`` and ``"model.lm_head"``, not ``"lm_head2"``)."""
-    dotted = f".{name}."
-    return any(name == p or f".{p}." in dotted for p in patterns)
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """GPT-2 style ``Conv1D`` (transformers.pytorch_utils): a linear with a ``[in, out]`` weight."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int]:

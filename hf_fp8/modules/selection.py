@@ -1,0 +1,168 @@
+"""The one rule for "is this a layer hf_fp8 converts to ``Fp8Linear``".
+
+Every caller (``quantize_model``, the transformers quantizer, the model card, the serializers)
+asks :func:`is_convertible` or walks :func:`convertible_modules`; nobody restates the rule.
+
+A module converts when it is a linear (``nn.Linear``, a subclass that computes a plain linear,
+or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules* applies:
+
+* ``router``: MoE routers stay in high precision on purpose — they pick the experts each token
+  reaches, and a flipped top-k choice costs more than the tiny gemm saves. A router is a linear
+  whose class name ends with ``Router`` / ``Gate`` / ``Gating`` (``Llama4Router``,
+  ``PhimoeTopKRouter``), a linear inside such a module (``AfmoeTokenChoiceRouter.gate``,
+  ``JetMoeTopKGating.layer``), or a linear called ``gate`` / ``router`` /
+  ``shared_expert_gate`` whose parent holds ``experts`` (Qwen2-MoE's shared-expert gate).
+  Most transformers 5.24 routers (``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``,
+  ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``) are plain modules with a ``weight`` parameter,
+  not linears, and are never touched anyway.
+* ``weight read directly``: ``nn.MultiheadAttention`` passes ``out_proj.weight`` to
+  ``F.multi_head_attention_forward`` without calling ``out_proj``, and
+  ``nn.TransformerEncoderLayer``'s inference fast path passes ``linear1/2.weight`` to one fused
+  op: an FP8 weight there would be multiplied as raw codes.
+* ``linear subclass with its own behaviour``: a subclass that overrides ``forward`` (other than
+  the known plain ones, e.g. ``FalconLinear``) or holds more than ``weight`` / ``bias``
+  (``DoryLMHead``'s logit scale, ``IdeficsDecoupledLinear``'s extra rows).
+* ``adapter``: LoRA (peft tuner) adapter weights are trained, not frozen. This rule looks at
+  ancestors, so only :func:`convertible_modules` (the model walk) applies it.
+* ``skip pattern``: a name in ``modules_to_not_convert`` / ``skip`` (see :func:`matches_module`).
+* ``module_filter_fn``: a user function ``fn(module, fqn) -> bool`` (as torchao's
+  ``module_filter_fn``) that returns ``False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from torch import nn
+
+from hf_fp8.modules.fp8_linear import Fp8Linear
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+# nn.Linear subclasses whose forward is a plain ``x @ W.T + b`` although they override it.
+PLAIN_LINEAR_SUBCLASSES = frozenset({"FalconLinear"})
+# Parents that use a child linear's ``.weight`` directly instead of calling the child.
+_READS_CHILD_WEIGHT: tuple[type[nn.Module], ...] = (
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,  # its eval fast path passes linear1/2.weight to a fused op
+)
+_ROUTER_CLASS_SUFFIXES = ("router", "gate", "gating")
+_ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
+
+
+def matches_module(name: str, patterns: Sequence[str]) -> bool:
+    """True when ``name`` is one of ``patterns`` or contains one as dotted components
+    (``"lm_head"`` matches ``"lm_head"`` and ``"model.lm_head"``, not ``"lm_head2"``)."""
+    dotted = f".{name}."
+    return any(name == p or f".{p}." in dotted for p in patterns)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2 style ``Conv1D`` (transformers.pytorch_utils): a linear with a ``[in, out]`` weight."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _is_router_class(module: nn.Module | None) -> bool:
+    return module is not None and type(module).__name__.lower().endswith(_ROUTER_CLASS_SUFFIXES)
+
+
+def is_router(module: nn.Module, name: str, parent: nn.Module | None = None) -> bool:
+    """The MoE router rule (see the module docstring); ``parent`` enables the parent checks."""
+    if _is_router_class(module) or _is_router_class(parent):
+        return True
+    child = name.rpartition(".")[2]
+    return child in _ROUTER_NAMES and parent is not None and hasattr(parent, "experts")
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    cls = type(module)
+    if cls is nn.Linear:
+        return True
+    if cls.forward is not nn.Linear.forward and cls.__name__ not in PLAIN_LINEAR_SUBCLASSES:
+        return False
+    own = {n for n, _ in module.named_parameters(recurse=False)}
+    return own <= {"weight", "bias"} and not any(module.buffers()) and not any(module.children())
+
+
+def keep_reason(
+    module: nn.Module,
+    name: str,
+    *,
+    parent: nn.Module | None = None,
+    skip: Sequence[str] = (),
+    module_filter_fn: ModuleFilter | None = None,
+) -> str | None:
+    """Why ``module`` (called ``name``) stays as it is, or ``None`` when it converts.
+
+    ``parent`` (the module holding it) enables the rules that look at the parent;
+    :func:`convertible_modules` always passes it.
+    """
+    if isinstance(module, Fp8Linear):
+        return "already FP8"
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        return "not a linear"
+    if is_router(module, name, parent):
+        return "MoE router (kept in high precision on purpose)"
+    if isinstance(module, nn.Linear) and not _plain_linear(module):
+        return f"{type(module).__name__} is an nn.Linear subclass with its own behaviour"
+    if parent is not None and isinstance(parent, _READS_CHILD_WEIGHT):
+        return f"{type(parent).__name__} reads its .weight directly"
+    if matches_module(name, skip):
+        return "named in modules_to_not_convert / skip"
+    if module_filter_fn is not None and not module_filter_fn(module, name):
+        return "module_filter_fn returned False"
+    return None
+
+
+def is_convertible(
+    module: nn.Module,
+    name: str,
+    *,
+    parent: nn.Module | None = None,
+    skip: Sequence[str] = (),
+    module_filter_fn: ModuleFilter | None = None,
+) -> bool:
+    """True when hf_fp8 converts ``module`` (called ``name``) to ``Fp8Linear``."""
+    return (
+        keep_reason(module, name, parent=parent, skip=skip, module_filter_fn=module_filter_fn)
+        is None
+    )
+
+
+def _walk(
+    module: nn.Module, prefix: str, parent: nn.Module | None, adapter: bool
+) -> Iterator[tuple[str, nn.Module, nn.Module | None, bool]]:
+    """Every (name, module, parent, inside-an-adapter) occurrence; a module shared by two
+    parents is yielded once per parent (so the swap can replace it in both)."""
+    yield prefix, module, parent, adapter
+    adapter_names = getattr(module, "adapter_layer_names", ())  # peft BaseTunerLayer
+    for child_name, child in module.named_children():
+        name = f"{prefix}.{child_name}" if prefix else child_name
+        yield from _walk(child, name, module, adapter or child_name in adapter_names)
+
+
+def convertible_modules(
+    model: nn.Module,
+    *,
+    skip: Sequence[str] = (),
+    module_filter_fn: ModuleFilter | None = None,
+) -> list[tuple[str, nn.Module, nn.Module]]:
+    """``(name, module, parent)`` of every layer of ``model`` that converts, in module order
+    (``model`` itself is never returned: it has no parent to swap it in). A layer shared by
+    several parents appears once per parent."""
+    found = []
+    for name, module, parent, adapter in _walk(model, "", None, False):
+        if parent is None or adapter:  # LoRA adapters sit in a ModuleDict under the tuner layer
+            continue
+        if is_convertible(
+            module, name, parent=parent, skip=skip, module_filter_fn=module_filter_fn
+        ):
+            found.append((name, module, parent))
+    return found
+
+
+def unmatched_patterns(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The ``patterns`` that match no module name of ``model`` (typos in ``--skip`` /
+    ``modules_to_not_convert``)."""
+    names = [name for name, _ in model.named_modules()]
+    return [p for p in patterns if not any(matches_module(n, [p]) for n in names)]

@@ -1,0 +1,199 @@
+"""is_convertible / convertible_modules: the one rule for which layers become Fp8Linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AfmoeConfig,
+    Llama4TextConfig,
+    MixtralConfig,
+    PhimoeConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+from transformers.models.afmoe.modeling_afmoe import AfmoeSparseMoeBlock
+from transformers.models.falcon.modeling_falcon import FalconLinear
+from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.phimoe.modeling_phimoe import PhimoeSparseMoeBlock
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from transformers.pytorch_utils import Conv1D
+
+from hf_fp8 import Fp8Config, Fp8Linear
+from hf_fp8.modules import convertible_modules, is_convertible, keep_reason
+
+SMALL_MOE = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    shared_expert_intermediate_size=32,
+)
+
+
+def names(model: nn.Module, **kwargs) -> list[str]:
+    return [name for name, _, _ in convertible_modules(model, **kwargs)]
+
+
+def test_linear_conv1d_and_plain_subclasses_convert() -> None:
+    model = nn.ModuleDict(
+        {
+            "linear": nn.Linear(8, 8),
+            "conv1d": Conv1D(8, 8),
+            "falcon": FalconLinear(8, 8),  # overrides forward with the same math
+            "ndq": nn.modules.linear.NonDynamicallyQuantizableLinear(8, 8),  # outside MHA
+            "norm": nn.LayerNorm(8),
+            "fp8": Fp8Linear.from_linear(nn.Linear(8, 8)),
+        }
+    )
+    assert names(model) == ["linear", "conv1d", "falcon", "ndq"]
+    assert keep_reason(model.fp8, "fp8") == "already FP8"
+    assert keep_reason(model.norm, "norm") == "not a linear"
+
+
+class ScaledHead(nn.Linear):
+    """Like DoryLMHead: a linear subclass with an extra parameter used in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.logit_scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.logit_scale
+
+
+class ExtraParamLinear(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.extra = nn.Parameter(torch.ones(1))
+
+
+def test_linear_subclasses_with_their_own_behaviour_are_kept() -> None:
+    for module in (ScaledHead(), ExtraParamLinear()):
+        assert not is_convertible(module, "head")
+        assert "subclass with its own behaviour" in keep_reason(module, "head")
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.ffn = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn(self.attn(x, x, x, need_weights=False)[0])
+
+
+def swap_all(model: nn.Module) -> None:
+    for name, module, parent in convertible_modules(model):
+        setattr(parent, name.rpartition(".")[2], Fp8Linear.from_linear(module))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_modules_that_read_a_child_weight_directly_keep_it(grad: bool) -> None:
+    block = AttentionBlock().eval()
+    # nn.TransformerEncoderLayer's eval fast path hands linear1/2.weight to one fused op too
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    assert names(block) == ["ffn"] and names(layer) == []
+    assert "reads its .weight directly" in keep_reason(
+        block.attn.out_proj, "attn.out_proj", parent=block.attn
+    )
+    x = torch.randn(2, 5, 16)
+    with torch.set_grad_enabled(grad):
+        ref = block(x)
+        swap_all(block)
+        out = block(x)
+    assert (out - ref).norm() / ref.norm() < 0.05  # raw FP8 codes in out_proj would be ~1
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "block_cls", "converted", "router"),
+    [
+        (MixtralConfig, MixtralSparseMoeBlock, [], None),  # router and experts are not linears
+        (Qwen3MoeConfig, Qwen3MoeSparseMoeBlock, [], None),
+        (
+            Qwen2MoeConfig,
+            Qwen2MoeSparseMoeBlock,
+            ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"],
+            "shared_expert_gate",  # a plain nn.Linear gate beside `experts`
+        ),
+        (
+            AfmoeConfig,
+            AfmoeSparseMoeBlock,
+            ["shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"],
+            "router.gate",  # a plain nn.Linear inside a *Router module
+        ),
+        (PhimoeConfig, PhimoeSparseMoeBlock, [], "router"),  # PhimoeTopKRouter(nn.Linear)
+        (
+            Llama4TextConfig,
+            Llama4TextMoe,
+            ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"],
+            "router",  # Llama4Router(nn.Linear)
+        ),
+    ],
+)
+def test_moe_routers_stay_in_high_precision(config_cls, block_cls, converted, router) -> None:
+    block = block_cls(config_cls(**SMALL_MOE))
+    assert names(block) == converted
+    if router is not None:
+        module = block.get_submodule(router)
+        parent = block.get_submodule(router.rpartition(".")[0])
+        assert isinstance(module, nn.Linear)
+        assert keep_reason(module, router, parent=parent).startswith("MoE router")
+
+
+class GatedBlock(nn.Module):
+    """A non-MoE block with a linear called ``gate`` (like D-FINE's gating layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 8)
+
+
+class ToyMoe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+
+def test_a_gate_is_a_router_only_beside_experts() -> None:
+    assert names(GatedBlock()) == ["gate"]
+    assert names(ToyMoe()) == ["experts.0", "experts.1", "experts.2", "experts.3"]
+
+
+def test_skip_patterns_and_module_filter_fn() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 3))
+    assert names(model, skip=["2"]) == ["0", "1"]
+    small_only = names(model, module_filter_fn=lambda m, fqn: m.out_features % 8 == 0)
+    assert small_only == ["0", "1"]
+    assert names(model, module_filter_fn=lambda m, fqn: fqn != "0", skip=["1"]) == ["2"]
+    assert keep_reason(model[0], "0", module_filter_fn=lambda m, fqn: False) == (
+        "module_filter_fn returned False"
+    )
+
+
+def test_lora_adapters_are_not_converted() -> None:
+    peft = pytest.importorskip("peft")
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"]))
+    found = names(model)
+    assert found and not any("lora_" in n for n in found)
+    assert "base_model.model.2" in found
+
+
+def test_a_shared_linear_is_listed_under_each_parent() -> None:
+    shared = nn.Linear(8, 8)
+    model = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(shared)})
+    assert names(model) == ["a.0", "b.0"]
+
+
+def test_the_config_skip_list_uses_the_same_matching() -> None:
+    model = nn.ModuleDict({"lm_head": nn.Linear(8, 8), "lm_head2": nn.Linear(8, 8)})
+    skip = Fp8Config(modules_to_not_convert=["lm_head"]).modules_to_not_convert
+    assert names(model, skip=skip) == ["lm_head2"]
