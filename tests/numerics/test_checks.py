@@ -73,6 +73,26 @@ def test_nonfinite_fp8_codes(dtype, bad_bytes):
     check_fp8_tensor("w", top, dtype=dtype, shape=(1,))
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_nonfinite_codes_found_at_every_byte_position(dtype):
+    # 8-byte words and a ragged tail: every position of a word (the top byte's carry wraps)
+    rng = torch.Generator().manual_seed(0)
+    finite = (torch.randn(43, generator=rng) * 100).to(dtype)
+    assert torch.isfinite(finite.float()).all()
+    check_fp8_tensor("w", finite, dtype=dtype, shape=(43,))
+    bad_byte = 0xFF  # NaN in both formats (sign set, all exponent and mantissa bits set)
+    for pos in range(43):
+        raw = finite.view(torch.uint8).clone()
+        raw[pos] = bad_byte
+        with pytest.raises(CheckpointTensorError, match="holds 1 NaN/inf"):
+            check_fp8_tensor("w", raw.view(dtype), dtype=dtype, shape=(43,))
+    # a non-contiguous view is scanned too
+    raw = finite.view(torch.uint8).clone()
+    raw[2] = bad_byte
+    with pytest.raises(CheckpointTensorError):
+        check_fp8_tensor("w", raw.view(dtype)[::2], dtype=dtype, shape=(22,))
+
+
 def test_meta_tensors_skip_values_not_dtype():
     check_fp8_tensor("w", torch.empty(2, 2, dtype=E4M3, device="meta"), dtype=E4M3, shape=(2, 2))
     check_scale_tensor("s", torch.empty(1, device="meta"), shape=(1,))
