@@ -1,0 +1,305 @@
+"""Grouped FP8 matmuls for mixture-of-experts: only the routed (token, expert) pairs.
+
+The ``S = tokens × top_k`` routed pairs are sorted by expert id (:func:`route`); each expert
+then multiplies the contiguous block of rows it received, and an expert that received no
+token costs nothing (no dense compute of all experts, no per-token Python loop).
+
+Two ways to run one grouped projection (:func:`grouped_fp8_linear`):
+
+* per expert present: one ``hf_fp8.kernels.fp8_linear`` call on that expert's rows and
+  weight slice. That is the FP8 linear of ``Fp8Linear``, so the numerics are those of a
+  dequantize-then-matmul per expert (activations fake-quantized for dynamic / static), the
+  kernel choice is the same (``torch._scaled_mm`` on FP8 GPUs, the emulation elsewhere)
+  and gradients reach the input the same way.
+* ``torch._scaled_grouped_mm`` (one CUDA launch for all experts) where torch supports the
+  layout, checked by :func:`grouped_unsupported_reason`. Contract of the 2-D × 3-D call
+  (torch 2.13, ``_meta_registrations._meta_grouped_mm_common`` and
+  ``aten/src/ATen/native/cuda/GroupedBlas.cpp``): compute capability 9.0 or 10.0; ``a``
+  ``[S, K]`` row-major ``float8_e4m3fn``, ``b`` ``[E, K, N]`` column-major
+  ``float8_e4m3fn`` (the transposed view of a contiguous ``[E, N, K]`` weight); K and N
+  multiples of 16; ``scale_a`` fp32 ``[S]`` contiguous (one per row), ``scale_b`` fp32
+  ``[E, N]`` with unit last stride; ``offs`` int32 ``[E]`` cumulative row ends; no bias, no
+  ``scale_result``; bfloat16 output; at most 1024 groups. Tensor-wise scales are expanded
+  to those shapes; block scales and e5m2 take the per-expert route. It has no backward, so
+  a call that needs gradients takes the per-expert route too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_fp8.kernels.capability import check_kernel
+from hf_fp8.kernels.fp8_linear import _ACT_TO_NUMERICS, ACTIVATION_SCHEMES, fp8_linear
+from hf_fp8.numerics import amax, amax_to_scale, quantize_with_scale
+
+# torch._scaled_grouped_mm: GroupedBlas.cpp (CUTLASS grouped kernel) limits
+_GROUPED_CAPABILITIES = ((9, 0), (10, 0))
+_MAX_GROUPS = 1024
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routed (token, k) pairs of one call, sorted by expert.
+
+    ``pair_index`` ``[S]``: position of each sorted pair in the flattened ``[tokens · top_k]``
+    routing tensors; ``token_index`` ``[S]``: its token; ``expert_ids`` ``[S]``: its expert
+    (non-decreasing); ``counts``: rows per expert (host ints, one entry per expert).
+    Pairs routed to an id outside ``[0, num_experts)`` (expert-parallel sentinels) are
+    dropped: they contribute nothing.
+    """
+
+    pair_index: torch.Tensor
+    token_index: torch.Tensor
+    expert_ids: torch.Tensor
+    counts: tuple[int, ...]
+    num_tokens: int
+    top_k: int
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.counts)
+
+    def present(self) -> list[tuple[int, int, int]]:
+        """``(expert, start, end)`` row ranges of the experts that received rows."""
+        out, start = [], 0
+        for expert, count in enumerate(self.counts):
+            if count:
+                out.append((expert, start, start + count))
+                start += count
+        return out
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """Sort the routed pairs of ``top_k_index`` ``[tokens, top_k]`` by expert id."""
+    if top_k_index.dim() != 2:
+        raise ValueError(
+            f"top_k_index must be [tokens, top_k], got shape {tuple(top_k_index.shape)}"
+        )
+    num_tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    # invalid ids sort past every real expert and are cut off below
+    keys = torch.where(valid, flat, torch.full_like(flat, num_experts))
+    sorted_ids, pair_index = torch.sort(keys, stable=True)
+    counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
+    counts_host = tuple(int(c) for c in counts.tolist())  # the one host sync
+    routed = sum(counts_host)
+    pair_index = pair_index[:routed]
+    return Routing(
+        pair_index=pair_index,
+        token_index=pair_index // top_k,
+        expert_ids=sorted_ids[:routed],
+        counts=counts_host,
+        num_tokens=num_tokens,
+        top_k=top_k,
+    )
+
+
+def combine(
+    expert_out: torch.Tensor,
+    routing: Routing,
+    top_k_weights: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[tokens, H]``: the sorted expert outputs weighted by their routing weight and summed
+    per token in fp32 (deterministic: no ``index_add_``), rounded once to ``out_dtype``."""
+    num_pairs = routing.num_tokens * routing.top_k
+    weights = top_k_weights.reshape(-1)[routing.pair_index].float().unsqueeze(-1)
+    weighted = expert_out.float() * weights
+    full = weighted.new_zeros(num_pairs, expert_out.shape[-1])
+    full = full.index_copy(0, routing.pair_index, weighted)
+    return full.view(routing.num_tokens, routing.top_k, -1).sum(dim=1).to(out_dtype)
+
+
+@torch.compiler.assume_constant_result
+def _cuda_capability(index: int | None) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def grouped_unsupported_reason(
+    device: torch.device,
+    out_dtype: torch.dtype,
+    act_dtype: torch.dtype | None,
+    weight_dtype: torch.dtype,
+    act_granularity: str | None,
+    weight_granularity: str,
+    n: int,
+    k: int,
+    num_experts: int,
+) -> str | None:
+    """Why ``torch._scaled_grouped_mm`` cannot run this grouped product, or ``None``.
+
+    Granularities are the numerics names (``"tensor"``, ``"row"``, ``"block"``);
+    ``act_dtype=None`` means weight-only (no FP8 activation).
+    """
+    if device.type != "cuda":
+        return f"torch._scaled_grouped_mm runs on CUDA only; the input is on {device}"
+    if torch.version.hip is not None:
+        return "torch._scaled_grouped_mm on ROCm takes the *_fnuz fp8 dtypes"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    capability = _cuda_capability(device.index)
+    if capability not in _GROUPED_CAPABILITIES:
+        return (
+            f"torch._scaled_grouped_mm needs compute capability 9.0 or 10.0, this GPU has "
+            f"{capability[0]}.{capability[1]}"
+        )
+    if act_dtype is None:
+        return "weight-only experts dequantize the weight instead of an FP8 gemm"
+    if act_dtype != torch.float8_e4m3fn or weight_dtype != torch.float8_e4m3fn:
+        return "torch._scaled_grouped_mm multiplies e4m3 operands only"
+    if "block" in (act_granularity, weight_granularity):
+        return "block-wise scales run per expert"
+    if out_dtype != torch.bfloat16:
+        return f"torch._scaled_grouped_mm writes bfloat16 only, not {out_dtype}"
+    if k % 16 or n % 16:
+        return f"torch._scaled_grouped_mm needs K and N multiples of 16, got K={k}, N={n}"
+    if num_experts > _MAX_GROUPS:
+        return f"torch._scaled_grouped_mm takes at most {_MAX_GROUPS} groups, got {num_experts}"
+    return None
+
+
+def _row_scales(
+    x: torch.Tensor,
+    routing: Routing,
+    act_dtype: torch.dtype,
+    act_granularity: str,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """fp32 ``[S, 1]`` activation scale of each sorted row: the expert's static scale, the
+    row's own (``"row"``) or its expert's group amax (``"tensor"``)."""
+    if input_scale is not None:
+        return input_scale.float()[routing.expert_ids].unsqueeze(-1)
+    row_amax = amax(x, "row")
+    if act_granularity == "tensor":
+        group = row_amax.new_zeros(routing.num_experts)
+        group = group.scatter_reduce(0, routing.expert_ids, row_amax.squeeze(-1), "amax")
+        row_amax = group[routing.expert_ids].unsqueeze(-1)
+    return amax_to_scale(row_amax, act_dtype)
+
+
+def _scaled_grouped(
+    x: torch.Tensor,
+    routing: Routing,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    act_dtype: torch.dtype,
+    act_granularity: str,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """One ``torch._scaled_grouped_mm`` over every expert (see the module docstring)."""
+    num_experts, n, _ = w_fp8.shape
+    a_scale = _row_scales(x, routing, act_dtype, act_granularity, input_scale)
+    a_fp8 = quantize_with_scale(x, a_scale, act_dtype, "row")
+    w = w_fp8 if w_fp8.is_contiguous() else w_fp8.contiguous()
+    scale_b = w_scale.float().reshape(num_experts, -1).expand(num_experts, n).contiguous()
+    offsets = torch.tensor(routing.counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    out = torch._scaled_grouped_mm(
+        a_fp8.contiguous(),
+        w.transpose(-2, -1),
+        a_scale.reshape(-1).contiguous(),
+        scale_b,
+        offs=offsets.to(x.device),
+        out_dtype=torch.bfloat16,
+        use_fast_accum=False,
+    )
+    if bias is not None:
+        out = out + bias.to(out.dtype)[routing.expert_ids]
+    return out
+
+
+def grouped_fp8_linear(
+    x_sorted: torch.Tensor,
+    routing: Routing,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation_scheme: str = "dynamic",
+    activation_granularity: str | None = "token",
+    weight_granularity: str = "row",
+    block_size: tuple[int, int] = (128, 128),
+    input_scale: torch.Tensor | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Per-expert FP8 ``linear`` of the rows sorted by :func:`route`: ``[S, N]`` in
+    ``x_sorted.dtype``.
+
+    ``w_fp8`` ``[E, N, K]`` (one ``[N, K]`` weight per expert), ``w_scale`` ``[E, 1]``
+    (tensor), ``[E, N, 1]`` (row) or ``[E, N/bn, K/bk]`` (block), ``bias`` ``[E, N]``,
+    ``input_scale`` ``[E]`` (static: one scale per expert). Scheme and granularity
+    arguments as ``fp8_linear``'s; dynamic ``"tensor"`` activations get one scale per expert.
+    """
+    check_kernel(kernel)
+    if activation_scheme not in ACTIVATION_SCHEMES:
+        raise ValueError(
+            f"activation_scheme={activation_scheme!r} is not supported; use one of "
+            f"{ACTIVATION_SCHEMES}"
+        )
+    if x_sorted.dim() != 2 or x_sorted.shape[0] != len(routing.expert_ids):
+        raise ValueError(
+            f"x_sorted must be [{len(routing.expert_ids)}, K] (one row per routed pair), got "
+            f"{tuple(x_sorted.shape)}"
+        )
+    num_experts, n, k = w_fp8.shape
+    if num_experts != routing.num_experts or x_sorted.shape[1] != k:
+        raise ValueError(
+            f"weight of shape {tuple(w_fp8.shape)} does not fit {routing.num_experts} experts "
+            f"and inputs of width {x_sorted.shape[1]}"
+        )
+    if activation_scheme == "static" and input_scale is None:
+        raise RuntimeError(
+            "these static FP8 experts have no input scales: calibrate them with "
+            "hf_fp8.calibrate(model, batches), or give Fp8Config('static', activation_scale=...)"
+        )
+    if activation_scheme != "static":
+        input_scale = None
+    if x_sorted.shape[0] == 0:
+        return x_sorted.new_zeros(0, n)
+
+    act_dtype = None if activation_scheme == "weight_only" else w_fp8.dtype
+    a_gran = (
+        "tensor"
+        if activation_scheme == "static"
+        else _ACT_TO_NUMERICS.get(activation_granularity or "", None)
+    )
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x_sorted, bias)
+    )
+    if kernel != "emulated" and not needs_grad:
+        reason = grouped_unsupported_reason(
+            x_sorted.device,
+            x_sorted.dtype,
+            act_dtype,
+            w_fp8.dtype,
+            a_gran,
+            weight_granularity,
+            n,
+            k,
+            num_experts,
+        )
+        if reason is None:
+            return _scaled_grouped(
+                x_sorted, routing, w_fp8, w_scale, bias, act_dtype, a_gran, input_scale
+            )
+
+    pieces = []
+    for expert, start, end in routing.present():
+        pieces.append(
+            fp8_linear(
+                x_sorted[start:end],
+                w_fp8[expert],
+                w_scale[expert],
+                None if bias is None else bias[expert].to(x_sorted.dtype),
+                activation_scheme=activation_scheme,
+                activation_granularity=activation_granularity,
+                weight_granularity=weight_granularity,
+                block_size=block_size,
+                input_scale=None if input_scale is None else input_scale[expert : expert + 1],
+                kernel=kernel,
+            )
+        )
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
