@@ -7,147 +7,100 @@ operation by operation (same fp32 operations in the same order, no FMA contracti
 correctly rounded ``sqrtf``), so its results are bit-identical to the reference; the tests
 check this for every variant.
 
-Each variant (parameter / gradient dtype fp32 or bf16, E4M3 or E5M2, expansion or not) is
-built once (≈1 s) with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``,
-``-O3 -march=native``) into ``$HF_FP8_CACHE`` (default ``~/.cache/hf_fp8``), keyed by a
-hash of the source, flags, compiler and CPU, and loaded with :mod:`ctypes`. Threads: POSIX
-threads, ``torch.get_num_threads()`` of them. Without a compiler :func:`load` returns
-``None`` and the optimizer uses ``torch.compile`` of the reference, or the reference.
-``HF_FP8_DISABLE_CPU_KERNEL=1`` turns the kernel off.
+The source is ``csrc/adamw_fp8.c``. Everything it shares with Python — the task layout
+(:data:`TASK_FIELDS`), the hyper-parameter slots (:data:`hf_fp8.optim._step.HP_FIELDS`), the
+variant flag bits (:data:`FLAGS`) and coat's constants — is passed from here as ``-D``
+defines (:func:`kernel_defines`); the C file restates none of them.
+
+Each variant (parameter / gradient dtype fp32 or bf16, E4M3 or E5M2, expansion or not) is one
+library, built once by :func:`hf_fp8.utils.native.load_library` (private ``0700`` cache,
+build lock, per-variant failure record; ``HF_FP8_DISABLE_CPU_KERNEL=1`` turns it off).
+Threads: POSIX threads, ``torch.get_num_threads()`` of them. When a variant is unavailable
+:func:`load` returns ``None`` and :func:`error` says why.
+
+Sizes are never trusted: :meth:`Batch.add` checks every tensor's dtype, shape, device and
+contiguity against the parameter right before queuing it, and each task carries the element
+count of every tensor, which the C side checks against rows, cols and group_size before it
+touches any memory.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from hf_fp8.numerics import coat
-from hf_fp8.optim._csource import C_SOURCE_TEMPLATE
+from hf_fp8.optim import _step
+from hf_fp8.utils import native
 
-_CFLAGS = [
-    "-O3",
-    "-march=native",
-    "-ffp-contract=off",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fPIC",
-    "-shared",
-]
+SOURCE = Path(__file__).with_name("csrc") / "adamw_fp8.c"
+
+# Variant flag bits (one library per combination).
+FLAGS = {"P_BF16": 1, "G_BF16": 2, "E5M2": 4, "EXPAND": 8}
+P_BF16, G_BF16, E5M2, EXPAND = (FLAGS[k] for k in ("P_BF16", "G_BF16", "E5M2", "EXPAND"))
+# One task = these int64 fields, in this order: pointers, the [rows, cols] view, the group
+# size, the variant flags, then the element count of every pointed-to tensor.
+TASK_FIELDS = (
+    "p",
+    "g",
+    "m_q",
+    "m_s",
+    "m_k",
+    "v_q",
+    "v_s",
+    "v_k",
+    "hp",
+    "rows",
+    "cols",
+    "group_size",
+    "flags",
+    "p_n",
+    "g_n",
+    "m_q_n",
+    "m_s_n",
+    "m_k_n",
+    "v_q_n",
+    "v_s_n",
+    "v_k_n",
+    "hp_n",
+)
+# Return codes of adamw_fp8_step.
+ERRORS = {
+    1: "out of memory",
+    2: "a task of another variant",
+    3: "tensor sizes that do not match the parameter",
+    4: "a null pointer",
+}
+
 _LOCK = threading.Lock()
 _LIBS: dict[int, ctypes.CDLL] = {}
-_ERROR: str | None = None
-
-# Flags of one task (bit field), matched in the C dispatcher.
-P_BF16, G_BF16, E5M2, EXPAND = 1, 2, 4, 8
-TASK_FIELDS = 13  # p, g, mq, ms, mk, vq, vs, vk, hp, rows, cols, group_size, flags
+_ERRORS: dict[int, str] = {}
 
 
-def _c_float(value: float) -> str:
-    """A C expression that rounds ``value`` (a Python float) to float32 as torch does."""
-    return f"((float){value!r})"
-
-
-def _horner(var: str, coeffs: tuple[float, ...]) -> str:
-    """C statements computing ``acc`` exactly as ``coat._horner`` does (before its last ``* var``)."""
-    lines = [f"float acc = {var} * {_c_float(coeffs[-1])} + {_c_float(coeffs[-2])};"]
-    lines += [f"acc = acc * {var} + {_c_float(c)};" for c in reversed(coeffs[:-2])]
-    return "\n    ".join(lines)
-
-
-def c_source() -> str:
-    """The kernel's C source with coat's constants filled in."""
-    consts = {
-        "LOG2_HORNER": _horner("t", coat.LOG2_COEFFS),
-        "EXP2_HORNER": _horner("f", coat.EXP2_COEFFS),
-        "E4M3_MAX": _c_float(448.0),
-        "E5M2_MAX": _c_float(57344.0),
-        "E4M3_LOG2MAX": _c_float(math.log2(448.0)),
-        "E5M2_LOG2MAX": _c_float(math.log2(57344.0)),
-        "E4M3_STEPS": _c_float(coat.EXPONENT_STEPS * coat.target_log2_range(torch.float8_e4m3fn)),
-        "E5M2_STEPS": _c_float(coat.EXPONENT_STEPS * coat.target_log2_range(torch.float8_e5m2)),
-        "INV_STEPS": _c_float(1.0 / coat.EXPONENT_STEPS),
-        "K_MIN": _c_float(coat.EXPONENT_MIN),
-        "K_MAX": _c_float(coat.EXPONENT_MAX),
-    }
-    src = C_SOURCE_TEMPLATE
-    for key, value in consts.items():
-        src = src.replace("@" + key + "@", value)
-    return src
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _cache_dir() -> Path:
-    """``$HF_FP8_CACHE``, else ``~/.cache/hf_fp8``, else a per-user temporary directory."""
-    candidates = [os.environ.get("HF_FP8_CACHE"), Path.home() / ".cache" / "hf_fp8"]
-    candidates.append(
-        Path(tempfile.gettempdir()) / f"hf_fp8-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    )
-    for candidate in candidates:
-        if not candidate:
-            continue
-        try:
-            path = Path(candidate)
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
-            continue
-    raise RuntimeError("no writable cache directory for the CPU kernel (set $HF_FP8_CACHE)")
-
-
-def _build(variant: int) -> ctypes.CDLL:
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set $CC)")
-    src = c_source()
-    flags = [*_CFLAGS, f"-DVARIANT={variant}"]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\n".join([src, " ".join(flags), version, platform.machine(), _cpu_signature()]).encode()
-    ).hexdigest()[:20]
-    cache = _cache_dir()
-    lib_path = cache / f"adamw_fp8_{variant}_{key}.so"
-    if not lib_path.exists():
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            c_path = Path(tmp) / "kernel.c"
-            c_path.write_text(src)
-            out = Path(tmp) / "kernel.so"
-            proc = subprocess.run(
-                [cc, *flags, str(c_path), "-o", str(out), "-pthread"],
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"compiling the CPU kernel failed:\n{proc.stderr[-2000:]}")
-            os.replace(out, lib_path)  # atomic: concurrent ranks may build the same file
-    lib = ctypes.CDLL(str(lib_path))
-    lib.adamw_fp8_step.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    lib.adamw_fp8_step.restype = ctypes.c_int
-    return lib
+def kernel_defines(variant: int) -> dict[str, object]:
+    """The ``-D`` defines of ``variant``: layout, flag bits and coat's constants."""
+    d: dict[str, object] = {"VARIANT": variant, "T_FIELDS": len(TASK_FIELDS)}
+    d.update({f"T_{name.upper()}": i for i, name in enumerate(TASK_FIELDS)})
+    d["HP_FIELDS"] = len(_step.HP_FIELDS)
+    d.update({f"HP_{name.upper()}": i for i, name in enumerate(_step.HP_FIELDS)})
+    d.update({f"FLAG_{name}": bit for name, bit in FLAGS.items()})
+    d["LOG2_NCOEFFS"] = len(coat.LOG2_COEFFS)
+    d.update({f"LOG2_C{i}": float(c) for i, c in enumerate(coat.LOG2_COEFFS)})
+    d["EXP2_NCOEFFS"] = len(coat.EXP2_COEFFS)
+    d.update({f"EXP2_C{i}": float(c) for i, c in enumerate(coat.EXP2_COEFFS)})
+    for name, dtype in (("E4M3", torch.float8_e4m3fn), ("E5M2", torch.float8_e5m2)):
+        fmax = float(torch.finfo(dtype).max)
+        d[f"{name}_MAX"] = fmax
+        d[f"{name}_LOG2MAX"] = math.log2(fmax)
+        d[f"{name}_STEPS"] = coat.EXPONENT_STEPS * coat.target_log2_range(dtype)
+    d["INV_STEPS"] = 1.0 / coat.EXPONENT_STEPS
+    d["K_MIN"] = float(coat.EXPONENT_MIN)
+    d["K_MAX"] = float(coat.EXPONENT_MAX)
+    return d
 
 
 def variant(
@@ -164,22 +117,24 @@ def variant(
 
 def load(variant: int = EXPAND) -> ctypes.CDLL | None:
     """The compiled library of ``variant``, or ``None`` when it cannot be built (see :func:`error`)."""
-    global _ERROR
     with _LOCK:
-        if variant not in _LIBS and _ERROR is None:
-            if os.environ.get("HF_FP8_DISABLE_CPU_KERNEL", "") not in ("", "0"):
-                _ERROR = "disabled by HF_FP8_DISABLE_CPU_KERNEL"
-            else:
-                try:
-                    _LIBS[variant] = _build(variant)
-                except Exception as exc:  # any failure: fall back to torch.compile / reference
-                    _ERROR = f"{type(exc).__name__}: {exc}"
-        return _LIBS.get(variant)
+        if variant in _LIBS:
+            return _LIBS[variant]
+        try:
+            lib = native.load_library("adamw_fp8", SOURCE, defines=kernel_defines(variant))
+        except native.NativeUnavailable as exc:
+            _ERRORS[variant] = str(exc)
+            return None
+        lib.adamw_fp8_step.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        lib.adamw_fp8_step.restype = ctypes.c_int
+        _LIBS[variant] = lib
+        _ERRORS.pop(variant, None)
+        return lib
 
 
-def error() -> str | None:
-    """Why :func:`load` returned ``None``."""
-    return _ERROR
+def error(variant: int = EXPAND) -> str | None:
+    """Why :func:`load` returned ``None`` for ``variant``."""
+    return _ERRORS.get(variant)
 
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -195,6 +150,66 @@ def supports(param: torch.Tensor, grad: torch.Tensor, states: tuple) -> bool:
         and param.is_contiguous()
         and all(s.is_contiguous() and s.device.type == "cpu" for s in states if s is not None)
     )
+
+
+def check_tensors(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: tuple[torch.Tensor | None, ...],
+    hp: torch.Tensor,
+    cols: int,
+    group_size: int,
+    expand: bool,
+) -> None:
+    """Raise ``ValueError`` unless every tensor is exactly what the kernel will address.
+
+    Cheap (metadata only); run right before each launch so that no state, however it was
+    loaded or modified, reaches the C code with a size that does not match the parameter.
+    """
+    rows = param.shape[0] if param.dim() else 1
+    gc = -(-cols // group_size) if group_size > 0 else 0
+    want = {
+        "exp_avg_fp8": ((rows, gc * group_size), None),
+        "exp_avg_scale": ((rows, gc), torch.float32),
+        "exp_avg_exponent": ((rows, gc), torch.float32),
+        "exp_avg_sq_fp8": ((rows, gc * group_size), None),
+        "exp_avg_sq_scale": ((rows, gc), torch.float32),
+        "exp_avg_sq_exponent": ((rows, gc), torch.float32),
+    }
+    problems = []
+    if param.device.type != "cpu" or not param.is_contiguous():
+        problems.append("the parameter is not a contiguous CPU tensor")
+    if param.dtype not in SUPPORTED_DTYPES or param.numel() != rows * cols:
+        problems.append(f"the parameter ({param.dtype}, {tuple(param.shape)}) is not {rows}x{cols}")
+    if grad.shape != param.shape or grad.dtype not in SUPPORTED_DTYPES or not grad.is_contiguous():
+        problems.append(f"the gradient {tuple(grad.shape)} {grad.dtype} does not match")
+    if grad.device.type != "cpu":
+        problems.append("the gradient is not on the CPU")
+    fp8 = states[0].dtype if states[0] is not None else None
+    if fp8 not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        problems.append(f"exp_avg_fp8 has dtype {fp8}, not an fp8 dtype")
+    for (key, (shape, dtype)), t in zip(want.items(), states, strict=True):
+        if "exponent" in key and not expand:
+            if t is not None:
+                problems.append(f"{key} is present without dynamic range expansion")
+            continue
+        if t is None:
+            problems.append(f"{key} is missing")
+            continue
+        dtype = fp8 if dtype is None else dtype
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            problems.append(f"{key} is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            problems.append(f"{key} is not a contiguous CPU tensor")
+    if hp.dtype != torch.float32 or hp.numel() != len(_step.HP_FIELDS) or not hp.is_contiguous():
+        problems.append(f"hyper-parameters must be {len(_step.HP_FIELDS)} contiguous fp32 values")
+    if problems:
+        raise ValueError(
+            "AdamWFp8 CPU kernel: refusing a parameter whose state does not match it: "
+            + "; ".join(problems)
+            + ". Reset this parameter's state (optimizer.state.pop(param)) or load a state "
+            "saved for this model."
+        )
 
 
 class Batch:
@@ -218,25 +233,20 @@ class Batch:
     ) -> None:
         """Queue the step of a contiguous ``param``; ``copy_to`` receives it after the run."""
         grad = grad.contiguous()
-        m_q, m_s, m_e, v_q, v_s, v_e = states
+        check_tensors(param, grad, states, hp, cols, group_size, expand)
         self.keep_alive += [param, grad, hp]
-        self.tasks.append(
-            [
-                param.data_ptr(),
-                grad.data_ptr(),
-                m_q.data_ptr(),
-                m_s.data_ptr(),
-                0 if m_e is None else m_e.data_ptr(),
-                v_q.data_ptr(),
-                v_s.data_ptr(),
-                0 if v_e is None else v_e.data_ptr(),
-                hp.data_ptr(),
-                param.shape[0],
-                cols,
-                group_size,
-                variant(param.dtype, grad.dtype, m_q.dtype, expand),
-            ]
-        )
+        tensors = dict(zip(("m_q", "m_s", "m_k", "v_q", "v_s", "v_k"), states, strict=True))
+        tensors.update(p=param, g=grad, hp=hp)
+        fields = {
+            "rows": param.shape[0],
+            "cols": cols,
+            "group_size": group_size,
+            "flags": variant(param.dtype, grad.dtype, states[0].dtype, expand),
+        }
+        for name, t in tensors.items():
+            fields[name] = 0 if t is None else t.data_ptr()
+            fields[f"{name}_n"] = 0 if t is None else t.numel()
+        self.tasks.append([fields[name] for name in TASK_FIELDS])
         if copy_to is not None and copy_to is not param:
             self.copy_back.append((copy_to, param))
 
@@ -248,16 +258,21 @@ class Batch:
 
 
 def launch(tasks: list[list[int]]) -> None:
-    """Run the step on every task (``TASK_FIELDS`` int64 each), one library call per variant."""
+    """Run the step on every task (``len(TASK_FIELDS)`` int64 each), one call per variant."""
+    flags = TASK_FIELDS.index("flags")
     by_variant: dict[int, list[int]] = {}
     for task in tasks:
-        by_variant.setdefault(task[-1], []).extend(task)
+        if len(task) != len(TASK_FIELDS):
+            raise ValueError(f"a task has {len(task)} fields, expected {len(TASK_FIELDS)}")
+        by_variant.setdefault(task[flags], []).extend(task)
     for var, flat in by_variant.items():
         lib = load(var)
         if lib is None:
-            raise RuntimeError(f"CPU kernel unavailable: {_ERROR}")
+            raise RuntimeError(f"CPU kernel unavailable: {error(var)}")
         arr = (ctypes.c_int64 * len(flat))(*flat)
-        n = len(flat) // TASK_FIELDS
+        n = len(flat) // len(TASK_FIELDS)
         rc = lib.adamw_fp8_step(n, ctypes.cast(arr, ctypes.c_void_p), torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"CPU kernel failed with code {rc}")
+            raise RuntimeError(
+                f"CPU kernel refused its tasks (code {rc}: {ERRORS.get(rc, 'unknown')})"
+            )

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from hf_fp8.numerics.coat import dequantize_groups, quantize_groups
 
-# Order of the fields of the hyper-parameter tensor (shared with the C kernel).
+# Order of the fields of the hyper-parameter tensor: the one table, shared with the C kernel
+# (passed to it as HP_* defines) and the compiled step.
 HP_FIELDS = ("decay", "step_size", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "inv_bc2")
 
 
@@ -31,15 +32,26 @@ def hyperparams(group: dict, step: float, device: torch.device) -> torch.Tensor:
     """
     beta1, beta2 = group["betas"]
     bc1 = 1.0 - beta1**step
-    inv_bc2 = 1.0 / math.sqrt(1.0 - beta2**step)
     lr, wd = group["lr"], group["weight_decay"]
-    rest = [1.0 - beta1, beta2, 1.0 - beta2, group["eps"], inv_bc2]
+    values: dict[str, object] = {
+        "one_minus_beta1": 1.0 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1.0 - beta2,
+        "eps": group["eps"],
+        "inv_bc2": 1.0 / math.sqrt(1.0 - beta2**step),
+    }
     if isinstance(lr, torch.Tensor):
         lr64 = lr.detach().reshape(()).to(device=device, dtype=torch.float64)
-        head = torch.stack([1.0 - lr64 * wd, lr64 / bc1])
-        tail = torch.tensor(rest, dtype=torch.float64, device=device)
-        return torch.cat([head, tail]).to(torch.float32)
-    return torch.tensor([1.0 - lr * wd, lr / bc1, *rest], dtype=torch.float32, device=device)
+        values.update(decay=1.0 - lr64 * wd, step_size=lr64 / bc1)
+        parts = [
+            v
+            if isinstance(v, torch.Tensor)
+            else torch.tensor(v, dtype=torch.float64, device=device)
+            for v in (values[name] for name in HP_FIELDS)
+        ]
+        return torch.stack(parts).to(torch.float32)
+    values.update(decay=1.0 - lr * wd, step_size=lr / bc1)
+    return torch.tensor([values[name] for name in HP_FIELDS], dtype=torch.float32, device=device)
 
 
 def grouped_step(
@@ -59,7 +71,9 @@ def grouped_step(
     (``*_exp`` is ``None`` without dynamic range expansion). Every operation is fp32 and in
     the order the C kernel uses.
     """
-    decay, step_size, w1, beta2, w2, eps, inv_bc2 = hp.unbind(0)
+    h = dict(zip(HP_FIELDS, hp.unbind(0), strict=True))
+    decay, step_size, w1, beta2 = h["decay"], h["step_size"], h["one_minus_beta1"], h["beta2"]
+    w2, eps, inv_bc2 = h["one_minus_beta2"], h["eps"], h["inv_bc2"]
     g = grad.float()
     m = dequantize_groups(m_q, m_scale, m_exp)
     v = dequantize_groups(v_q, v_scale, v_exp)

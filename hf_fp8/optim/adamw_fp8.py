@@ -60,8 +60,9 @@ class AdamWFp8(Optimizer):
         amsgrad: must be ``False`` (not supported).
         implementation: ``"auto"`` (fused C kernel for CPU tensors, else ``torch.compile``
             of the reference step, falling back to the reference if compilation fails),
-            ``"cpu_kernel"``, ``"compile"`` or ``"reference"`` (eager torch). All give the
-            same results; the reference and the C kernel are bit-identical.
+            ``"cpu_kernel"`` (raises when the C kernel cannot run: no silent fallback),
+            ``"compile"`` or ``"reference"`` (eager torch). All give the same results; the
+            reference and the C kernel are bit-identical.
 
     Usage (``import hf_fp8`` registers the Trainer names)::
 
@@ -227,11 +228,25 @@ class AdamWFp8(Optimizer):
 
     def _resolve(self, param: torch.Tensor, grad: torch.Tensor, states: tuple, expand: bool) -> str:
         impl = self.implementation
-        if impl in ("auto", "cpu_kernel") and _cpu_kernel.supports(param, grad, states):
-            variant = _cpu_kernel.variant(param.dtype, grad.dtype, states[0].dtype, expand)
-            if _cpu_kernel.load(variant):
-                return "cpu_kernel"
-            self._warn_once("kernel", f"CPU kernel unavailable ({_cpu_kernel.error()})")
+        if impl in ("auto", "cpu_kernel"):
+            why = None
+            if not _cpu_kernel.supports(param, grad, states):
+                why = (
+                    f"it handles contiguous fp32/bf16 CPU tensors, got {param.dtype} on "
+                    f"{param.device.type} with a {grad.dtype} gradient"
+                )
+            else:
+                variant = _cpu_kernel.variant(param.dtype, grad.dtype, states[0].dtype, expand)
+                if _cpu_kernel.load(variant):
+                    return "cpu_kernel"
+                why = _cpu_kernel.error(variant)
+                if impl == "auto":
+                    self._warn_once("kernel", f"CPU kernel unavailable ({why})")
+            if impl == "cpu_kernel":  # asked for explicitly: never fall back silently
+                raise RuntimeError(
+                    f"AdamWFp8(implementation='cpu_kernel'): the C kernel cannot run ({why}); "
+                    "use implementation='auto' to fall back to torch.compile / the reference"
+                )
         if impl == "reference":
             return "reference"
         return "compile"

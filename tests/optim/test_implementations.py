@@ -10,13 +10,27 @@ import torch
 
 from hf_fp8.optim import AdamWFp8, _cpu_kernel
 from hf_fp8.optim._layout import QUANT_KEYS
+from hf_fp8.utils import native
 
 SHAPES = [(40, 256), (33, 200), (1, 4096), (4, 8, 70), (130,)]
 HP = {"lr": 3e-2, "betas": (0.9, 0.99), "weight_decay": 0.1, "min_quantize_numel": 1000}
 
-needs_kernel = pytest.mark.skipif(
-    _cpu_kernel.load() is None, reason=f"C kernel unavailable: {_cpu_kernel.error()}"
-)
+# Skipped only without a C compiler: with one, a kernel that fails to build fails the tests.
+needs_kernel = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
+
+
+@pytest.fixture
+def count_launches(monkeypatch):
+    """Number of tasks the C kernel ran: proves the kernel, not a fallback, did the steps."""
+    ran = []
+    real = _cpu_kernel.launch
+
+    def spy(tasks):
+        ran.extend(tasks)
+        real(tasks)
+
+    monkeypatch.setattr(_cpu_kernel, "launch", spy)
+    return ran
 
 
 def adversarial_grads(params: list[torch.Tensor], step: int, grad_dtype: torch.dtype) -> None:
@@ -79,16 +93,36 @@ DTYPES = [torch.float32, torch.bfloat16]
     ("param_dtype", "grad_dtype", "fp8_format", "expand"),
     list(itertools.product(DTYPES, DTYPES, ["e4m3", "e5m2"], [True, False])),
 )
-def test_cpu_kernel_is_bit_identical_to_reference(param_dtype, grad_dtype, fp8_format, expand):
+def test_cpu_kernel_is_bit_identical_to_reference(
+    param_dtype, grad_dtype, fp8_format, expand, count_launches
+):
     reference = run("reference", param_dtype, grad_dtype, fp8_format, expand)
+    assert not count_launches
     kernel = run("cpu_kernel", param_dtype, grad_dtype, fp8_format, expand)
     assert_bit_identical(reference, kernel)
     quantized = [p for p in kernel[0] if QUANT_KEYS[0] in kernel[1].state[p]]
     assert len(quantized) == 4  # the 1-D tensor keeps fp32 states
+    assert len(count_launches) == 4 * 4  # every quantized parameter, every step, in C
 
 
 @needs_kernel
-def test_cpu_kernel_threads_do_not_change_results():
+def test_auto_uses_the_cpu_kernel(count_launches):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "kernel unavailable" fallback warning
+        run("auto", torch.float32, torch.bfloat16, "e4m3", True, steps=2)
+    assert len(count_launches) == 4 * 2
+
+
+def test_explicit_cpu_kernel_never_falls_back(monkeypatch):
+    monkeypatch.setattr(_cpu_kernel, "load", lambda variant=0: None)
+    with pytest.raises(RuntimeError, match=r"implementation='cpu_kernel'.*cannot run"):
+        run("cpu_kernel", torch.float32, torch.float32, "e4m3", True, steps=1)
+    with pytest.raises(RuntimeError, match="cannot run"):  # unsupported dtype: no fallback
+        run("cpu_kernel", torch.float16, torch.float16, "e4m3", True, steps=1)
+
+
+@needs_kernel
+def test_cpu_kernel_threads_do_not_change_results(count_launches):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -98,6 +132,7 @@ def test_cpu_kernel_threads_do_not_change_results():
     finally:
         torch.set_num_threads(threads)
     assert_bit_identical(one, many)
+    assert len(count_launches) == 2 * 4 * 4
 
 
 def test_fallbacks_warn_once_and_match_reference(monkeypatch):
@@ -154,3 +189,28 @@ def test_compiled_step_matches_reference_without_recompiling_for_lr():
             results[("reference", tensor_lr)], results[("compile", tensor_lr)], strict=True
         ):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@needs_kernel
+def test_c_layout_comes_from_the_python_tables(monkeypatch, count_launches):
+    """Reordering the task and hyper-parameter tables (the only statement of the layout) still
+    gives the reference's bits: the C file reads every field through the generated defines."""
+    from hf_fp8.optim import _step
+
+    monkeypatch.setattr(_cpu_kernel, "TASK_FIELDS", tuple(reversed(_cpu_kernel.TASK_FIELDS)))
+    monkeypatch.setattr(_step, "HP_FIELDS", tuple(reversed(_step.HP_FIELDS)))
+    monkeypatch.setattr(_cpu_kernel, "_LIBS", {})
+    reference = run("reference", torch.float32, torch.float32, "e4m3", True, steps=2)
+    kernel = run("cpu_kernel", torch.float32, torch.float32, "e4m3", True, steps=2)
+    assert_bit_identical(reference, kernel)
+    assert len(count_launches) == 4 * 2
+    assert _cpu_kernel.kernel_defines(_cpu_kernel.EXPAND)["T_P"] == len(_cpu_kernel.TASK_FIELDS) - 1
+
+
+def test_c_source_restates_no_layout_constant():
+    """Indexing tasks or hyper-parameters by number would bypass the Python tables."""
+    import re
+
+    text = _cpu_kernel.SOURCE.read_text()
+    assert not re.search(r"\b(t|hp)\[\s*\d", text)
+    assert not re.search(r"\b\d+\s*\*\s*k\b", text)  # the old "13 * k" task stride

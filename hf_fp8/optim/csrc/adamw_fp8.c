@@ -1,12 +1,15 @@
-"""C source of the fused CPU step (see :mod:`hf_fp8.optim._cpu_kernel`).
+/* Fused CPU step of hf_fp8.optim.AdamWFp8 (see hf_fp8/optim/_cpu_kernel.py).
 
-Every arithmetic line mirrors :mod:`hf_fp8.numerics.coat` and
-:func:`hf_fp8.optim._step.grouped_step` in the same order; ``@NAME@`` placeholders are
-filled with coat's constants. Loops are written branch-free so that the compiler
-vectorizes them; max/min reductions run on the bit patterns of non-negative floats.
-"""
+   Every arithmetic line mirrors hf_fp8.numerics.coat and hf_fp8.optim._step.grouped_step in
+   the same order, so results are bit-identical to the reference. Loops are branch-free so
+   that the compiler vectorizes them; max/min reductions run on the bit patterns of
+   non-negative floats.
 
-C_SOURCE_TEMPLATE = r"""
+   Built by hf_fp8.utils.native.load_library with -D defines generated from ONE Python table
+   (hf_fp8/optim/_cpu_kernel.py: kernel_defines()): the task layout T_* / T_FIELDS, the
+   hyper-parameter slots HP_* / HP_FIELDS, the variant flag bits FLAG_*, the VARIANT of this
+   library and coat's constants (LOG2_C*, EXP2_C*, fp8 maxima, exponent steps). This file
+   restates none of them; a missing define is a compile error. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +24,13 @@ C_SOURCE_TEMPLATE = r"""
 #define MAGIC_BITS 0x4B400000u
 #define MAX_THREADS 64
 
+#if !defined(T_FIELDS) || !defined(HP_FIELDS) || !defined(VARIANT) || !defined(FLAG_EXPAND)
+#error "build through hf_fp8.optim._cpu_kernel: the layout comes from its Python table"
+#endif
+#if LOG2_NCOEFFS != 6 || EXP2_NCOEFFS != 4
+#error "the Horner chains below are written for 6 log2 and 4 exp2 coefficients"
+#endif
+
 
 AI float b2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 AI uint32_t f2b(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -29,7 +39,11 @@ AI float flog2(float x) {
     uint32_t b = f2b(x);
     float e = (float)((int32_t)(b >> 23) - 127);
     float t = b2f((b & 0x7FFFFFu) | 0x3F800000u) - 1.0f;
-    @LOG2_HORNER@
+    float acc = t * LOG2_C5 + LOG2_C4;
+    acc = acc * t + LOG2_C3;
+    acc = acc * t + LOG2_C2;
+    acc = acc * t + LOG2_C1;
+    acc = acc * t + LOG2_C0;
     return e + acc * t;
 }
 
@@ -39,7 +53,9 @@ AI float fexp2_nc(float y) {
     r = (r > y) ? r - 1.0f : r; /* floor */
     float f = y - r;
     uint32_t n = f2b(r + MAGIC) - MAGIC_BITS;
-    @EXP2_HORNER@
+    float acc = f * EXP2_C3 + EXP2_C2;
+    acc = acc * f + EXP2_C1;
+    acc = acc * f + EXP2_C0;
     float poly = acc * f + 1.0f;
     return b2f(f2b(poly) + (n << 23));
 }
@@ -97,9 +113,9 @@ AI float expansion_k(float amax, float amin, float steps) {
     float lr = flog2(valid ? amax : 1.0f) - flog2(valid ? amin : 1.0f);
     int ex = lr > 0.0f;
     float st = (1.0f / (ex ? lr : 1.0f)) * steps;
-    float k = ex ? floorf(st) * @INV_STEPS@ : 1.0f;
-    k = (k < @K_MIN@) ? @K_MIN@ : k;
-    k = (k > @K_MAX@) ? @K_MAX@ : k;
+    float k = ex ? floorf(st) * INV_STEPS : 1.0f;
+    k = (k < K_MIN) ? K_MIN : k;
+    k = (k > K_MAX) ? K_MAX : k;
     return k;
 }
 
@@ -107,8 +123,8 @@ AI float expansion_k(float amax, float amin, float steps) {
    its amax (plain); codes n..gs-1 are set to 0. */
 AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
                 float k, float lmax, float amax, const int E5, const int EX) {
-    const float F = E5 ? @E5M2_MAX@ : @E4M3_MAX@;
-    const float LOG2F = E5 ? @E5M2_LOG2MAX@ : @E4M3_LOG2MAX@;
+    const float F = E5 ? E5M2_MAX : E4M3_MAX;
+    const float LOG2F = E5 ? E5M2_LOG2MAX : E4M3_LOG2MAX;
     int valid = amax >= FLT_MIN_F;
     if (EX) {
         for (int64_t i = 0; i < n; ++i) {
@@ -169,8 +185,9 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
                      float sm, float sv, float ik_m, float b_m, float ik_v, float b_v,
                      const float* restrict hp, int64_t n, uint32_t* restrict red,
                      const int PB, const int GB, const int E5, const int EX, const int CLAMP) {
-    const float decay = hp[0], step_size = hp[1], w1 = hp[2], b2 = hp[3], w2 = hp[4];
-    const float eps = hp[5], inv_bc2s = hp[6];
+    const float decay = hp[HP_DECAY], step_size = hp[HP_STEP_SIZE], w1 = hp[HP_ONE_MINUS_BETA1];
+    const float b2 = hp[HP_BETA2], w2 = hp[HP_ONE_MINUS_BETA2];
+    const float eps = hp[HP_EPS], inv_bc2s = hp[HP_INV_BC2];
     float* restrict p32 = (float*)p_;
     uint16_t* restrict pbf = (uint16_t*)p_;
     const float* restrict g32 = (const float*)g_;
@@ -214,24 +231,24 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
 
 #define CHUNK 16 /* groups processed together: their per-group scalars are vectorized */
 
-/* Task: p, g, mq, ms, mk, vq, vs, vk, hp, rows, cols, group_size, flags (13 int64).
+/* A task is T_FIELDS int64 (pointers, sizes, flags: see T_* in _cpu_kernel.TASK_FIELDS).
    Groups lo..hi-1 of the task; mb / vb hold CHUNK * group_size floats. */
 AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
                    float* restrict vb, const int PB, const int GB, const int E5, const int EX) {
-    const float F = E5 ? @E5M2_MAX@ : @E4M3_MAX@;
-    const float LOG2F = E5 ? @E5M2_LOG2MAX@ : @E4M3_LOG2MAX@;
-    const float STEPS = E5 ? @E5M2_STEPS@ : @E4M3_STEPS@;
-    const int64_t cols = t[10], gs = t[11];
+    const float F = E5 ? E5M2_MAX : E4M3_MAX;
+    const float LOG2F = E5 ? E5M2_LOG2MAX : E4M3_LOG2MAX;
+    const float STEPS = E5 ? E5M2_STEPS : E4M3_STEPS;
+    const int64_t cols = t[T_COLS], gs = t[T_GROUP_SIZE];
     const int64_t gc = (cols + gs - 1) / gs;
-    char* pbase = (char*)(intptr_t)t[0];
-    const char* gbase = (const char*)(intptr_t)t[1];
-    uint8_t* mq = (uint8_t*)(intptr_t)t[2];
-    float* ms = (float*)(intptr_t)t[3];
-    float* mk = (float*)(intptr_t)t[4];
-    uint8_t* vq = (uint8_t*)(intptr_t)t[5];
-    float* vs = (float*)(intptr_t)t[6];
-    float* vk = (float*)(intptr_t)t[7];
-    const float* hp = (const float*)(intptr_t)t[8];
+    char* pbase = (char*)(intptr_t)t[T_P];
+    const char* gbase = (const char*)(intptr_t)t[T_G];
+    uint8_t* mq = (uint8_t*)(intptr_t)t[T_M_Q];
+    float* ms = (float*)(intptr_t)t[T_M_S];
+    float* mk = (float*)(intptr_t)t[T_M_K];
+    uint8_t* vq = (uint8_t*)(intptr_t)t[T_V_Q];
+    float* vs = (float*)(intptr_t)t[T_V_S];
+    float* vk = (float*)(intptr_t)t[T_V_K];
+    const float* hp = (const float*)(intptr_t)t[T_HP];
     const float LOG2_MIN_CODE = E5 ? -16.0f : -9.0f; /* flog2 of the smallest positive code */
     const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
     for (int64_t g0 = lo; g0 < hi; g0 += CHUNK) {
@@ -276,15 +293,37 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
     }
 }
 
-/* One variant per library: VARIANT = p_bf16 | g_bf16 << 1 | e5m2 << 2 | expansion << 3. */
+/* One variant per library: VARIANT is a combination of the FLAG_* bits. */
 static int dispatch(const int64_t* t, int64_t lo, int64_t hi, float* mb, float* vb) {
-    if (t[12] != VARIANT) return 2;
-    run_groups(t, lo, hi, mb, vb, VARIANT & 1, (VARIANT >> 1) & 1, (VARIANT >> 2) & 1,
-               (VARIANT >> 3) & 1);
+    run_groups(t, lo, hi, mb, vb, (VARIANT & FLAG_P_BF16) != 0, (VARIANT & FLAG_G_BF16) != 0,
+               (VARIANT & FLAG_E5M2) != 0, (VARIANT & FLAG_EXPAND) != 0);
     return 0;
 }
 
-static int64_t task_groups(const int64_t* t) { return t[9] * ((t[10] + t[11] - 1) / t[11]); }
+static int64_t task_groups(const int64_t* t) {
+    return t[T_ROWS] * ((t[T_COLS] + t[T_GROUP_SIZE] - 1) / t[T_GROUP_SIZE]);
+}
+
+/* Sizes are never trusted: every pointer comes with the element count of its tensor, and a
+   task runs only when each count is exactly what rows, cols and group_size address.
+   0: valid; 2: another variant; 3: bad sizes; 4: a null pointer for a non-empty tensor. */
+static int check_task(const int64_t* t) {
+    const int64_t rows = t[T_ROWS], cols = t[T_COLS], gs = t[T_GROUP_SIZE];
+    if (t[T_FLAGS] != VARIANT) return 2;
+    if (rows < 0 || cols < 1 || gs < 1 || gs > 65536) return 3;
+    const int64_t gc = (cols + gs - 1) / gs;
+    if (rows > 0 && (cols > INT64_MAX / rows || gc > INT64_MAX / gs / rows)) return 3;
+    const int64_t n = rows * cols, nq = rows * gc * gs, ns = rows * gc;
+    const int ex = (VARIANT & FLAG_EXPAND) != 0;
+    if (t[T_P_N] != n || t[T_G_N] != n || t[T_M_Q_N] != nq || t[T_V_Q_N] != nq) return 3;
+    if (t[T_M_S_N] != ns || t[T_V_S_N] != ns || t[T_HP_N] != HP_FIELDS) return 3;
+    if (ex && (t[T_M_K_N] != ns || t[T_V_K_N] != ns)) return 3;
+    if (!t[T_HP]) return 4;
+    if (n > 0 && (!t[T_P] || !t[T_G] || !t[T_M_Q] || !t[T_M_S] || !t[T_V_Q] || !t[T_V_S]))
+        return 4;
+    if (n > 0 && ex && (!t[T_M_K] || !t[T_V_K])) return 4;
+    return 0;
+}
 
 typedef struct {
     const int64_t* tasks;
@@ -298,7 +337,7 @@ static void* worker(void* arg) {
     if (!buf) { w->rc = 1; return NULL; }
     int64_t base = 0;
     for (int64_t k = 0; k < w->ntasks && base < w->stop; ++k) {
-        const int64_t* t = w->tasks + 13 * k;
+        const int64_t* t = w->tasks + T_FIELDS * k;
         int64_t ng = task_groups(t);
         int64_t lo = (w->start > base ? w->start : base) - base;
         int64_t hi = (w->stop < base + ng ? w->stop : base + ng) - base;
@@ -315,10 +354,11 @@ static void* worker(void* arg) {
 int adamw_fp8_step(int64_t ntasks, const int64_t* tasks, int64_t nthreads) {
     int64_t total = 0, maxgs = 1;
     for (int64_t k = 0; k < ntasks; ++k) {
-        const int64_t* t = tasks + 13 * k;
-        if (t[11] < 1 || t[10] < 1 || t[9] < 0) return 3;
+        const int64_t* t = tasks + T_FIELDS * k;
+        int rc = check_task(t);
+        if (rc) return rc; /* nothing is touched unless every task is valid */
         total += task_groups(t);
-        maxgs = t[11] > maxgs ? t[11] : maxgs;
+        maxgs = t[T_GROUP_SIZE] > maxgs ? t[T_GROUP_SIZE] : maxgs;
     }
     int64_t nt = nthreads < 1 ? 1 : nthreads;
     nt = nt > MAX_THREADS ? MAX_THREADS : nt;
@@ -342,4 +382,3 @@ int adamw_fp8_step(int64_t ntasks, const int64_t* tasks, int64_t nthreads) {
     }
     return rc;
 }
-"""
