@@ -13,13 +13,36 @@ from transformers.quantizers.base import HfQuantizer
 from hf_fp8.config import Fp8Config
 from hf_fp8.modules import Fp8Linear
 from hf_fp8.modules.replace import is_conv1d, linear_shape, matches_module
-from hf_fp8.numerics import fp8_dtype, quantize_weight
+from hf_fp8.numerics import fp8_dtype, is_fp8, quantize_weight
+from hf_fp8.numerics.checks import CheckpointTensorError
+from hf_fp8.quantizer.validation import FP8_LINEAR_TENSORS, validate_loaded_model
 
 _FP8_PARAMS = ("weight", "weight_scale")
 
 # ``hook(model, hf_quantizer)`` run at the end of every hf_fp8 load. Upper layers add theirs
 # (hf_fp8.hub: model cards on save_pretrained / push_to_hub) so this layer imports none of them.
 POST_LOAD_HOOKS: list[Callable[[nn.Module, Any], None]] = []
+
+
+def _already_fp8(key: str) -> CheckpointTensorError:
+    return CheckpointTensorError(
+        f"{key}: the checkpoint is already FP8, but it is loading with an on-the-fly "
+        "Fp8Config, which would quantize its fp8 codes again and drop their stored scales. "
+        "Its config.json lacks the quantization_config it was saved with: restore it (or "
+        "re-export the checkpoint with save_pretrained) and load without quantization_config"
+    )
+
+
+def _stored_dtype(param: Any) -> str:
+    """The on-disk dtype of a checkpoint tensor: safetensors name (``F8_E4M3``) or torch's."""
+    if hasattr(param, "get_dtype"):
+        return str(param.get_dtype())
+    return str(getattr(param, "dtype", ""))
+
+
+def _is_fp8_on_disk(param: Any) -> bool:
+    stored = _stored_dtype(param)
+    return stored.startswith("F8_") or stored in ("torch.float8_e4m3fn", "torch.float8_e5m2")
 
 
 class Fp8QuantizeOp(ConversionOps):
@@ -32,6 +55,8 @@ class Fp8QuantizeOp(ConversionOps):
         out = {}
         for key, value in input_dict.items():
             weight = value[0] if isinstance(value, list) else value
+            if is_fp8(weight.dtype):
+                raise _already_fp8(key)
             module_name = key.rpartition(".")[0]
             module = model.get_submodule(module_name)
             if module_name in self.hf_quantizer.transposed_modules:
@@ -59,6 +84,10 @@ class Fp8HfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.transposed_modules: set[str] = set()
         self.modules_to_not_convert: list[str] = []
+        # checkpoint keys of every Fp8Linear tensor: read in their stored dtype, then checked
+        self.fp8_tensor_names: set[str] = set()
+        # on-the-fly loads: scales found in the checkpoint (it is FP8 already: refused)
+        self.stored_scale_keys: set[str] = set()
 
     @property
     def quantized_element_size(self) -> float:
@@ -130,6 +159,7 @@ class Fp8HfQuantizer(HfQuantizer):
             )
             parent_name, _, child = name.rpartition(".")
             setattr(modules[parent_name], child, new)
+            self.fp8_tensor_names.update(f"{name}.{t}" for t in FP8_LINEAR_TENSORS)
         model.config.quantization_config = config
 
     def update_parallel_plan(self, model, plan: dict[str, str]) -> None:
@@ -147,13 +177,41 @@ class Fp8HfQuantizer(HfQuantizer):
             module = model.get_submodule(module_name)
         except AttributeError:
             return False
+        if isinstance(module, Fp8Linear) and tensor_name in ("weight_scale", "input_scale"):
+            # the loader asks for every checkpoint key: a stored scale means the file is FP8
+            # already (refused after loading, when the keys are all known)
+            self.stored_scale_keys.add(param_name)
         return isinstance(module, Fp8Linear) and tensor_name == "weight"
+
+    def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
+        """Bytes per element for device-map planning (without ``param_needs_quantization``,
+        which records checkpoint keys)."""
+        if self.pre_quantized or param_name.rpartition(".")[2] != "weight":
+            return param.element_size()
+        module = model.get_submodule(param_name.rpartition(".")[0])
+        return (
+            self.quantized_element_size if isinstance(module, Fp8Linear) else param.element_size()
+        )
+
+    def get_new_dtype(self, converter, param, dtype: torch.dtype | None) -> torch.dtype | None:
+        """Pre-quantized loads: fp8 bytes and Fp8Linear tensors arrive in their stored dtype.
+
+        The loader would cast them to the meta dtype: an e5m2 weight into e4m3, a float32
+        weight into fp8 codes, an fp16 scale into fp32, fp8 codes into an ``nn.Linear``.
+        Uncast, each is caught by the checks after loading, with its name.
+        """
+        targets = getattr(converter, "target_patterns", None) or ()
+        if _is_fp8_on_disk(param) or any(t in self.fp8_tensor_names for t in targets):
+            return None
+        return super().get_new_dtype(converter, param, dtype)
 
     def get_quantize_ops(self) -> Fp8QuantizeOp:
         return Fp8QuantizeOp(self)
 
     # -- after loading ----------------------------------------------------------------------------
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.stored_scale_keys:
+            raise _already_fp8(min(self.stored_scale_keys))
         missing = []
         disk = [k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v == "disk"]
         for name, module in model.named_modules():
@@ -184,6 +242,7 @@ class Fp8HfQuantizer(HfQuantizer):
                 "Re-export it with hf_fp8 (save_pretrained), or list these modules in "
                 "Fp8Config(modules_to_not_convert=[...]) when quantizing on the fly."
             )
+        validate_loaded_model(model, skipped=self.modules_to_not_convert)
         if self.pre_quantized and self.quantization_config.dequantize:
             self._dequantize(model)  # Fp8Config(dequantize=True): back to high precision
         for hook in POST_LOAD_HOOKS:

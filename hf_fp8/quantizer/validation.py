@@ -1,0 +1,86 @@
+"""Validation of what ``from_pretrained`` loaded into a model (DESIGN §8, issue 12 §2).
+
+transformers' loader sets parameters directly and never calls
+``Module._load_from_state_dict``, so the quantizer checks the loaded model as a whole, after
+the weights are in: every ``Fp8Linear``'s fp8 weight and scales, and every other parameter
+that holds fp8 codes. ``Fp8HfQuantizer.get_new_dtype`` makes sure these arrive in the dtype
+stored on disk (the loader would otherwise cast them to the meta dtype, hiding a wrong one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+from hf_fp8.modules import Fp8Linear
+from hf_fp8.modules.fp8_linear import weight_scale_shape
+from hf_fp8.numerics import fp8_dtype, is_fp8
+from hf_fp8.numerics.checks import (
+    CheckpointTensorError,
+    check_fp8_tensor,
+    check_scale_tensor,
+    max_scale,
+)
+
+# Tensors of an Fp8Linear that a checkpoint stores in fp8 / fp32 and that must arrive uncast.
+FP8_LINEAR_TENSORS = ("weight", "weight_scale", "input_scale")
+
+
+def check_fp8_linear(name: str, module: Fp8Linear, *, check_values: bool = True) -> None:
+    """Check one loaded ``Fp8Linear``: fp8 weight, weight scale and static input scale.
+
+    ``name`` is the module's name in the model (the checkpoint keys are ``name.weight``...).
+    """
+    dtype = fp8_dtype(module.fp8_format)
+    bound = max_scale(dtype, module.compute_dtype)
+    check_fp8_tensor(
+        f"{name}.weight",
+        module.weight,
+        dtype=dtype,
+        shape=(module.out_features, module.in_features),
+        check_values=check_values,
+    )
+    check_scale_tensor(
+        f"{name}.weight_scale",
+        module.weight_scale,
+        shape=weight_scale_shape(
+            module.out_features, module.in_features, module.weight_granularity, module.block_size
+        ),
+        max_value=bound,
+    )
+    if module.input_scale is not None:
+        check_scale_tensor(f"{name}.input_scale", module.input_scale, shape=(1,), max_value=bound)
+
+
+def check_no_stray_fp8(model: nn.Module, skipped: Iterable[str] = ()) -> None:
+    """Raise if a module other than ``Fp8Linear`` holds fp8 codes (read as plain numbers)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            continue
+        for pname, tensor in (
+            *module.named_parameters(recurse=False),
+            *module.named_buffers(recurse=False),
+        ):
+            if tensor is not None and is_fp8(tensor.dtype):
+                key = f"{name}.{pname}" if name else pname
+                skip = sorted(skipped)
+                raise CheckpointTensorError(
+                    f"{key}: is FP8 on disk ({tensor.dtype}), but {name or 'the model'} loads "
+                    f"as {type(module).__name__}, which would read the fp8 codes as plain "
+                    f"numbers without their scales (modules_to_not_convert={skip}). Remove it "
+                    "from quantization_config.modules_to_not_convert, or load the checkpoint "
+                    "with Fp8Config(dequantize=True) for a high-precision model"
+                )
+
+
+def validate_loaded_model(model: nn.Module, *, skipped: Iterable[str] = ()) -> None:
+    """Check every ``Fp8Linear`` and every stray fp8 tensor of a model after loading.
+
+    Disk-offloaded tensors stay on meta: their dtypes and shapes are checked, their values
+    are read by accelerate at forward time.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            check_fp8_linear(name, module)
+    check_no_stray_fp8(model, skipped)
