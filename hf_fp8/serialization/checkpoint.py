@@ -1,15 +1,18 @@
 """A checkpoint folder on disk: ``config.json``, safetensors shards, their index, other files.
 
 Reads tensor headers without loading data, rewrites shards one at a time (memory stays at one
-shard), and never writes outside the folder it was asked to write.
+shard). Every path goes through ``atomic.contained`` (inside the folder, no symlinks) and every
+output through ``atomic.atomic_folder`` (all or nothing, files it did not write are kept).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from hf_fp8.serialization.atomic import atomic_folder, contained, hub_cache_root
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -114,30 +119,69 @@ def resolve_checkpoint(
         ) from err
 
 
+class OutputExistsError(FileExistsError):
+    """The output folder holds files and overwriting was not asked for."""
+
+
+def _open(path: Path):
+    try:
+        return safe_open(path, "pt")
+    except Exception as err:  # SafetensorError is not an OSError / ValueError
+        raise ValueError(
+            f"{path.name} is not a readable safetensors file ({' '.join(str(err).split())}): "
+            "the checkpoint is damaged or incomplete; download or save it again"
+        ) from err
+
+
 class Checkpoint:
-    """A saved model folder: its config and the safetensors files that hold its tensors."""
+    """A saved model folder: its config and the safetensors files that hold its tensors.
+
+    Every file is reached through :func:`contained`: shard names from the index must lie in
+    the folder, and symlinks are refused (except a Hub cache snapshot's links into its own
+    ``blobs/``). Like transformers 5.24, ``model.safetensors`` wins over an index next to it
+    (transformers leaves a stale index behind when it re-saves a sharded folder unsharded).
+    """
 
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root)
-        config_path = self.root / CONFIG_NAME
+        self.root = Path(root).expanduser().resolve()
+        self._links = hub_cache_root(self.root)
+        config_path = self.path(CONFIG_NAME)
         if not config_path.is_file():
             raise FileNotFoundError(
                 f"{self.root} has no {CONFIG_NAME}: pass a folder written by save_pretrained"
             )
         self.config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
-        index_path = self.root / INDEX_NAME
-        if index_path.is_file():
-            index = json.loads(index_path.read_text(encoding="utf-8"))
-            self.weight_map: dict[str, str] = dict(index["weight_map"])
-        elif (self.root / WEIGHTS_NAME).is_file():
-            self.weight_map = {}
-            with safe_open(self.root / WEIGHTS_NAME, "pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), WEIGHTS_NAME)
+        weights, index_path = self.path(WEIGHTS_NAME), self.path(INDEX_NAME)
+        self.sharded = not weights.is_file() and index_path.is_file()
+        if weights.is_file():
+            with _open(weights) as f:
+                self.weight_map: dict[str, str] = dict.fromkeys(f.keys(), WEIGHTS_NAME)
+        elif self.sharded:
+            self.weight_map = self._read_index(index_path)
         else:
             raise FileNotFoundError(
                 f"{self.root} has neither {WEIGHTS_NAME} nor {INDEX_NAME}: hf_fp8 reads "
                 "safetensors checkpoints (save with safe_serialization, the default)"
             )
+
+    def _read_index(self, index_path: Path) -> dict[str, str]:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError(f"{INDEX_NAME} has no valid weight_map {{tensor: file}}")
+        for file in sorted(set(weight_map.values())):
+            if not self.path(file).is_file():  # raises UnsafePathError outside the folder
+                raise FileNotFoundError(
+                    f"{INDEX_NAME} names {file}, which is not in {self.root}: the checkpoint "
+                    "is incomplete; download or save it again"
+                )
+        return dict(weight_map)
+
+    def path(self, relpath: str | os.PathLike) -> Path:
+        """``root / relpath``, refused when it leaves the folder or goes through a symlink."""
+        return contained(self.root, relpath, links_within=self._links)
 
     @property
     def quantization_config(self) -> dict[str, Any] | None:
@@ -156,14 +200,14 @@ class Checkpoint:
         """Header of every tensor (no tensor data is read)."""
         infos: dict[str, TensorInfo] = {}
         for file in self.files:
-            with safe_open(self.root / file, "pt") as f:
+            with _open(self.path(file)) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     s = f.get_slice(name)
                     infos[name] = TensorInfo(s.get_dtype(), tuple(s.get_shape()), file)
         return infos
 
     def load_file(self, file: str) -> dict[str, torch.Tensor]:
-        with safe_open(self.root / file, "pt") as f:
+        with _open(self.path(file)) as f:
             return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
     def iter_files(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -173,52 +217,93 @@ class Checkpoint:
     def other_files(self) -> list[Path]:
         """Files besides config, weights, index and model card (tokenizer, generation config,
         sentence-transformers folders), relative to ``root``; hidden files and weights in
-        other formats (``.bin``, ``onnx/`` …) are left out."""
-        skip = {CONFIG_NAME, INDEX_NAME, CARD_NAME, *self.files}
-        found = []
-        for path in sorted(self.root.rglob("*")):
-            rel = path.relative_to(self.root)
-            if path.is_file() and str(rel) not in skip and not _hidden(rel) and not _weights(rel):
+        other formats (``.bin``, ``onnx/`` …) are left out. A symlink raises."""
+        skip = {CONFIG_NAME, INDEX_NAME, CARD_NAME, WEIGHTS_NAME, *self.files}
+        return [
+            Path(rel)
+            for rel in folder_files(self.root, links_within=self._links)
+            if rel not in skip and not _weights(Path(rel))
+        ]
+
+
+def folder_files(
+    root: str | os.PathLike, *, links_within: str | os.PathLike | None = None
+) -> list[str]:
+    """Every file under ``root`` (POSIX paths relative to it), hidden files and folders left
+    out; what ``push`` uploads and conversions copy. A symlink raises ``UnsafePathError``
+    (hf_fp8 never reads, copies or uploads a link target); in a Hub cache snapshot the links
+    into its ``blobs/`` are the cache's layout and allowed."""
+    root = Path(root).expanduser().resolve()
+    if links_within is None:
+        links_within = hub_cache_root(root)
+    found = []
+    for folder, dirs, names in os.walk(root):  # does not descend into linked folders
+        rel_folder = Path(folder).relative_to(root)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in [*dirs, *sorted(names)]:
+            if name.startswith("."):
+                continue
+            rel = (rel_folder / name).as_posix()
+            path = contained(root, rel, links_within=links_within)
+            if path.is_file():
                 found.append(rel)
-        return found
+    return sorted(found)
 
 
 def _weights(rel: Path) -> bool:
     return rel.suffix in _OTHER_WEIGHTS or bool(_OTHER_WEIGHT_DIRS & set(rel.parts[:-1]))
 
 
-def _hidden(rel: Path) -> bool:
-    return any(part.startswith(".") for part in rel.parts)
-
-
-def prepare_out_dir(
-    out_dir: str | os.PathLike, *, source: str | os.PathLike | None = None, overwrite: bool = False
+def check_out_dir(
+    out_dir: str | os.PathLike,
+    *,
+    source: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Create ``out_dir``; refuse the source folder itself and, unless ``overwrite``, a folder
-    that already holds files (old shards would otherwise mix with new ones)."""
+    """``out_dir`` after the checks, nothing created: not the source folder (however spelled:
+    relative, through a symlink) nor inside it, not a file, and empty unless ``overwrite``."""
     out = Path(out_dir).expanduser()
-    if source is not None and out.resolve() == Path(source).resolve():
-        raise ValueError(f"the output folder {out} is the source folder: choose a new folder")
+    if source is not None:
+        src = Path(source).expanduser().resolve()
+        real = out.resolve()
+        if real == src or (out.exists() and os.path.samefile(out, src)):
+            raise ValueError(
+                f"the output folder {out} is the source folder {src}: write to a new folder "
+                "(the source is read while the output is written)"
+            )
+        if real.is_relative_to(src):
+            raise ValueError(f"the output folder {out} is inside the source folder {src}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file: the output must be a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(
-                f"{out} is not empty: choose a new folder or pass overwrite=True (--overwrite)"
-            )
-        for stale in [*out.glob("*.safetensors"), out / INDEX_NAME]:
-            if stale.is_file():
-                stale.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise OutputExistsError(
+            errno.EEXIST,
+            f"{out} is not empty: choose a new folder or overwrite=True (only the files "
+            "written are replaced, the others are kept)",
+            str(out),
+        )
     return out
+
+
+# The previous weights of an output folder: replaced as a whole, so that no old shard or stale
+# index survives next to the new weights (the same files transformers' save_pretrained cleans).
+WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, "model-[0-9][0-9][0-9][0-9][0-9]-of-[0-9]*.safetensors")
+
+
+@contextmanager
+def output_folder(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """``atomic_folder(out_dir)`` that also replaces the folder's previous weights."""
+    with atomic_folder(out_dir, drop=WEIGHT_FILES) as tmp:
+        yield tmp
 
 
 def copy_other_files(src: Checkpoint, out_dir: Path) -> list[Path]:
     """Copy ``src.other_files()`` into ``out_dir``; returns the copied relative paths."""
     copied = src.other_files()
     for rel in copied:
-        (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src.root / rel, out_dir / rel)
+        target = contained(out_dir, rel)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src.path(rel), target)
     return copied
 
 
@@ -227,18 +312,19 @@ TensorMap = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 def rewrite_tensors(src: Checkpoint, out_dir: Path, convert: TensorMap) -> dict[str, str]:
     """Write every shard of ``src`` through ``convert`` into ``out_dir`` under the same file
-    names (``out_dir`` may be ``src.root``: each shard is read fully before it is rewritten);
-    writes the index when there are several shards. Returns the new weight map."""
+    names (``out_dir`` may be ``src.root``: each shard is read fully before it is replaced);
+    writes the index when ``src`` is sharded. Returns the new weight map."""
     weight_map: dict[str, str] = {}
     total = 0
     for file, tensors in src.iter_files():
         converted = {k: v.contiguous() for k, v in convert(tensors).items()}
-        partial = out_dir / f".{file}.partial"  # then renamed: safe when rewriting in place
+        target = contained(out_dir, file)
+        partial = target.with_name(f".{target.name}.partial")
         save_file(converted, str(partial), metadata={"format": "pt"})
-        os.replace(partial, out_dir / file)
+        os.replace(partial, target)
         weight_map.update(dict.fromkeys(converted, file))
         total += sum(t.numel() * t.element_size() for t in converted.values())
-    if len(src.files) > 1 or (src.root / INDEX_NAME).is_file():
+    if src.sharded:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return weight_map

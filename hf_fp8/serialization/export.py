@@ -1,19 +1,23 @@
-"""hf_fp8 checkpoint → compressed-tensors or vLLM ``fp8`` checkpoint."""
+"""hf_fp8 checkpoint → compressed-tensors or vLLM ``fp8`` checkpoint (``hf_fp8.export``)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch import nn
 
 from hf_fp8.config import Fp8Config
 from hf_fp8.modules import Fp8Linear
+from hf_fp8.serialization.atomic import contained
 from hf_fp8.serialization.checkpoint import (
     CARD_NAME,
     Checkpoint,
+    check_out_dir,
     copy_other_files,
-    prepare_out_dir,
+    output_folder,
     resolve_checkpoint,
     rewrite_tensors,
     write_config,
@@ -39,7 +43,7 @@ def hf_fp8_config(checkpoint: Checkpoint) -> Fp8Config:
     return Fp8Config.from_dict(checkpoint.quantization_config)
 
 
-def _save_model(model: nn.Module, out: Path) -> None:
+def _check_model(model: nn.Module) -> None:
     if not hasattr(model, "save_pretrained"):
         raise TypeError(
             f"export needs a transformers model or a folder, got {type(model).__name__}"
@@ -50,8 +54,6 @@ def _save_model(model: nn.Module, out: Path) -> None:
             "the model is not an hf_fp8 model: load it with "
             "quantization_config=hf_fp8.Fp8Config(...) first"
         )
-    model.save_pretrained(out)
-    (out / CARD_NAME).unlink(missing_ok=True)  # it describes the hf_fp8 layout
 
 
 def export_checkpoint(
@@ -63,23 +65,97 @@ def export_checkpoint(
 ) -> Path:
     """Write the hf_fp8 model (or checkpoint folder / repo id) ``model_or_dir`` to ``out_dir``
     in ``format`` (``"compressed-tensors"`` or ``"vllm-fp8"``). Tokenizer and other files are
-    copied, no model card is written. Returns ``out_dir``."""
+    copied, no model card is written. The output appears whole or not at all; with
+    ``overwrite``, files of ``out_dir`` that the export does not write are kept. Returns
+    ``out_dir``."""
+    with exporting(model_or_dir, out_dir, format, overwrite=overwrite):
+        pass
+    return Path(out_dir).expanduser()
+
+
+@contextmanager
+def exporting(
+    model_or_dir: nn.Module | str | os.PathLike,
+    out_dir: str | os.PathLike,
+    format: str = "compressed-tensors",
+    *,
+    overwrite: bool = False,
+) -> Iterator[Path]:
+    """``export_checkpoint`` that yields the finished temporary folder before it replaces
+    ``out_dir``, so that callers can add files (the model card) in the same atomic write."""
     fmt = get_format(format)
+    src: Checkpoint | None = None
     if isinstance(model_or_dir, (str, os.PathLike)):
         src = Checkpoint(resolve_checkpoint(model_or_dir))
         hf_fp8_config(src)
-        out = prepare_out_dir(out_dir, source=src.root, overwrite=overwrite)
+        out = check_out_dir(out_dir, source=src.root, overwrite=overwrite)
     else:
-        out = prepare_out_dir(out_dir, overwrite=overwrite)
-        _save_model(model_or_dir, out)
-        src = Checkpoint(out)
-    config = hf_fp8_config(src)
-    tensors = src.tensors()
-    plan = plan_layers(src.config, tensors)
-    check_complete(plan, tensors, config)
-    quantization_config = fmt.export_config(config, plan)
-    rewrite_tensors(src, out, lambda t: fmt.export_tensors(t, plan, config))
-    if src.root != out:
-        copy_other_files(src, out)
-    write_config(out, {**src.config, "quantization_config": quantization_config})
+        _check_model(model_or_dir)
+        out = check_out_dir(out_dir, overwrite=overwrite)
+    with output_folder(out) as tmp:
+        if src is None:
+            model_or_dir.save_pretrained(tmp)
+            (tmp / CARD_NAME).unlink(missing_ok=True)  # it describes the hf_fp8 layout
+            src = Checkpoint(tmp)
+        config = hf_fp8_config(src)
+        tensors = src.tensors()
+        plan = plan_layers(src.config, tensors)
+        check_complete(plan, tensors, config)
+        quantization_config = fmt.export_config(config, plan)
+        rewrite_tensors(src, tmp, lambda t: fmt.export_tensors(t, plan, config))
+        if src.root != tmp.resolve():
+            copy_other_files(src, tmp)
+        write_config(tmp, {**src.config, "quantization_config": quantization_config})
+        yield tmp
+
+
+def export(
+    model_or_dir: nn.Module | str | os.PathLike,
+    out_dir: str | os.PathLike,
+    format: str = "compressed-tensors",
+    *,
+    overwrite: bool = False,
+    model_card: bool = True,
+) -> Path:
+    """Write an hf_fp8 model, checkpoint folder or Hub repo id to ``out_dir`` in ``format``
+    (``"compressed-tensors"`` — what vLLM, SGLang, TGI and transformers load — or
+    ``"vllm-fp8"``), with a ``README.md`` model card (rendered by ``hf_fp8.hub``). Only
+    ``out_dir`` is written, all at once; with ``overwrite`` the files of ``out_dir`` that the
+    export does not write are kept."""
+    base_model = fidelity = None
+    if isinstance(model_or_dir, nn.Module):
+        state = getattr(model_or_dir, "_hf_fp8_card", None) or {}
+        base_model, fidelity = state.get("base_model"), state.get("fidelity")
+    else:
+        src = Checkpoint(resolve_checkpoint(model_or_dir))
+        model_or_dir = src.root
+        previous = _card_info(src.path(CARD_NAME))
+        if previous is not None:
+            base_model, fidelity = previous.base_model, previous.fidelity
+    out = Path(out_dir).expanduser()
+    with exporting(model_or_dir, out, format, overwrite=overwrite) as tmp:
+        if model_card:
+            _write_card(tmp, out, base_model, fidelity)
     return out
+
+
+def _card_info(readme: Path):  # -> CardInfo | None
+    if not readme.is_file():
+        return None
+    from hf_fp8.hub.card import read_card_info
+
+    return read_card_info(readme.read_text("utf-8"))
+
+
+def _write_card(tmp: Path, out: Path, base_model: str | None, fidelity: dict | None) -> None:
+    """The model card of the export, merged with a card ``out`` already has."""
+    from hf_fp8.hub.card import merge_card
+    from hf_fp8.hub.card_info import info_from_summary
+    from hf_fp8.serialization.summary import summarize
+
+    info = info_from_summary(summarize(Checkpoint(tmp)), base_model=base_model)
+    info.fidelity = dict(fidelity or {})
+    old = contained(out, CARD_NAME) if out.is_dir() else None
+    existing = old.read_text("utf-8") if old is not None and old.is_file() else None
+    text = merge_card(existing, info, model_id=out.resolve().name)
+    (tmp / CARD_NAME).write_text(text, encoding="utf-8")

@@ -8,8 +8,9 @@ from pathlib import Path
 from hf_fp8.config import Fp8Config
 from hf_fp8.serialization.checkpoint import (
     Checkpoint,
+    check_out_dir,
     copy_other_files,
-    prepare_out_dir,
+    output_folder,
     resolve_checkpoint,
     rewrite_tensors,
     write_config,
@@ -76,8 +77,9 @@ def import_checkpoint(
     )
     fmt = FORMATS[fmt_name]
     check_complete(plan, _renamed(tensors, fmt.import_renames), config)
-    out = prepare_out_dir(out_dir, source=src.root, overwrite=overwrite)
-    rewrite_tensors(src, out, lambda t: fmt.import_tensors(t, plan, config))
-    copy_other_files(src, out)
-    write_config(out, {**src.config, "quantization_config": config.to_dict()})
+    out = check_out_dir(out_dir, source=src.root, overwrite=overwrite)
+    with output_folder(out) as tmp:
+        rewrite_tensors(src, tmp, lambda t: fmt.import_tensors(t, plan, config))
+        copy_other_files(src, tmp)
+        write_config(tmp, {**src.config, "quantization_config": config.to_dict()})
     return out

@@ -24,6 +24,27 @@ class LayerPlan:
     conv1d: list[str]  # GPT-2 style Conv1D layers of the stock model
 
 
+def registered_model_class(model_type: str, architecture: object) -> type | None:
+    """The model class called ``architecture`` when transformers' auto mappings register it
+    for ``model_type``; else ``None``. ``config.json`` never names code to run: a name is only
+    looked up after the registry lists it, and the result must be a ``PreTrainedModel``."""
+    if not isinstance(architecture, str):
+        return None
+    from transformers.models.auto import modeling_auto
+
+    names: set[str] = set()
+    for attr, mapping in vars(modeling_auto).items():
+        if attr.endswith("_MAPPING_NAMES") and isinstance(mapping, dict):
+            value = mapping.get(model_type)
+            names.update([value] if isinstance(value, str) else value or ())
+    if architecture not in names:
+        return None
+    cls = getattr(transformers, architecture, None)
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+        return cls
+    return None
+
+
 def build_meta_model(config: dict[str, Any]) -> nn.Module:
     """The stock transformers model ``config`` describes, on the meta device (no weights;
     the architecture must be part of transformers)."""
@@ -39,7 +60,7 @@ def build_meta_model(config: dict[str, Any]) -> nn.Module:
             "hf_fp8 converts checkpoints of built-in architectures only (no remote code)"
         ) from err
     architectures = config.get("architectures") or []
-    model_cls = getattr(transformers, architectures[0], None) if architectures else None
+    model_cls = registered_model_class(model_type, architectures[0]) if architectures else None
     with torch.device("meta"):
         if model_cls is not None:
             return model_cls(hf_config)
