@@ -29,7 +29,6 @@ from torch.optim import Optimizer
 from hf_fp8.numerics.formats import fp8_dtype
 from hf_fp8.optim import _cpu_kernel, _step
 from hf_fp8.optim._layout import (
-    QUANT_KEYS,
     is_quantized_state,
     local,
     new_fp32_state,
@@ -37,6 +36,7 @@ from hf_fp8.optim._layout import (
     quantizable_placements,
     quantized_states,
 )
+from hf_fp8.optim._state_check import OptimizerStateError, validated_state, wants_quantized
 
 IMPLEMENTATIONS = ("auto", "cpu_kernel", "compile", "reference")
 DEFAULT_MIN_QUANTIZE_NUMEL = 4096
@@ -263,13 +263,7 @@ class AdamWFp8(Optimizer):
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        quantize = p.dim() >= 2 and p.numel() >= group["min_quantize_numel"]
-        if quantize:
-            # Groups live inside rows: short rows (LoRA B is [out, r]) are mostly padding.
-            # Quantize only when the padded FP8 state (1 byte + fp32 scale and exponent per
-            # group, two moments) is smaller than fp32 AdamW's 8 bytes per element.
-            cols, size = p.numel() // p.shape[0], group["group_size"]
-            quantize = 2 * -(-cols // size) * (size + 8) < 8 * cols
+        quantize = wants_quantized(p, group)
         if quantize and not quantizable_placements(p):
             self._warn_once(
                 "placements",
@@ -291,17 +285,74 @@ class AdamWFp8(Optimizer):
 
     # ------------------------------------------------------------ state dict
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state; fp8 codes and fp32 metadata keep their dtypes (only the device moves).
+        """Load a state after checking every tensor against its parameter.
 
-        Raises ``ValueError`` when the state was saved with another ``group_size``,
-        ``fp8_format`` or ``dynamic_range_expansion``.
+        FP8 codes and fp32 metadata keep their dtypes (only the device moves). Raises
+        ``ValueError`` when the state was saved with another ``group_size``, ``fp8_format``
+        or ``dynamic_range_expansion``, and :class:`OptimizerStateError` (a ``ValueError``)
+        when a tensor does not fit its parameter (shape, dtype, range) — before anything is
+        changed. A ``torch.optim.AdamW`` state is accepted: its fp32 moments become FP8 for
+        the parameters this optimizer quantizes. Load-state-dict pre- and post-hooks run on
+        the real state, as in ``torch.optim.Optimizer``.
         """
-        saved_groups = state_dict["param_groups"]
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self._merged_groups(state_dict["param_groups"])
+        params: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
+        for saved, group, merged in zip(
+            state_dict["param_groups"], self.param_groups, groups, strict=True
+        ):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"a loaded parameter group has {len(saved['params'])} parameters, this "
+                    f"optimizer's has {len(group['params'])}"
+                )
+            for pid, p in zip(saved["params"], group["params"], strict=True):
+                params[pid] = (p, merged)
+        new_state: dict[torch.Tensor, dict[str, Any]] = {}
+        converted = 0
+        for pid, saved_state in state_dict["state"].items():
+            if pid not in params:
+                raise OptimizerStateError(
+                    f"optimizer state names parameter {pid!r}, which no parameter group lists"
+                )
+            p, group = params[pid]
+            new_state[p], was_converted = validated_state(saved_state, p, group, pid)
+            converted += was_converted
+        if converted:
+            self._warn_once(
+                "converted",
+                f"converted the fp32 moments of {converted} parameter(s) to FP8 states",
+            )
+        # Everything is valid: install it. The base class sets the param groups (its hooks
+        # are detached: they run here, once, on the real state).
+        pre, post = (
+            self._optimizer_load_state_dict_pre_hooks,
+            self._optimizer_load_state_dict_post_hooks,
+        )
+        self._optimizer_load_state_dict_pre_hooks = type(pre)()
+        self._optimizer_load_state_dict_post_hooks = type(post)()
+        try:
+            super().load_state_dict({"state": {}, "param_groups": groups})
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre
+            self._optimizer_load_state_dict_post_hooks = post
+        for p, st in new_state.items():
+            self.state[p] = st
+        for hook in post.values():
+            hook(self)
+
+    def _merged_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Saved hyper-parameters over this optimizer's (a torch AdamW state lacks ours)."""
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"loaded state has {len(saved_groups)} parameter groups, "
                 f"this optimizer has {len(self.param_groups)}"
             )
+        merged = []
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
             for option in FORMAT_OPTIONS:
                 if option in saved and saved[option] != group[option]:
@@ -310,48 +361,20 @@ class AdamWFp8(Optimizer):
                         f"into param group {i} configured with {option}={group[option]!r}; "
                         f"create the optimizer with {option}={saved[option]!r}"
                     )
-        params = {
-            pid: p
-            for saved, group in zip(saved_groups, self.param_groups, strict=True)
-            for pid, p in zip(saved["params"], group["params"], strict=True)
-        }
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
-        for pid, saved_state in state_dict["state"].items():
-            p = params[pid]
-            self.state[p] = {
-                key: _to_param_device(value, p, key) for key, value in saved_state.items()
-            }
-            _check_loaded_state(self.state[p], self._group_of(p), pid)
-
-    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
-        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
-
-
-def _to_param_device(value: Any, p: torch.Tensor, key: str) -> Any:
-    if not isinstance(value, torch.Tensor) or key == "step":
-        return value
-    if type(value) is not torch.Tensor or type(p) is not torch.Tensor:  # DTensor: as given
-        return value
-    return value.to(device=p.device).contiguous()
-
-
-def _check_loaded_state(state: dict[str, Any], group: dict[str, Any], pid: Any) -> None:
-    if not is_quantized_state(state):
-        return
-    want = fp8_dtype(group["fp8_format"])
-    if state["exp_avg_fp8"].dtype != want or state["exp_avg_sq_fp8"].dtype != want:
-        raise ValueError(
-            f"state of parameter {pid} holds {state['exp_avg_fp8'].dtype} moments, the "
-            f"optimizer expects fp8_format={group['fp8_format']!r} ({want})"
-        )
-    has_exp = "exp_avg_exponent" in state
-    if has_exp != bool(group["dynamic_range_expansion"]):
-        raise ValueError(
-            f"state of parameter {pid} was saved with dynamic_range_expansion={has_exp}"
-        )
-    missing = [k for k in QUANT_KEYS if k not in state and "exponent" not in k]
-    if missing:
-        raise ValueError(f"state of parameter {pid} lacks {missing}")
+            for option in ("amsgrad", "maximize"):
+                if saved.get(option):
+                    raise ValueError(
+                        f"loaded param group {i} uses {option}=True, which AdamWFp8 does not "
+                        "support"
+                    )
+            new = {k: v for k, v in group.items() if k != "params"}
+            new.update({k: v for k, v in saved.items() if k in self.defaults or k == "params"})
+            try:
+                _validate_group(new)
+            except ValueError as exc:
+                raise ValueError(f"loaded param group {i}: {exc}") from exc
+            merged.append(new)
+        return merged
 
 
 def _validate_group(group: dict[str, Any]) -> None:

@@ -1,0 +1,192 @@
+"""Validation (and conversion) of a loaded :class:`~hf_fp8.optim.AdamWFp8` state, per parameter.
+
+A loaded state is untrusted input that the C kernel would address with raw pointers. Before it
+is installed, every tensor is checked against the parameter it belongs to: the layout follows
+from the parameter's shape and the group's ``group_size`` (see :mod:`hf_fp8.optim._layout`),
+codes are fp8 of the configured format, scales and exponents are fp32, finite and in range.
+An fp32 AdamW state (``exp_avg`` / ``exp_avg_sq``, e.g. from ``torch.optim.AdamW``) is
+checked the same way and converted to FP8 moments when this optimizer would quantize the
+parameter. Errors name the parameter and the tensor, and say how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hf_fp8.numerics import coat
+from hf_fp8.numerics.formats import fp8_dtype
+from hf_fp8.optim._layout import QUANT_KEYS, is_dtensor, local, new_quantized_state
+
+FP32_KEYS = ("exp_avg", "exp_avg_sq")
+FIX = (
+    "Load a state saved by an optimizer over the same model, or drop this parameter's entry "
+    "from state_dict['state'] to restart its moments"
+)
+
+
+class OptimizerStateError(ValueError):
+    """A loaded optimizer state does not fit its parameter."""
+
+
+def layout(p: torch.Tensor, group_size: int) -> tuple[int, int, int]:
+    """``(rows, cols, groups_per_row)`` of a parameter's quantized state."""
+    rows = p.shape[0] if p.dim() else 1
+    cols = math.prod(p.shape[1:]) if p.dim() else 1
+    return rows, cols, -(-cols // group_size)
+
+
+def wants_quantized(p: torch.Tensor, group: dict[str, Any]) -> bool:
+    """Whether a fresh state of ``p`` is quantized (see :class:`AdamWFp8`)."""
+    if p.dim() < 2 or p.numel() == 0 or p.numel() < group["min_quantize_numel"]:
+        return False
+    size = group["group_size"]
+    _, cols, gc = layout(p, size)
+    # Groups live inside rows: short rows (LoRA B is [out, r]) are mostly padding. Quantize
+    # only when the padded state (1 byte + fp32 scale and exponent per group, two moments)
+    # is smaller than fp32 AdamW's 8 bytes per element.
+    return 2 * gc * (size + 8) < 8 * cols
+
+
+def _fail(pid: Any, key: str | None, message: str) -> OptimizerStateError:
+    where = f"parameter {pid}" + (f", state[{key!r}]" if key else "")
+    return OptimizerStateError(f"optimizer state of {where}: {message}. {FIX}.")
+
+
+def _step(value: Any, pid: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise _fail(pid, "step", f"has {value.numel()} elements, expected a scalar")
+        value = float(value.detach().reshape(()).float().cpu())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(pid, "step", f"is a {type(value).__name__}, expected a number")
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise _fail(pid, "step", f"is {value}, expected a whole number >= 0")
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _check(
+    t: Any, pid: Any, key: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(pid, key, f"is a {type(t).__name__}, expected a tensor")
+    if tuple(t.shape) != tuple(shape):
+        raise _fail(pid, key, f"has shape {tuple(t.shape)}, the parameter needs {tuple(shape)}")
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d) for d in dtypes)
+        raise _fail(pid, key, f"has dtype {t.dtype}, expected {names}")
+
+
+def _check_range(t: torch.Tensor, pid: Any, key: str, lo: float, hi: float) -> None:
+    v = local(t)
+    if v.numel() and not (torch.isfinite(v).all() and (v >= lo).all() and (v <= hi).all()):
+        raise _fail(pid, key, f"holds values outside [{lo}, {hi}] or non-finite values")
+
+
+def _check_quantized(
+    state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], pid: Any
+) -> None:
+    want = fp8_dtype(group["fp8_format"])
+    expand = bool(group["dynamic_range_expansion"])
+    has_exp = "exp_avg_exponent" in state or "exp_avg_sq_exponent" in state
+    if has_exp != expand:
+        raise _fail(
+            pid,
+            None,
+            f"it was saved with dynamic_range_expansion={has_exp}; create the optimizer "
+            f"with dynamic_range_expansion={has_exp}",
+        )
+    extra = set(state) - set(QUANT_KEYS) - {"step"}
+    if extra:
+        raise _fail(pid, None, f"unexpected entries {sorted(extra)} beside FP8 moments")
+    if p.dim() == 0:
+        raise _fail(pid, None, "a 0-d parameter cannot have FP8 moments")
+    rows, _, gc = layout(p, group["group_size"])
+    gs = group["group_size"]
+    for key in QUANT_KEYS:
+        if "exponent" in key and not expand:
+            continue
+        if key not in state:
+            raise _fail(pid, key, "is missing")
+        t = state[key]
+        if key.endswith("_fp8"):
+            fp8s = (torch.float8_e4m3fn, torch.float8_e5m2)
+            if isinstance(t, torch.Tensor) and t.dtype in fp8s and t.dtype != want:
+                raise _fail(
+                    pid,
+                    key,
+                    f"holds {t.dtype} moments, the optimizer expects "
+                    f"fp8_format={group['fp8_format']!r} ({want})",
+                )
+            _check(t, pid, key, (rows, gc * gs), (want,))
+        elif key.endswith("_scale"):
+            _check(t, pid, key, (rows, gc), (torch.float32,))
+            _check_range(t, pid, key, 0.0, math.inf)
+        else:
+            _check(t, pid, key, (rows, gc), (torch.float32,))
+            _check_range(t, pid, key, coat.EXPONENT_MIN, coat.EXPONENT_MAX)
+
+
+def _to_fp8(
+    m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, group: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """fp32 moments of ``p`` as FP8 states (the optimizer's own quantization)."""
+    gs = group["group_size"]
+    fp8 = fp8_dtype(group["fp8_format"])
+    expand = group["dynamic_range_expansion"]
+    rows, cols, gc = layout(p, gs)
+    state = new_quantized_state(p, group_size=gs, fp8=fp8, expand=expand)
+    for name, x in (("exp_avg", m), ("exp_avg_sq", v)):
+        x2 = torch.nn.functional.pad(x.float().reshape(rows, cols), (0, gc * gs - cols))
+        q, scale, k = coat.quantize_groups(x2.reshape(-1, gs), fp8, dynamic_range_expansion=expand)
+        state[f"{name}_fp8"].copy_(q.reshape(rows, gc * gs))
+        state[f"{name}_scale"].copy_(scale.reshape(rows, gc))
+        if k is not None:
+            state[f"{name}_exponent"].copy_(k.reshape(rows, gc))
+    return state
+
+
+def validated_state(
+    saved: Any, p: torch.Tensor, group: dict[str, Any], pid: Any
+) -> tuple[dict[str, Any], bool]:
+    """A checked copy of ``saved`` for ``p`` (tensors on ``p``'s device, dtypes kept).
+
+    Returns ``(state, converted)``; ``converted`` is ``True`` when fp32 moments became FP8.
+    Raises :class:`OptimizerStateError` naming the parameter, the entry and the fix.
+    """
+    if not isinstance(saved, dict):
+        raise _fail(pid, None, f"is a {type(saved).__name__}, expected a dict")
+    if not saved:
+        return {}, False
+    if "step" not in saved:
+        raise _fail(pid, "step", "is missing")
+    out: dict[str, Any] = {"step": _step(saved["step"], pid)}
+    if any(k in saved for k in QUANT_KEYS):
+        _check_quantized(saved, p, group, pid)
+        out.update({k: _to_device(saved[k], p) for k in QUANT_KEYS if k in saved})
+        return out, False
+    extra = set(saved) - set(FP32_KEYS) - {"step"}
+    if extra:
+        hint = " (amsgrad is not supported)" if "max_exp_avg_sq" in extra else ""
+        raise _fail(pid, None, f"unexpected entries {sorted(extra)}{hint}")
+    floats = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    for key in FP32_KEYS:
+        if key not in saved:
+            raise _fail(pid, key, "is missing")
+        _check(saved[key], pid, key, tuple(p.shape), floats)
+    m, v = (_to_device(saved[k], p).to(torch.float32) for k in FP32_KEYS)
+    if not bool(torch.isfinite(local(v)).all()) or bool((local(v) < 0).any()):
+        raise _fail(pid, "exp_avg_sq", "holds negative or non-finite values")
+    if wants_quantized(p, group) and not is_dtensor(p) and not is_dtensor(m):
+        out.update(_to_fp8(m, v, p, group))
+        return out, True
+    out.update(exp_avg=m.contiguous(), exp_avg_sq=v.contiguous())
+    return out, False
+
+
+def _to_device(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    if type(value) is not torch.Tensor or type(p) is not torch.Tensor:  # DTensor: as given
+        return value
+    return value.to(device=p.device).contiguous()
