@@ -4,18 +4,17 @@ Every tensor a checkpoint hands to hf_fp8 goes through these before use (DESIGN 
 tensor raises :class:`CheckpointTensorError` naming the tensor, what was found and the fix;
 nothing is repaired silently.
 
-Scale bounds. A scale must be float32, finite and > 0. It also has an upper bound:
-``scale * fp8_max`` is the largest magnitude the tensor can dequantize to, and that magnitude
-is multiplied by the other matmul operand. :func:`max_scale` allows magnitudes up to
-``sqrt(finfo(compute_dtype).max)`` (1.8e19 for bfloat16 / float32, 256 for float16): past it,
-the product of two such operands is no longer finite in the compute dtype, and no real
-weight or activation comes near it (a ×1e30 corruption of a 1e-3 scale lands at 1e27).
+Scale bounds. A scale must be float32, finite and > 0. It also has an upper bound,
+:func:`max_scale`: ``scale * fp8_max`` is the largest magnitude the tensor dequantizes to, and
+it must be representable in the compute dtype (or the dequantized tensor holds inf) and at
+most ``MAX_MAGNITUDE = 2**64`` (1.8e19, about the square root of the bfloat16 / float32 range:
+past it, the product with a matmul operand of like size is no longer finite). No trained
+weight or activation comes near 2**64; a ×1e30 corruption of a 1e-3 scale lands at 4e29.
+float16 keeps its own limit (65504): a large fp16 activation is real, not corruption.
 There is no lower bound: an all-zero weight row legitimately stores ``AMAX_EPS / fp8_max``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -54,9 +53,12 @@ def _shape(shape) -> tuple[int, ...]:
     return tuple(int(s) for s in shape)
 
 
+MAX_MAGNITUDE = 2.0**64
+
+
 def max_scale(fp8_dtype: torch.dtype, compute_dtype: torch.dtype) -> float:
-    """Largest sane scale: ``scale * fp8_max`` must stay ≤ ``sqrt(finfo(compute_dtype).max)``."""
-    return math.sqrt(float(torch.finfo(compute_dtype).max)) / fp8_max(fp8_dtype)
+    """Largest sane scale: ``scale * fp8_max`` ≤ ``min(finfo(compute_dtype).max, 2**64)``."""
+    return min(float(torch.finfo(compute_dtype).max), MAX_MAGNITUDE) / fp8_max(fp8_dtype)
 
 
 def check_fp8_tensor(
@@ -85,8 +87,8 @@ def check_fp8_tensor(
             )
         raise CheckpointTensorError(
             f"{name}: expected fp8 {wanted} ({dtype}), found {t.dtype}. A high-precision "
-            "tensor cannot stand in for FP8 codes: quantize the high-precision model with "
-            f"Fp8Config / hf_fp8.quantize_model instead, or {_FIX}"
+            "tensor cannot stand in for FP8 codes: quantize high-precision weights with "
+            f"Fp8Config, hf_fp8.quantize_model or Fp8Linear.from_linear instead, or {_FIX}"
         )
     if shape is not None and tuple(t.shape) != _shape(shape):
         raise CheckpointTensorError(
@@ -140,9 +142,8 @@ def check_scale_tensor(
         high = float(t.max())
         if high > max_value:
             raise CheckpointTensorError(
-                f"{name}: scale {high:g} exceeds the sane bound {max_value:g} (scale * fp8_max "
-                "must stay below the square root of the compute dtype's max, or the matmul "
-                f"overflows); {_FIX}, or load in bfloat16 / float32 if the compute dtype is "
-                "float16"
+                f"{name}: scale {high:g} exceeds the sane bound {max_value:g}: it dequantizes "
+                "to magnitudes past min(the compute dtype's max, 2**64), which overflow in the "
+                f"matmul; {_FIX}"
             )
     return t
