@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_fp8.kernels import compiled
+from hf_fp8.kernels import compiled, cpu_linear
 from hf_fp8.numerics import amax, amax_to_scale, dequantize, quantize_with_scale
 
 # At or below this many tokens the fused decode + reduction beats decode + matmul on CPU
@@ -99,7 +99,11 @@ def decode_weight(
     granularity: str,
     block_size: tuple[int, int],
 ) -> torch.Tensor:
-    """Dequantized weight ``w_fp8 * w_scale`` in ``dtype`` (compiled single pass)."""
+    """Dequantized weight ``w_fp8 * w_scale`` in ``dtype`` (the C decode on CPU, else a
+    compiled single pass)."""
+    out = cpu_linear.decode_weight(w_fp8, w_scale, dtype, granularity, tuple(block_size))
+    if out is not None:
+        return out
     return compiled.run(
         _decode_weight,
         w_fp8,
@@ -217,6 +221,12 @@ def emulated_linear(
         return F.linear(x, x.new_zeros(w_fp8.shape[0], x.shape[1]), bias)
     block_size = (int(block_size[0]), int(block_size[1]))
     a_gran = act_granularity if act_dtype is not None else None
+    if x.device.type == "cpu":  # the C kernels, where they build (hf_fp8.kernels.cpu_kernel)
+        out = cpu_linear.linear(
+            x, w_fp8, w_scale, bias, weight_granularity, block_size, act_dtype, a_gran, input_scale
+        )
+        if out is not None:
+            return out
     if (
         x.shape[0] <= GEMV_MAX_TOKENS
         and x.device.type == "cpu"

@@ -12,6 +12,12 @@ from hf_fp8.numerics import dequantize, quantize_weight
 from tests.kernels.reference import E4M3, assert_close_to_reference, fake_quant, reference_linear
 
 
+@pytest.fixture(autouse=True)
+def _emulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the compiled emulation: keep the C CPU kernels out of the way."""
+    monkeypatch.setenv("HF_FP8_CPU_KERNEL", "off")
+
+
 @pytest.mark.parametrize("scheme", ["weight_only", "dynamic"])
 @pytest.mark.parametrize("m", [1, 7])  # 1: fused GEMV, 7: decode + matmul
 def test_compiled_matches_eager_and_the_reference(monkeypatch, compiled, scheme, m) -> None:

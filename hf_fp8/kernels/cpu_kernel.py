@@ -1,0 +1,362 @@
+"""The C CPU kernels (``csrc/fp8_gemv.c``): code-path choice, checked calls, torch custom ops.
+
+Two kernels, built once per code path with :func:`hf_fp8.utils.native.load_library`:
+
+* ``fp8_gemv``: a fused decode-and-reduce for up to 16 tokens. It streams the fp8 weight
+  once, decodes it in registers (exactly, subnormal codes included), accumulates in fp32
+  and applies the activation scale, the weight scale and the bias in the emulation's
+  epilogue order. Output rows are spread over ``torch.get_num_threads()`` threads.
+* ``fp8_decode``: a vectorized fp8 → bf16 / fp32 weight decode (scale folded in, or not),
+  bit-identical to ``dequantize`` / ``w_fp8.float().to(dtype)``; it feeds torch's matmul
+  tile by tile (:func:`fp8_mm`).
+
+Code path, chosen at run time from the CPU: ``avx512`` (AVX-512 F/BW/VL + F16C + FMA),
+``avx2`` (AVX2 + F16C + FMA), ``neon`` (aarch64), ``scalar`` (portable C). The environment
+variable ``HF_FP8_CPU_KERNEL`` forces one (``avx512``, ``avx2``, ``neon``, ``scalar``) or
+turns the C kernels off (``off``: the compiled emulation runs instead). Without a C compiler
+the kernels are unavailable and the emulation runs, with one warning.
+
+The Python side checks every dtype, shape and contiguity before a call (the C code trusts
+its sizes). Both kernels are registered as torch custom ops (``hf_fp8::cpu_gemv``,
+``hf_fp8::cpu_fp8_mm``) with fake implementations: ``torch.compile(fullgraph=True)`` keeps
+them in one graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("hf_fp8")
+
+SOURCE = Path(__file__).parent / "csrc" / "fp8_gemv.c"
+ENV = "HF_FP8_CPU_KERNEL"
+PATHS = ("avx512", "avx2", "neon", "scalar")  # widest first
+_PATH_ID = {"avx512": 3, "avx2": 2, "neon": 1, "scalar": 0}
+_PATH_CFLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mf16c", "-mfma"),
+    "avx2": ("-mavx2", "-mf16c", "-mfma", "-mno-avx512f"),  # AVX2 code even on AVX-512
+    "neon": (),
+    "scalar": (),
+}
+GEMV_MAX_TOKENS = 16  # the C kernel's limit (and where it stops beating decode + matmul)
+FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+GRANULARITIES = {"tensor": 0, "row": 1, "block": 2}
+_ASCALE = {None: 0, "tensor": 1, "token": 2}
+_OUT = {torch.float32: 0, torch.bfloat16: 1}
+# bytes of decoded weight per matmul tile: stays in a core's L2 with the activations
+TILE_BYTES = 1 << 20
+
+_LOCK = threading.Lock()
+_LIBS: dict[str, ctypes.CDLL] = {}
+_FAILED: dict[str, str] = {}
+_WARNED: set[str] = set()
+
+
+def _features() -> frozenset[str]:
+    try:
+        from hf_fp8.utils.native import cpu_features
+    except ImportError:  # the shared loader is not there: no C kernels
+        return frozenset()
+    return cpu_features()
+
+
+def supported_paths() -> tuple[str, ...]:
+    """Code paths this CPU can run, widest first (``scalar`` always, where C builds)."""
+    feats = _features()
+    machine = platform.machine().lower()
+    paths = []
+    if machine in ("x86_64", "amd64"):
+        if "avx512f" in feats and "avx2" in feats:
+            paths.append("avx512")
+        if "avx2" in feats:
+            paths.append("avx2")
+    if machine in ("aarch64", "arm64"):
+        paths.append("neon")
+    paths.append("scalar")
+    return tuple(paths)
+
+
+def requested_path() -> str | None:
+    """The path ``HF_FP8_CPU_KERNEL`` asks for: a name, ``None`` for ``off``, or ``"auto"``."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value in ("off", "0", "none", "false", "no"):
+        return None
+    if value != "auto" and value not in PATHS:
+        raise ValueError(
+            f"{ENV}={value!r} is not a CPU kernel path; use one of auto, off, {', '.join(PATHS)}"
+        )
+    return value
+
+
+def _build(path: str) -> ctypes.CDLL:
+    from hf_fp8.utils.native import load_library
+
+    start = time.perf_counter()
+    lib = load_library(
+        f"fp8_gemv_{path}",
+        SOURCE,
+        defines={"FP8_PATH": str(_PATH_ID[path])},
+        cflags=_PATH_CFLAGS[path],
+    )
+    seconds = time.perf_counter() - start
+    if seconds > 0.3:  # a compile, not a cache hit: say so once
+        logger.info("hf_fp8: built the CPU FP8 kernel (%s path) in %.1f s; cached", path, seconds)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.fp8_gemv.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr]
+    lib.fp8_gemv.argtypes += [i64, i64, i64]
+    lib.fp8_decode.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64]
+    for fn in (lib.fp8_gemv, lib.fp8_decode, lib.fp8_kernel_path, lib.fp8_cpu_ok):
+        fn.restype = ctypes.c_int
+    if lib.fp8_kernel_path() != _PATH_ID[path]:
+        raise RuntimeError(f"the {path} CPU kernel library reports another path")
+    if not lib.fp8_cpu_ok():
+        raise RuntimeError(f"this CPU lacks an instruction set the {path} path needs")
+    return lib
+
+
+def library(path: str) -> ctypes.CDLL | None:
+    """The built library of ``path``, or ``None`` (the reason: :func:`failure`)."""
+    with _LOCK:
+        if path not in _LIBS and path not in _FAILED:
+            try:
+                _LIBS[path] = _build(path)
+            except Exception as err:  # no compiler, no loader, a refused cache: fall back
+                _FAILED[path] = f"{type(err).__name__}: {err}"[:500]
+        return _LIBS.get(path)
+
+
+def failure(path: str) -> str | None:
+    """Why :func:`library` returned ``None`` for ``path``."""
+    return _FAILED.get(path)
+
+
+_ACTIVE: dict[str, str | None] = {}
+
+
+@torch.compiler.assume_constant_result
+def active_path() -> str | None:
+    """The path the kernels use now: the forced one, else the widest that builds; ``None``
+    when off or unavailable (then the compiled emulation runs). Cached per value of
+    ``HF_FP8_CPU_KERNEL``; a constant for ``torch.compile``."""
+    env = os.environ.get(ENV, "")
+    if env not in _ACTIVE:
+        _ACTIVE[env] = _choose_path()
+    return _ACTIVE[env]
+
+
+def _choose_path() -> str | None:
+    want = requested_path()
+    if want is None:
+        return None
+    supported = supported_paths()
+    if want != "auto":
+        if want not in supported:
+            raise ValueError(
+                f"{ENV}={want!r}: this CPU runs only {', '.join(supported)}; unset it or pick one"
+            )
+        candidates: tuple[str, ...] = (want,)
+    else:
+        candidates = supported
+    for path in candidates:
+        if library(path) is not None:
+            return path
+    reasons = "; ".join(f"{p}: {failure(p)}" for p in candidates)
+    if reasons not in _WARNED:
+        _WARNED.add(reasons)
+        warnings.warn(
+            f"hf_fp8: the C CPU FP8 kernels are unavailable ({reasons}); using the slower "
+            f"compiled emulation. Install a C compiler (cc/gcc/clang, or set $CC), or set "
+            f"{ENV}=off to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"hf_fp8 CPU kernel: {message}")
+
+
+def _check_weight(w: torch.Tensor, w_scale: torch.Tensor | None, gran: str, bn: int, bk: int):
+    _check(w.device.type == "cpu" and w.dtype in FORMATS, f"weight must be CPU fp8, got {w.dtype}")
+    _check(w.dim() == 2 and w.is_contiguous(), f"weight must be contiguous 2-D, {tuple(w.shape)}")
+    _check(gran in GRANULARITIES, f"weight granularity {gran!r} not in {tuple(GRANULARITIES)}")
+    _check(bn >= 1 and bk >= 1, f"block size must be positive, got {(bn, bk)}")
+    if w_scale is None:
+        return
+    n, k = w.shape
+    want = {"tensor": 1, "row": n, "block": -(-n // bn) * -(-k // bk)}[gran]
+    _check(
+        w_scale.dtype == torch.float32 and w_scale.is_contiguous() and w_scale.numel() == want,
+        f"{gran} weight scale must be {want} contiguous float32 values, got "
+        f"{tuple(w_scale.shape)} {w_scale.dtype}",
+    )
+    _check(w_scale.device.type == "cpu", "weight scale must be on the CPU")
+
+
+def _gemv_impl(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    w_gran: str,
+    bn: int,
+    bk: int,
+    a_gran: str | None,
+    out_dtype: torch.dtype,
+    path: str,
+) -> torch.Tensor:
+    _check_weight(w, w_scale, w_gran, bn, bk)
+    n, k = w.shape
+    _check(
+        a.dtype == torch.float32 and a.dim() == 2 and a.is_contiguous() and a.device.type == "cpu",
+        f"activation must be contiguous 2-D CPU float32, got {tuple(a.shape)} {a.dtype}",
+    )
+    m = a.shape[0]
+    _check(1 <= m <= GEMV_MAX_TOKENS and a.shape[1] == k, f"activation {tuple(a.shape)} vs {k}")
+    _check(a_gran in _ASCALE, f"activation scale granularity {a_gran!r}")
+    if a_gran is not None:
+        assert a_scale is not None
+        want = 1 if a_gran == "tensor" else m
+        _check(
+            a_scale.dtype == torch.float32
+            and a_scale.is_contiguous()
+            and a_scale.numel() == want
+            and a_scale.device.type == "cpu",
+            f"activation scale must be {want} contiguous float32 values",
+        )
+    if bias is not None:
+        _check(
+            bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n,
+            f"bias must be {n} contiguous float32 values",
+        )
+    lib = library(path)
+    _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
+    kind = _OUT.get(out_dtype, 0)
+    out = torch.empty(m, n, dtype=torch.float32 if kind == 0 else out_dtype)
+    rc = lib.fp8_gemv(
+        a.data_ptr(), m, k, w.data_ptr(), n, w_scale.data_ptr(), GRANULARITIES[w_gran], bn, bk,
+        _ptr(a_scale) if a_gran is not None else None, _ASCALE[a_gran], _ptr(bias),
+        out.data_ptr(), kind, FORMATS[w.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    _check(rc == 0, f"fp8_gemv failed with code {rc}")
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def decode(
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    w_gran: str,
+    block_size: tuple[int, int],
+    dtype: torch.dtype,
+    *,
+    rows: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+    path: str | None = None,
+) -> torch.Tensor:
+    """Rows ``rows`` (default all) of ``w`` in ``dtype`` (bf16 or fp32): ``w_fp8.float() *
+    scale`` rounded once (``w_scale=None``: unscaled fp8 values), as ``dequantize``."""
+    bn, bk = int(block_size[0]), int(block_size[1])
+    _check_weight(w, w_scale, w_gran, bn, bk)
+    _check(dtype in _OUT, f"decode to {dtype} is not implemented (bf16, float32)")
+    r0, r1 = rows if rows is not None else (0, w.shape[0])
+    _check(0 <= r0 <= r1 <= w.shape[0], f"rows {(r0, r1)} outside {w.shape[0]}")
+    k = w.shape[1]
+    if out is None:
+        out = torch.empty(r1 - r0, k, dtype=dtype)
+    _check(
+        out.dtype == dtype and out.is_contiguous() and out.numel() >= (r1 - r0) * k,
+        "decode buffer too small or of another dtype",
+    )
+    out = out.view(-1)[: (r1 - r0) * k].view(r1 - r0, k)
+    path = path or active_path()
+    lib = library(path) if path else None
+    _check(lib is not None, "the C CPU kernels are unavailable")
+    rc = lib.fp8_decode(
+        w.data_ptr() + r0 * k, r1 - r0, k, r0, _ptr(w_scale), GRANULARITIES[w_gran], bn, bk,
+        out.data_ptr(), _OUT[dtype], FORMATS[w.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    _check(rc == 0, f"fp8_decode failed with code {rc}")
+    return out
+
+
+def _fp8_mm_impl(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    w_gran: str,
+    bn: int,
+    bk: int,
+    path: str,
+) -> torch.Tensor:
+    """``F.linear(a, decode(w, w_scale), bias)`` in ``a.dtype``, decoded tile by tile."""
+    n, k = w.shape
+    _check(a.dim() == 2 and a.shape[1] == k, f"activation {tuple(a.shape)} vs K={k}")
+    rows = max(16, min(n, TILE_BYTES // (k * a.element_size()) // 16 * 16))
+    out = torch.empty(a.shape[0], n, dtype=a.dtype)
+    buf = torch.empty(rows * k, dtype=a.dtype)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        tile = decode(w, w_scale, w_gran, (bn, bk), a.dtype, rows=(r0, r1), out=buf, path=path)
+        b = None if bias is None else bias[r0:r1]
+        out[:, r0:r1] = torch.nn.functional.linear(a, tile, b)
+    return out
+
+
+@torch.library.custom_op("hf_fp8::cpu_gemv", mutates_args=())
+def cpu_gemv(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    w_gran: str,
+    bn: int,
+    bk: int,
+    a_gran: str | None,
+    out_dtype: torch.dtype,
+    path: str,
+) -> torch.Tensor:
+    """``(a @ decode(w).T) * a_scale * w_scale + bias`` for ≤ 16 fp32 rows ``a``."""
+    return _gemv_impl(a, w, w_scale, a_scale, bias, w_gran, bn, bk, a_gran, out_dtype, path)
+
+
+@cpu_gemv.register_fake
+def _(a, w, w_scale, a_scale, bias, w_gran, bn, bk, a_gran, out_dtype, path):
+    return a.new_empty(a.shape[0], w.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("hf_fp8::cpu_fp8_mm", mutates_args=())
+def cpu_fp8_mm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    w_gran: str,
+    bn: int,
+    bk: int,
+    path: str,
+) -> torch.Tensor:
+    """``F.linear(a, decode(w, w_scale), bias)``; ``w_scale=None``: unscaled fp8 values."""
+    return _fp8_mm_impl(a, w, w_scale, bias, w_gran, bn, bk, path)
+
+
+@cpu_fp8_mm.register_fake
+def _(a, w, w_scale, bias, w_gran, bn, bk, path):
+    return a.new_empty(a.shape[0], w.shape[0])

@@ -1,0 +1,101 @@
+"""FP8 linear on the CPU with the C kernels (:mod:`hf_fp8.kernels.cpu_kernel`).
+
+Same numbers as the emulation (:mod:`hf_fp8.kernels.emulated`) up to fp32 reassociation:
+the activation is fake-quantized by the emulation's own functions, run eagerly (no
+inductor compile: the first call costs no more than the eager path, and new sequence
+lengths never recompile), then
+
+* up to ``GEMV_MAX_TOKENS`` tokens: the fused GEMV (fp32 activation, fp32 accumulation,
+  the emulation's epilogue in C; block weight scales applied per K-block partial sum);
+* above: the weight decoded tile by tile into the compute dtype (bf16 / fp32, bit-identical
+  to the emulation's decode) and torch's matmul, then the emulation's epilogue.
+
+:func:`linear` returns ``None`` where it does not apply (fp16 compute above the GEMV
+limit, kernels off or unavailable); the caller runs the compiled emulation then.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_fp8.kernels import cpu_kernel
+from hf_fp8.kernels import emulated as _emu  # circular: attributes used at call time
+
+GEMV_MAX_TOKENS = cpu_kernel.GEMV_MAX_TOKENS
+_A_GRAN = {"tensor": "tensor", "row": "token", "block": None}
+
+
+def linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    w_gran: str,
+    block_size: tuple[int, int],
+    act_dtype: torch.dtype | None,
+    a_gran: str | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """``fake_quant(x) @ dequantize(w_fp8).T + bias`` for a 2-D CPU ``x``, or ``None``."""
+    path = cpu_kernel.active_path()
+    if path is None or w_fp8.dtype not in cpu_kernel.FORMATS:
+        return None
+    m, dtype = x.shape[0], x.dtype
+    bn, bk = block_size
+    w_scale = w_scale.detach().float().reshape(-1).contiguous()
+    w_fp8 = w_fp8.detach().contiguous()
+    if m <= GEMV_MAX_TOKENS:
+        a, a_scale, a_kind = x.detach().float().contiguous(), None, None
+        if act_dtype is not None:
+            a, a_scale = _emu._fake_quant_act(
+                x.detach(), input_scale, act_dtype=act_dtype, gran=a_gran, bk=bk,
+                out_dtype=torch.float32, post=a_gran != "block",
+            )  # fmt: skip
+            a = a.contiguous()
+            a_kind = _A_GRAN[a_gran]
+            if a_scale is not None:
+                a_scale = a_scale.float().reshape(-1).contiguous()
+        b = None if bias is None else bias.detach().float().contiguous()
+        return cpu_kernel.cpu_gemv(
+            a, w_fp8, w_scale, a_scale, b, w_gran, bn, bk, a_kind, dtype, path
+        )
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None
+    w_post = _emu.post_scaled(w_gran, dtype)
+    a, a_scale, a_post = x.detach().contiguous(), None, False
+    if act_dtype is not None:
+        a_post = _emu.post_scaled(a_gran, dtype)
+        a, a_scale = _emu._fake_quant_act(
+            x.detach(), input_scale, act_dtype=act_dtype, gran=a_gran, bk=bk,
+            out_dtype=dtype, post=a_post,
+        )  # fmt: skip
+        a = a.contiguous()
+    b = None if bias is None else bias.detach().contiguous()
+    if not (w_post or a_post):
+        return cpu_kernel.cpu_fp8_mm(a, w_fp8, w_scale, b, w_gran, bn, bk, path)
+    acc = cpu_kernel.cpu_fp8_mm(a, w_fp8, None if w_post else w_scale, None, w_gran, bn, bk, path)
+    return _emu._epilogue(acc.float(), a_scale, w_scale if w_post else None, b, dtype)
+
+
+def decode_weight(
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    block_size: tuple[int, int],
+) -> torch.Tensor | None:
+    """``dequantize(w_fp8, w_scale, dtype, ...)`` with the C decode, or ``None``."""
+    if (
+        torch.compiler.is_compiling()
+        or w_fp8.device.type != "cpu"
+        or dtype not in (torch.bfloat16, torch.float32)
+        or w_fp8.dtype not in cpu_kernel.FORMATS
+    ):
+        return None
+    path = cpu_kernel.active_path()
+    if path is None:
+        return None
+    scale = w_scale.detach().float().reshape(-1).contiguous()
+    return cpu_kernel.decode(
+        w_fp8.detach().contiguous(), scale, granularity, block_size, dtype, path=path
+    )

@@ -1,0 +1,438 @@
+/* FP8 linear on the CPU: a fused decode-and-reduce GEMV for few tokens, and a vectorized
+ * fp8 -> bf16 / fp32 weight decode that feeds a bf16 matmul for many tokens.
+ *
+ * Built by hf_fp8.kernels.cpu_native with -DFP8_PATH=<n>:
+ *   3 AVX-512 (F, BW, VL) + F16C + FMA    2 AVX2 + F16C + FMA    1 NEON (aarch64)
+ *   0 plain C (portable; the compiler may auto-vectorize)
+ *
+ * Decoding is exact for every fp8 code, subnormals, NaN (and E5M2 inf) included. The
+ * vector paths widen each code to fp16 bits and convert with the hardware fp16 -> fp32
+ * instruction, which converts fp16 subnormals exactly and ignores DAZ:
+ *   E5M2: fp16 bits = code << 8 (E5M2 is the top byte of fp16): the exact value;
+ *   E4M3: fp16 bits = sign << 15 | (code & 0x7f) << 7: the exact value times 2^-8
+ *         (E4M3 subnormals land on fp16 subnormals, still exact); 0x7f / 0xff -> NaN.
+ * The 2^8 is applied once, to the fp32 accumulator (a power of two: exact). Products and
+ * sums are fp32 FMAs (no bf16 dot-product instructions: they flush subnormals).
+ *
+ * Numerics of the GEMV (the emulation's epilogue, in the same order):
+ *   out[t, n] = ((sum_k a[t,k] * w[n,k]) * a_scale[t]) * w_scale[n] + bias[n]
+ * with block weight scales applied to each K-block's partial sum instead. Sizes are
+ * trusted: the Python wrapper checks every shape, dtype and contiguity before the call.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef FP8_PATH
+#define FP8_PATH 0
+#endif
+#if FP8_PATH == 3 || FP8_PATH == 2
+#include <immintrin.h>
+#elif FP8_PATH == 1
+#include <arm_neon.h>
+#endif
+
+#define AI static inline __attribute__((always_inline))
+#define MAX_THREADS 64
+
+enum { FMT_E4M3 = 0, FMT_E5M2 = 1 };
+enum { GRAN_TENSOR = 0, GRAN_ROW = 1, GRAN_BLOCK = 2 };
+enum { ASCALE_NONE = 0, ASCALE_TENSOR = 1, ASCALE_TOKEN = 2 };
+enum { OUT_F32 = 0, OUT_BF16 = 1 };
+
+/* ---------------------------------------------------------------- scalar decode table */
+/* LUT[fmt][code]: the value times 2^-8 for E4M3, the value for E5M2 (as the vector paths). */
+static float LUT[2][256];
+static pthread_once_t LUT_ONCE = PTHREAD_ONCE_INIT;
+
+static void lut_init(void) {
+    for (int c = 0; c < 256; ++c) {
+        float sign = (c & 0x80) ? -1.0f : 1.0f;
+        int e4 = (c >> 3) & 15, m4 = c & 7;
+        float v4 = (c & 0x7f) == 0x7f ? NAN
+                   : e4 == 0          ? ldexpf((float)m4, -9)
+                                      : ldexpf(1.0f + m4 / 8.0f, e4 - 7);
+        LUT[FMT_E4M3][c] = sign * ldexpf(v4, -8);
+        int e5 = (c >> 2) & 31, m5 = c & 3;
+        float v5 = e5 == 31 ? (m5 ? NAN : INFINITY)
+                   : e5 == 0 ? ldexpf((float)m5, -16)
+                             : ldexpf(1.0f + m5 / 4.0f, e5 - 15);
+        LUT[FMT_E5M2][c] = sign * v5;
+    }
+}
+
+static float dec_factor(int fmt) { return fmt == FMT_E4M3 ? 256.0f : 1.0f; }
+
+AI uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* ---------------------------------------------------------------- vector primitives */
+#if FP8_PATH == 3
+typedef __m512 vf;
+#define VL 16 /* floats per vector; one decode step yields 2 vectors */
+AI vf vzero(void) { return _mm512_setzero_ps(); }
+AI vf vload(const float *p) { return _mm512_loadu_ps(p); }
+AI vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+AI vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+AI vf vset(float x) { return _mm512_set1_ps(x); }
+AI vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+AI float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+AI void vdec(const uint8_t *p, int fmt, vf *lo, vf *hi) {
+    __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    if (fmt == FMT_E4M3) {
+        __m512i mag = _mm512_and_si512(h, _mm512_set1_epi16(0x7f));
+        __m512i sgn = _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi16(0x80)), 8);
+        __mmask32 nan = _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f));
+        h = _mm512_or_si512(_mm512_slli_epi16(mag, 7), sgn);
+        h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7e00));
+    } else {
+        h = _mm512_slli_epi16(h, 8);
+    }
+    *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+AI void vstore_bf16(uint16_t *p, vf v) { /* round to nearest even; NaN -> 0x7fc0 */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+AI void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+#elif FP8_PATH == 2
+typedef __m256 vf;
+#define VL 8
+AI vf vzero(void) { return _mm256_setzero_ps(); }
+AI vf vload(const float *p) { return _mm256_loadu_ps(p); }
+AI vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+AI vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+AI vf vset(float x) { return _mm256_set1_ps(x); }
+AI vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+AI float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+AI void vdec(const uint8_t *p, int fmt, vf *lo, vf *hi) {
+    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    if (fmt == FMT_E4M3) {
+        __m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x7f));
+        __m256i sgn = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
+        __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
+        h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), sgn);
+        h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), nan);
+    } else {
+        h = _mm256_slli_epi16(h, 8);
+    }
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+AI void vstore_bf16(uint16_t *p, vf v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+}
+AI void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+#elif FP8_PATH == 1
+typedef float32x4_t vf;
+#define VL 4
+AI vf vzero(void) { return vdupq_n_f32(0.0f); }
+AI vf vload(const float *p) { return vld1q_f32(p); }
+AI vf vfma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+AI vf vadd(vf a, vf b) { return vaddq_f32(a, b); }
+AI vf vset(float x) { return vdupq_n_f32(x); }
+AI vf vmul(vf a, vf b) { return vmulq_f32(a, b); }
+AI float vsum(vf a) { return vaddvq_f32(a); }
+AI void vdec(const uint8_t *p, int fmt, vf *lo, vf *hi) {
+    uint16x8_t h = vmovl_u8(vld1_u8(p));
+    if (fmt == FMT_E4M3) {
+        uint16x8_t mag = vandq_u16(h, vdupq_n_u16(0x7f));
+        uint16x8_t sgn = vshlq_n_u16(vandq_u16(h, vdupq_n_u16(0x80)), 8);
+        uint16x8_t nan = vceqq_u16(mag, vdupq_n_u16(0x7f));
+        h = vorrq_u16(vshlq_n_u16(mag, 7), sgn);
+        h = vbslq_u16(nan, vdupq_n_u16(0x7e00), h);
+    } else {
+        h = vshlq_n_u16(h, 8);
+    }
+    float16x8_t f = vreinterpretq_f16_u16(h);
+    *lo = vcvt_f32_f16(vget_low_f16(f));
+    *hi = vcvt_high_f32_f16(f);
+}
+AI void vstore_bf16(uint16_t *p, vf v) {
+    float tmp[VL];
+    vst1q_f32(tmp, v);
+    for (int i = 0; i < VL; ++i) p[i] = f32_to_bf16(tmp[i]);
+}
+AI void vstore(float *p, vf v) { vst1q_f32(p, v); }
+#endif
+
+/* ---------------------------------------------------------------- GEMV */
+typedef struct {
+    const float *a;      /* [M, K] fp32 activation (fake-quantized already) */
+    const uint8_t *w;    /* [N, K] fp8 codes */
+    const float *ws;     /* weight scale: [1], [N] or [ceil(N/bn), ceil(K/bk)] */
+    const float *as;     /* activation scale: NULL, [1] or [M] */
+    const float *bias;   /* [N] fp32 or NULL */
+    void *out;           /* [M, N] fp32 or bf16 */
+    int64_t M, K, N, bn, bk, n0, n1;
+    int fmt, wgran, agran, out_kind;
+} gemv_t;
+
+/* Dot products of MT tokens with one weight row; block scales per K-segment (bs != NULL). */
+#if FP8_PATH != 0
+#define NACC(MT) ((MT) <= 2 ? 4 : 2)
+#define DEFINE_TILE(MT)                                                                  \
+    static void tile_##MT(const float *a, int64_t K, const uint8_t *w, int64_t seg,      \
+                          const float *bs, int fmt, float *res) {                        \
+        const float *lut = LUT[fmt];                                                     \
+        float tot[MT];                                                                   \
+        for (int t = 0; t < MT; ++t) tot[t] = 0.0f;                                      \
+        for (int64_t k0 = 0, b = 0; k0 < K; k0 += seg, ++b) {                            \
+            int64_t k1 = k0 + seg < K ? k0 + seg : K, k = k0;                            \
+            vf acc[MT][NACC(MT)];                                                        \
+            for (int t = 0; t < MT; ++t)                                                 \
+                for (int j = 0; j < NACC(MT); ++j) acc[t][j] = vzero();                  \
+            if (NACC(MT) == 4) {                                                         \
+                for (; k + 4 * VL <= k1; k += 4 * VL) {                                  \
+                    vf w0, w1, w2, w3;                                                   \
+                    vdec(w + k, fmt, &w0, &w1);                                          \
+                    vdec(w + k + 2 * VL, fmt, &w2, &w3);                                 \
+                    for (int t = 0; t < MT; ++t) {                                       \
+                        const float *at = a + t * K + k;                                 \
+                        acc[t][0] = vfma(vload(at), w0, acc[t][0]);                      \
+                        acc[t][1] = vfma(vload(at + VL), w1, acc[t][1]);                 \
+                        acc[t][NACC(MT) - 2] = vfma(vload(at + 2 * VL), w2, acc[t][NACC(MT) - 2]); \
+                        acc[t][NACC(MT) - 1] = vfma(vload(at + 3 * VL), w3, acc[t][NACC(MT) - 1]); \
+                    }                                                                    \
+                }                                                                        \
+            }                                                                            \
+            for (; k + 2 * VL <= k1; k += 2 * VL) {                                      \
+                vf w0, w1;                                                               \
+                vdec(w + k, fmt, &w0, &w1);                                              \
+                for (int t = 0; t < MT; ++t) {                                           \
+                    const float *at = a + t * K + k;                                     \
+                    acc[t][0] = vfma(vload(at), w0, acc[t][0]);                          \
+                    acc[t][1] = vfma(vload(at + VL), w1, acc[t][1]);                     \
+                }                                                                        \
+            }                                                                            \
+            for (int t = 0; t < MT; ++t) {                                               \
+                vf s = vadd(acc[t][0], acc[t][1]);                                       \
+                if (NACC(MT) == 4) s = vadd(s, vadd(acc[t][NACC(MT) - 2], acc[t][NACC(MT) - 1])); \
+                float part = vsum(s);                                                    \
+                for (int64_t kk = k; kk < k1; ++kk) part += a[t * K + kk] * lut[w[kk]];  \
+                tot[t] = bs ? fmaf(part, bs[b], tot[t]) : part;                          \
+            }                                                                            \
+        }                                                                                \
+        for (int t = 0; t < MT; ++t) res[t] = tot[t];                                    \
+    }
+DEFINE_TILE(1)
+DEFINE_TILE(2)
+DEFINE_TILE(4)
+#if FP8_PATH == 3
+DEFINE_TILE(8)
+#define MAX_TILE 8
+#else
+#define MAX_TILE 4
+#endif
+
+static void row_dots(const gemv_t *g, const uint8_t *wrow, int64_t seg, const float *bs,
+                     float *res) {
+    int64_t t = 0;
+    while (t < g->M) {
+        int64_t left = g->M - t;
+        const float *a = g->a + t * g->K;
+#if MAX_TILE == 8
+        if (left >= 8) { tile_8(a, g->K, wrow, seg, bs, g->fmt, res + t); t += 8; continue; }
+#endif
+        if (left >= 4) { tile_4(a, g->K, wrow, seg, bs, g->fmt, res + t); t += 4; }
+        else if (left >= 2) { tile_2(a, g->K, wrow, seg, bs, g->fmt, res + t); t += 2; }
+        else { tile_1(a, g->K, wrow, seg, bs, g->fmt, res + t); t += 1; }
+    }
+}
+#else
+static void row_dots(const gemv_t *g, const uint8_t *wrow, int64_t seg, const float *bs,
+                     float *res) {
+    const float *lut = LUT[g->fmt];
+    for (int64_t t = 0; t < g->M; ++t) {
+        const float *a = g->a + t * g->K;
+        float tot = 0.0f;
+        for (int64_t k0 = 0, b = 0; k0 < g->K; k0 += seg, ++b) {
+            int64_t k1 = k0 + seg < g->K ? k0 + seg : g->K;
+            float part = 0.0f;
+            for (int64_t k = k0; k < k1; ++k) part += a[k] * lut[wrow[k]];
+            tot = bs ? fmaf(part, bs[b], tot) : part;
+        }
+        res[t] = tot;
+    }
+}
+#endif
+
+static void *gemv_worker(void *arg) {
+    const gemv_t *g = (const gemv_t *)arg;
+    float res[16], factor = dec_factor(g->fmt);
+    int64_t kblocks = (g->K + g->bk - 1) / g->bk;
+    for (int64_t n = g->n0; n < g->n1; ++n) {
+        int block = g->wgran == GRAN_BLOCK;
+        const float *bs = block ? g->ws + (n / g->bn) * kblocks : NULL;
+        row_dots(g, g->w + n * g->K, block ? g->bk : g->K, bs, res);
+        float wsc = g->wgran == GRAN_TENSOR ? g->ws[0] : g->wgran == GRAN_ROW ? g->ws[n] : 1.0f;
+        for (int64_t t = 0; t < g->M; ++t) {
+            float v = res[t] * factor;
+            if (g->agran == ASCALE_TENSOR) v = v * g->as[0];
+            else if (g->agran == ASCALE_TOKEN) v = v * g->as[t];
+            if (!block) v = v * wsc;
+            if (g->bias) v = v + g->bias[n];
+            if (g->out_kind == OUT_BF16) ((uint16_t *)g->out)[t * g->N + n] = f32_to_bf16(v);
+            else ((float *)g->out)[t * g->N + n] = v;
+        }
+    }
+    return NULL;
+}
+
+/* Split rows [0, n) over nthreads (the calling thread takes the first share). */
+static int run_split(void *(*fn)(void *), void *args, size_t size, int64_t n, int64_t nthreads,
+                     void (*set_range)(void *, int64_t, int64_t)) {
+    char buf[MAX_THREADS][256];
+    pthread_t th[MAX_THREADS];
+    int started[MAX_THREADS];
+    if (size > sizeof(buf[0])) return -2;
+    int64_t nt = nthreads < 1 ? 1 : nthreads > MAX_THREADS ? MAX_THREADS : nthreads;
+    if (nt > n) nt = n < 1 ? 1 : n;
+    for (int64_t i = 0; i < nt; ++i) {
+        memcpy(buf[i], args, size);
+        set_range(buf[i], n * i / nt, n * (i + 1) / nt);
+    }
+    for (int64_t i = 1; i < nt; ++i) started[i] = pthread_create(&th[i], NULL, fn, buf[i]) == 0;
+    fn(buf[0]);
+    for (int64_t i = 1; i < nt; ++i) {
+        if (started[i]) pthread_join(th[i], NULL);
+        else fn(buf[i]); /* could not start a thread: do its share here */
+    }
+    return 0;
+}
+
+static void gemv_range(void *p, int64_t n0, int64_t n1) {
+    ((gemv_t *)p)->n0 = n0;
+    ((gemv_t *)p)->n1 = n1;
+}
+
+int fp8_gemv(const float *a, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+             const float *ws, int64_t wgran, int64_t bn, int64_t bk, const float *as,
+             int64_t agran, const float *bias, void *out, int64_t out_kind, int64_t fmt,
+             int64_t nthreads) {
+    if (M < 1 || M > 16 || K < 1 || N < 1 || bn < 1 || bk < 1 || (fmt != 0 && fmt != 1))
+        return -1;
+    pthread_once(&LUT_ONCE, lut_init);
+    gemv_t g = {a, w, ws, as, bias, out, M, K, N, bn, bk, 0, N, (int)fmt, (int)wgran,
+                (int)agran, (int)out_kind};
+    /* below ~64K weights per thread, starting a thread costs more than it saves */
+    int64_t useful = (N * K) / 65536;
+    if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
+    return run_split(gemv_worker, &g, sizeof g, N, nthreads, gemv_range);
+}
+
+/* ---------------------------------------------------------------- decode */
+typedef struct {
+    const uint8_t *w;  /* [rows, K] codes, rows r0.. of the full weight */
+    const float *ws;   /* NULL: unscaled; else as in the GEMV, for the full weight */
+    void *out;         /* [rows, K] bf16 or fp32 */
+    int64_t K, row0, bn, bk, n0, n1;
+    int fmt, wgran, out_kind;
+} decode_t;
+
+static void decode_span(const decode_t *d, const uint8_t *w, int64_t len, float scale,
+                        float factor, void *out) {
+    const float *lut = LUT[d->fmt];
+    int64_t k = 0;
+#if FP8_PATH != 0
+    vf f = vset(factor), s = vset(scale);
+    for (; k + 2 * VL <= len; k += 2 * VL) {
+        vf lo, hi;
+        vdec(w + k, d->fmt, &lo, &hi);
+        lo = vmul(vmul(lo, f), s); /* exact, then the one rounding of torch's x * scale */
+        hi = vmul(vmul(hi, f), s);
+        if (d->out_kind == OUT_BF16) {
+            vstore_bf16((uint16_t *)out + k, lo);
+            vstore_bf16((uint16_t *)out + k + VL, hi);
+        } else {
+            vstore((float *)out + k, lo);
+            vstore((float *)out + k + VL, hi);
+        }
+    }
+#endif
+    for (; k < len; ++k) {
+        float v = (lut[w[k]] * factor) * scale;
+        if (d->out_kind == OUT_BF16) ((uint16_t *)out)[k] = f32_to_bf16(v);
+        else ((float *)out)[k] = v;
+    }
+}
+
+static void *decode_worker(void *arg) {
+    const decode_t *d = (const decode_t *)arg;
+    float factor = dec_factor(d->fmt);
+    int64_t kblocks = (d->K + d->bk - 1) / d->bk;
+    size_t esz = d->out_kind == OUT_BF16 ? 2 : 4;
+    for (int64_t r = d->n0; r < d->n1; ++r) {
+        const uint8_t *w = d->w + r * d->K;
+        char *out = (char *)d->out + (size_t)(r * d->K) * esz;
+        int64_t n = d->row0 + r;
+        if (d->ws == NULL || d->wgran != GRAN_BLOCK) {
+            float s = d->ws == NULL ? 1.0f : d->wgran == GRAN_ROW ? d->ws[n] : d->ws[0];
+            decode_span(d, w, d->K, s, factor, out);
+            continue;
+        }
+        for (int64_t k0 = 0, b = 0; k0 < d->K; k0 += d->bk, ++b) {
+            int64_t len = k0 + d->bk < d->K ? d->bk : d->K - k0;
+            decode_span(d, w + k0, len, d->ws[(n / d->bn) * kblocks + b], factor,
+                        out + (size_t)k0 * esz);
+        }
+    }
+    return NULL;
+}
+
+static void decode_range(void *p, int64_t n0, int64_t n1) {
+    ((decode_t *)p)->n0 = n0;
+    ((decode_t *)p)->n1 = n1;
+}
+
+/* Decode rows [row0, row0 + rows) of a [*, K] fp8 weight (w points at row0) into out. */
+int fp8_decode(const uint8_t *w, int64_t rows, int64_t K, int64_t row0, const float *ws,
+               int64_t wgran, int64_t bn, int64_t bk, void *out, int64_t out_kind, int64_t fmt,
+               int64_t nthreads) {
+    if (rows < 0 || K < 1 || bn < 1 || bk < 1 || (fmt != 0 && fmt != 1)) return -1;
+    pthread_once(&LUT_ONCE, lut_init);
+    decode_t d = {w, ws, out, K, row0, bn, bk, 0, rows, (int)fmt, (int)wgran, (int)out_kind};
+    int64_t useful = (rows * K) / 262144;
+    if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
+    return run_split(decode_worker, &d, sizeof d, rows, nthreads, decode_range);
+}
+
+/* The path this library was built for (checked by the loader). */
+int fp8_kernel_path(void) { return FP8_PATH; }
+
+/* 1 when this CPU runs every instruction the path uses (checked before the first call). */
+int fp8_cpu_ok(void) {
+#if FP8_PATH == 3
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#elif FP8_PATH == 2
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("fma");
+#else
+    return 1;
+#endif
+}
