@@ -1,0 +1,526 @@
+"""``Fp8Experts``: FP8 replacement for the fused experts module of a transformers MoE layer.
+
+transformers 5.x declares the experts of ~65 MoE families as one module per layer with
+fused 3-D parameters, through ``transformers.integrations.moe.use_experts_implementation``.
+That decorator records the layout on every instance (``has_gate``, ``has_bias``,
+``is_transposed``, ``is_concatenated``, ``has_post_expert_norm``); :func:`experts_layout`
+reads it, so no model name is listed here. :func:`unsupported_reason` says in words why a
+module cannot convert (``None``: it can). ``Fp8Experts.from_experts`` quantizes one,
+``dequantize`` gives the original class back.
+
+Storage (one ``[out, in]`` weight per expert, as ``Fp8Linear`` stores one linear; the source
+layout is transposed on the way in when ``is_transposed``)::
+
+    {up}                 fp8   [E, N_up, H]   {up} = gate_up_proj (N_up = 2I, has_gate) | up_proj (N_up = I)
+    down_proj            fp8   [E, H, I]
+    {proj}_weight_scale  fp32  [E, 1] tensor | [E, N, 1] row | [E, ceil(N/bn), ceil(K/bk)] block
+    {proj}_input_scale   fp32  [E]            static activations: one scale per expert
+    {proj}_bias          compute dtype [E, N]  has_bias
+
+Scale convention and recipe fields are ``Fp8Linear``'s (``high ≈ fp8.float() * scale``);
+an interleaved ``gate_up`` (gpt-oss) keeps its row order, the class's own ``_apply_gate``
+de-interleaves it. Forward: same call as the replaced module (``hidden_states``,
+``top_k_index``, ``top_k_weights``; the router is untouched), computed only for the routed
+pairs, grouped by expert (``hf_fp8.kernels.grouped``); the activation function,
+``_apply_gate`` and ``post_expert_norm`` of the source class run unchanged, in high
+precision. transformers' experts implementation choice (``eager``, ``grouped_mm``,
+``batched_mm``: one math) all map onto that path; others (``deepgemm``, ``sonicmoe``, custom
+registrations) cannot take these weights and raise.
+
+Next session (not done here):
+
+* quantizer: swap ``Fp8Experts`` in at ``_process_model_before_weight_loading`` (on meta,
+  ``Fp8Experts(layout, ...)``), and a quantize op on the *merged* expert keys
+  (``conversion_mapping`` ``MergeModulelist`` / ``Concatenate`` run first; the op receives
+  ``[E, ...]``, transposes when ``layout.is_transposed``, returns weight + ``_weight_scale``);
+  ``update_weight_conversions`` for the scale names; the routers stay high precision
+  (``is_convertible``: a named rule).
+* serialization: save/reload this layout bit-exact (the reverse of the merge, transformers
+  #44222), compressed-tensors export per expert (``experts.{e}.gate_proj.weight`` … split
+  of ``gate_up`` by ``is_concatenated``), import of ``fp8`` block checkpoints
+  (``weight_scale_inv`` ``[128, 128]`` blocks: ``weight_granularity="block"`` here keeps the
+  codes bit-identical).
+* calibration: observe each expert's routed rows only (``Routing`` of
+  ``hf_fp8.kernels.grouped``), fallback + warning for unseen experts, write
+  ``{proj}_input_scale``.
+* peft ``target_parameters`` on the fp8 3-D parameters (refuse with a message), AdamWFp8 /
+  FSDP2 on 3-D parameters, a bench of the Qwen3-MoE-shaped block in ``make bench``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hf_fp8.kernels import check_kernel
+from hf_fp8.kernels.grouped import combine, grouped_fp8_linear, route
+from hf_fp8.modules.fp8_linear import default_activation_granularity, validate_scheme
+from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
+from hf_fp8.numerics.quantize import block_scale_shape
+
+if TYPE_CHECKING:
+    from hf_fp8.config import Fp8Config
+
+# The layout flags that use_experts_implementation sets on every instance.
+LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+# Experts implementations of transformers that compute the same math as Fp8Experts' path.
+FP8_EXPERTS_IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_HOOK_ATTRIBUTES = frozenset({"_hf_hook", "_old_forward"})
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """What transformers' experts decorator says about one experts module, plus its sizes."""
+
+    source_class: type
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    has_gate: bool
+    has_bias: bool
+    is_transposed: bool
+    is_concatenated: bool
+    has_post_expert_norm: bool
+    forward_args: tuple[str, ...]
+
+    @property
+    def up_name(self) -> str:
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+    @property
+    def projections(self) -> tuple[str, str]:
+        return (self.up_name, "down_proj")
+
+    def shape(self, projection: str) -> tuple[int, int, int]:
+        """``[E, out, in]`` of a projection as ``Fp8Experts`` stores it."""
+        if projection == "down_proj":
+            return (self.num_experts, self.hidden_size, self.intermediate_size)
+        width = (2 if self.has_gate else 1) * self.intermediate_size
+        return (self.num_experts, width, self.hidden_size)
+
+
+def _source_forward(cls: type) -> Any:
+    forward = cls.forward
+    return getattr(forward, "__wrapped__", forward)
+
+
+def experts_layout(module: nn.Module) -> ExpertsLayout | None:
+    """The layout of an experts module built on ``use_experts_implementation``; ``None`` when
+    ``module`` carries no such metadata. Sizes are 0 when the weights do not tell them."""
+    if isinstance(module, Fp8Experts):
+        return module.layout
+    if not all(isinstance(getattr(module, f, None), bool) for f in LAYOUT_FLAGS):
+        return None
+    if not callable(getattr(module, "_apply_gate", None)):
+        return None
+    flags = {f: getattr(module, f) for f in LAYOUT_FLAGS}
+    up = getattr(module, "gate_up_proj" if flags["has_gate"] else "up_proj", None)
+    down = getattr(module, "down_proj", None)
+    num_experts = hidden = inter = 0
+    if isinstance(down, torch.Tensor) and down.dim() == 3:
+        num_experts, hidden, inter = down.shape  # [E, H, I]; transposed: [E, I, H]
+        if flags["is_transposed"]:
+            hidden, inter = inter, hidden
+    elif isinstance(up, torch.Tensor) and up.dim() == 3:
+        num_experts = up.shape[0]
+    params = list(inspect.signature(_source_forward(type(module))).parameters)[1:]
+    return ExpertsLayout(
+        source_class=type(module),
+        num_experts=int(num_experts),
+        hidden_size=int(hidden),
+        intermediate_size=int(inter),
+        forward_args=tuple(params),
+        **flags,
+    )
+
+
+def _expected_parameters(layout: ExpertsLayout) -> dict[str, tuple[int, ...]]:
+    """Source-layout shapes of every weight and bias the experts module must hold."""
+    out = {}
+    for proj in layout.projections:
+        e, n, k = layout.shape(proj)
+        out[proj] = (e, k, n) if layout.is_transposed else (e, n, k)
+        if layout.has_bias:
+            out[f"{proj}_bias"] = (e, n)
+    return out
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why ``module`` cannot become an ``Fp8Experts`` (``None``: it can)."""
+    name = type(module).__name__
+    if isinstance(module, Fp8Experts):
+        return f"{name} is already FP8"
+    layout = experts_layout(module)
+    if layout is None:
+        return (
+            f"{name} is not built on transformers.integrations.moe.use_experts_implementation "
+            f"(it lacks the layout flags {LAYOUT_FLAGS}); keep it in high precision"
+        )
+    if getattr(module, "_is_expert_parallel", False):
+        return f"{name} is sharded for expert parallelism, which Fp8Experts does not support yet"
+    if layout.num_experts == 0 or layout.hidden_size == 0 or layout.intermediate_size == 0:
+        return f"{name} has no 3-D {layout.up_name} / down_proj weights to quantize"
+    expected = _expected_parameters(layout)
+    for pname, shape in expected.items():
+        tensor = getattr(module, pname, None)
+        if not isinstance(tensor, torch.Tensor):
+            return f"{name} declares has_bias={layout.has_bias} but has no {pname} tensor"
+        if tuple(tensor.shape) != shape:
+            return f"{name}.{pname} has shape {tuple(tensor.shape)}, its layout implies {shape}"
+        if is_fp8(tensor.dtype) or not tensor.is_floating_point():
+            return (
+                f"{name}.{pname} is {tensor.dtype}, not a high-precision float (already quantized?)"
+            )
+    allowed_children = {"act_fn"} | ({"post_expert_norm"} if layout.has_post_expert_norm else set())
+    for pname, _ in module.named_parameters(recurse=False):
+        if pname not in expected:
+            return f"{name} holds a parameter {pname!r} that Fp8Experts does not know how to carry"
+    for bname, _ in module.named_buffers(recurse=False):
+        return f"{name} holds a buffer {bname!r} that Fp8Experts does not know how to carry"
+    for child_name, child in module.named_children():
+        if child_name not in allowed_children and any(True for _ in child.parameters()):
+            return f"{name}.{child_name} has its own parameters; Fp8Experts would not run it"
+    if layout.has_post_expert_norm and not isinstance(
+        getattr(module, "post_expert_norm", None), nn.Module
+    ):
+        return f"{name} declares has_post_expert_norm but has no post_expert_norm module"
+    if len(layout.forward_args) != 3:
+        return (
+            f"{name}.forward takes {layout.forward_args}, not (hidden_states, top_k_index, "
+            "top_k_weights)"
+        )
+    if "__class__" in getattr(layout.source_class._apply_gate, "__code__", object).co_freevars:
+        return f"{name}._apply_gate calls super(), which cannot run on Fp8Experts"
+    return None
+
+
+def _plain_attributes(module: nn.Module) -> dict[str, Any]:
+    """The instance attributes that are not nn.Module bookkeeping, tensors or hooks."""
+    out = {}
+    for key, value in vars(module).items():
+        if key in _MODULE_INTERNALS or key in _HOOK_ATTRIBUTES:
+            continue
+        if isinstance(value, torch.Tensor) or getattr(value, "__self__", None) is module:
+            continue
+        out[key] = value
+    return out
+
+
+def _scale_shape(granularity: str, n: int, k: int, block_size: tuple[int, int]) -> tuple:
+    if granularity == "tensor":
+        return (1,)
+    if granularity == "row":
+        return (n, 1)
+    return block_scale_shape((n, k), block_size)
+
+
+class Fp8Experts(nn.Module):
+    """Experts with FP8 weights and per-expert fp32 scales (see the module docstring).
+
+    Build with :meth:`from_experts`; the constructor makes empty storage for a ``layout``
+    (on meta when the quantizer swaps modules before loading). Non-weight parts of the
+    source (``act_fn``, ``post_expert_norm``, plain attributes such as ``limit``) are
+    carried over by ``from_experts`` so the source class's ``_apply_gate`` runs on this module.
+    """
+
+    def __init__(
+        self,
+        layout: ExpertsLayout,
+        *,
+        activation_scheme: str = "dynamic",
+        weight_granularity: str = "row",
+        activation_granularity: str | None = "auto",
+        fp8_format: str = "e4m3",
+        block_size: tuple[int, int] = (128, 128),
+        kernel: str = "auto",
+        input_scale: float | torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if activation_granularity == "auto":
+            activation_granularity = default_activation_granularity(
+                activation_scheme, weight_granularity
+            )
+        validate_scheme(activation_scheme, weight_granularity, activation_granularity)
+        self.layout = layout
+        self.activation_scheme = activation_scheme
+        self.weight_granularity = weight_granularity
+        self.activation_granularity = activation_granularity
+        self.fp8_format = fp8_format
+        self.block_size = (int(block_size[0]), int(block_size[1]))
+        self.kernel = check_kernel(kernel)
+        self.compute_dtype = dtype or torch.get_default_dtype()
+        self._source_attributes: dict[str, Any] = {}
+        w_dtype = fp8_dtype(fp8_format)
+        for proj in layout.projections:
+            e, n, k = layout.shape(proj)
+            weight = torch.empty(e, n, k, dtype=w_dtype, device=device)
+            scale = torch.empty(
+                e, *_scale_shape(weight_granularity, n, k, self.block_size), device=device
+            )
+            bias = (
+                torch.empty(e, n, dtype=self.compute_dtype, device=device)
+                if layout.has_bias
+                else None
+            )
+            if not weight.is_meta:
+                weight.zero_()
+                scale.fill_(1.0)
+                if bias is not None:
+                    bias.zero_()
+            self.register_parameter(proj, nn.Parameter(weight, requires_grad=False))
+            self.register_parameter(
+                f"{proj}_weight_scale", nn.Parameter(scale, requires_grad=False)
+            )
+            self.register_parameter(f"{proj}_bias", None if bias is None else nn.Parameter(bias))
+            self.register_parameter(f"{proj}_input_scale", None)
+            if input_scale is not None:
+                self.set_input_scale(proj, input_scale)
+
+    # -- recipe -------------------------------------------------------------------------
+
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+    def set_input_scale(self, projection: str, scale: float | torch.Tensor) -> None:
+        """Static activation scale of ``projection``: one number for every expert or ``[E]``."""
+        if self.activation_scheme != "static":
+            raise ValueError(
+                f"input scales are only used by activation_scheme='static', these experts are "
+                f"{self.activation_scheme!r}"
+            )
+        if projection not in self.layout.projections:
+            raise ValueError(f"projection must be one of {self.layout.projections}")
+        scale = torch.as_tensor(scale, dtype=torch.float32).detach()
+        scale = scale.reshape(-1).expand(self.num_experts).clone()
+        if not scale.is_meta and not (
+            bool(torch.isfinite(scale).all()) and bool((scale > 0).all())
+        ):
+            raise ValueError(
+                f"{projection} input scales must be positive finite numbers, got "
+                f"{scale.tolist()[:8]}"
+            )
+        device = getattr(self, projection).device
+        setattr(
+            self,
+            f"{projection}_input_scale",
+            nn.Parameter(scale.to(device), requires_grad=False),
+        )
+
+    @classmethod
+    def from_experts(
+        cls, module: nn.Module, config: Fp8Config | None = None, *, module_name: str = ""
+    ) -> Fp8Experts:
+        """Quantize an experts module (finite weights) with ``config``'s recipe; each expert
+        gets its own scales. Raises ``ValueError`` with :func:`unsupported_reason`."""
+        reason = unsupported_reason(module)
+        if reason is not None:
+            raise ValueError(f"cannot convert {module_name or type(module).__name__}: {reason}")
+        layout = experts_layout(module)
+        kwargs: dict[str, Any] = config.linear_kwargs(module_name) if config is not None else {}
+        kwargs.pop("input_scale", None)
+        source_dtype = getattr(module, layout.up_name).dtype
+        with torch.device("meta"):
+            new = cls(layout, dtype=source_dtype, **kwargs)
+        w_dtype = fp8_dtype(new.fp8_format)
+        method = getattr(config, "weight_scale_method", "absmax")
+        prefix = f"{module_name}." if module_name else ""
+        for proj in layout.projections:
+            weight_hp = getattr(module, proj).detach()
+            if layout.is_transposed:
+                weight_hp = weight_hp.transpose(-2, -1)
+            codes, scales = zip(
+                *(
+                    quantize_weight(
+                        weight_hp[e],
+                        w_dtype,
+                        new.weight_granularity,
+                        new.block_size,
+                        name=f"{prefix}{proj}[expert {e}]",
+                        scale_method=method,
+                    )
+                    for e in range(layout.num_experts)
+                ),
+                strict=True,
+            )
+            setattr(new, proj, nn.Parameter(torch.stack(codes), requires_grad=False))
+            setattr(
+                new, f"{proj}_weight_scale", nn.Parameter(torch.stack(scales), requires_grad=False)
+            )
+            if layout.has_bias:
+                bias = getattr(module, f"{proj}_bias")
+                setattr(
+                    new,
+                    f"{proj}_bias",
+                    nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad),
+                )
+            if config is not None and new.activation_scheme == "static":
+                scale = config.linear_kwargs(f"{prefix}{proj}")["input_scale"]
+                if scale is not None:
+                    new.set_input_scale(proj, scale)
+        new._carry_over(module)
+        return new
+
+    def _carry_over(self, module: nn.Module) -> None:
+        """Take the source's plain attributes and parameter-free (or norm) children."""
+        attributes = _plain_attributes(module)
+        for key, value in attributes.items():
+            # never shadow this module's own recipe attributes, properties or parameters
+            if key in self.__dict__ or hasattr(type(self), key) or key in self._parameters:
+                continue
+            self.__dict__[key] = value
+        self._source_attributes = attributes
+        for child_name, child in module.named_children():
+            self.add_module(child_name, child)
+        self.__dict__["is_transposed"] = False  # stored [E, out, in] whatever the source
+
+    # -- forward -----------------------------------------------------------------------
+
+    def _check_implementation(self) -> None:
+        config = getattr(self, "config", None)
+        impl = getattr(config, "_experts_implementation", None)
+        if impl not in FP8_EXPERTS_IMPLEMENTATIONS:
+            raise NotImplementedError(
+                f"experts_implementation={impl!r} cannot run FP8 experts; hf_fp8 runs them with "
+                f"its own grouped kernel under any of {FP8_EXPERTS_IMPLEMENTATIONS[1:]}: call "
+                "model.set_experts_implementation('grouped_mm')"
+            )
+
+    def _project(self, proj: str, x: torch.Tensor, routing) -> torch.Tensor:
+        return grouped_fp8_linear(
+            x,
+            routing,
+            getattr(self, proj),
+            getattr(self, f"{proj}_weight_scale"),
+            getattr(self, f"{proj}_bias"),
+            activation_scheme=self.activation_scheme,
+            activation_granularity=self.activation_granularity,
+            weight_granularity=self.weight_granularity,
+            block_size=self.block_size,
+            input_scale=getattr(self, f"{proj}_input_scale"),
+            kernel=self.kernel,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+        **kwargs: torch.Tensor,
+    ) -> torch.Tensor:
+        """Same call as the replaced experts module: ``(hidden_states [T, H], top_k_index
+        [T, k], top_k_weights [T, k])`` (its own keyword names are accepted too)."""
+        names = self.layout.forward_args[1:]
+        if top_k_index is None and len(names) == 2:
+            top_k_index = kwargs.pop(names[0], None)
+        if top_k_weights is None and len(names) == 2:
+            top_k_weights = kwargs.pop(names[1], None)
+        if top_k_index is None or top_k_weights is None or kwargs:
+            raise TypeError(
+                f"{type(self).__name__}.forward takes (hidden_states, {', '.join(names)}); got "
+                f"extra or missing arguments {sorted(kwargs) or ''}"
+            )
+        self._check_implementation()
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        index = top_k_index.reshape(x.shape[0], -1)
+        routing = route(index, self.num_experts)
+        h = self._project(self.layout.up_name, x[routing.token_index], routing)
+        if self.layout.has_gate:
+            h = self.layout.source_class._apply_gate(self, h)
+        else:
+            h = self.act_fn(h)
+        h = self._project("down_proj", h, routing)
+        if self.layout.has_post_expert_norm:
+            h = self.post_expert_norm(h)
+        weights = top_k_weights.reshape(x.shape[0], -1)
+        return combine(h, routing, weights, hidden_states.dtype).reshape(shape)
+
+    # -- back to high precision ----------------------------------------------------------
+
+    def dequantize_weight(self, projection: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[E, out, in]`` high-precision weight of ``projection``."""
+        weight = getattr(self, projection)
+        scale = getattr(self, f"{projection}_weight_scale")
+        dtype = dtype or self.compute_dtype
+        return torch.stack(
+            [
+                dequantize(weight[e], scale[e], dtype, self.weight_granularity, self.block_size)
+                for e in range(weight.shape[0])
+            ]
+        )
+
+    def dequantize(self) -> nn.Module:
+        """An instance of the source class in ``compute_dtype`` with the dequantized weights."""
+        cls = self.layout.source_class
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.__dict__.update(self._source_attributes)
+        for child_name, child in self.named_children():
+            module.add_module(child_name, child)
+        for proj in self.layout.projections:
+            weight = self.dequantize_weight(proj)
+            if self.layout.is_transposed:
+                weight = weight.transpose(-2, -1).contiguous()
+            module.register_parameter(proj, nn.Parameter(weight))
+            bias = getattr(self, f"{proj}_bias")
+            if self.layout.has_bias:
+                module.register_parameter(
+                    f"{proj}_bias", nn.Parameter(bias.detach().to(self.compute_dtype).clone())
+                )
+        return module
+
+    # -- nn.Module plumbing --------------------------------------------------------------
+
+    def _frozen(self) -> list[torch.Tensor]:
+        out = []
+        for proj in self.layout.projections:
+            for name in (proj, f"{proj}_weight_scale", f"{proj}_input_scale"):
+                tensor = getattr(self, name)
+                if tensor is not None:
+                    out.append(tensor)
+        return out
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(dtype)`` changes the compute dtype and biases, never fp8 codes or scales."""
+        frozen = self._frozen()
+
+        def keep_storage_dtype(t: torch.Tensor) -> torch.Tensor:
+            if any(t is p for p in frozen):
+                probe = fn(t.detach()[:0])
+                if probe.dtype != t.dtype:
+                    return t.to(device=probe.device)
+            return fn(t)
+
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        return super()._apply(keep_storage_dtype, recurse)
+
+    def extra_repr(self) -> str:
+        layout = self.layout
+        act = (
+            "high precision (weight-only)"
+            if self.activation_scheme == "weight_only"
+            else f"{self.fp8_format}/{self.activation_granularity}"
+        )
+        return (
+            f"source={layout.source_class.__name__}, num_experts={layout.num_experts}, "
+            f"hidden={layout.hidden_size}, intermediate={layout.intermediate_size}, "
+            f"gate={layout.has_gate}, bias={layout.has_bias}, scheme={self.activation_scheme}, "
+            f"weight={self.fp8_format}/{self.weight_granularity}, activation={act}, "
+            f"compute_dtype={self.compute_dtype}, kernel={self.kernel}"
+        )
+
+
+def bytes_per_parameter(module: Fp8Experts) -> float:
+    """Bytes stored per expert weight element (fp8 codes + scales + input scales)."""
+    elements = sum(math.prod(getattr(module, p).shape) for p in module.layout.projections)
+    stored = sum(t.numel() * t.element_size() for t in module._frozen())
+    return stored / elements
