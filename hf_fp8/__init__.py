@@ -1,27 +1,40 @@
 """hf-fp8: FP8 inference and FP8-state training for the Hugging Face stack.
 
-``import hf_fp8`` registers ``quant_method="hf_fp8"`` with transformers.
+``import hf_fp8`` is light: it imports neither torch nor transformers. It arranges for each
+integration to be set up when the library it extends is imported (``hf_fp8.patches``):
+``quant_method="hf_fp8"`` with transformers' quantizer registry, the Trainer's
+``optim="adamw_fp8_coat"`` / ``"adamw_fp8"``, the model card on ``save_pretrained`` /
+``push_to_hub`` of hf_fp8 models, and ``merge_and_unload`` for LoRA on FP8 layers. The public
+names below load on first use.
 """
 
-from hf_fp8._quiet import restore_logging
-from hf_fp8.calibration import calibrate
-from hf_fp8.config import Fp8Config
-from hf_fp8.hub import attach_card_hooks, export, set_card_info
-from hf_fp8.lora import register_peft_lora
-from hf_fp8.modules import Fp8Linear
-from hf_fp8.optim import AdamWFp8, register_trainer_optimizers
-from hf_fp8.quantizer import Fp8HfQuantizer, quantize_model, register_with_transformers
-from hf_fp8.quantizer.hf_quantizer import POST_LOAD_HOOKS
-from hf_fp8.serialization import import_checkpoint, inspect_checkpoint
+from __future__ import annotations
 
-register_with_transformers()
-register_peft_lora()
-register_trainer_optimizers()  # TrainingArguments(optim="adamw_fp8_coat" | "adamw_fp8")
-if attach_card_hooks not in POST_LOAD_HOOKS:
-    POST_LOAD_HOOKS.append(attach_card_hooks)  # model cards on save_pretrained / push_to_hub
-restore_logging()
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from hf_fp8 import patches as _patches
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    "AdamWFp8": "hf_fp8.optim",
+    "Fp8Config": "hf_fp8.config",
+    "Fp8HfQuantizer": "hf_fp8.quantizer",
+    "Fp8Linear": "hf_fp8.modules",
+    "calibrate": "hf_fp8.calibration",
+    "export": "hf_fp8.hub",
+    "import_checkpoint": "hf_fp8.serialization",
+    "inspect_checkpoint": "hf_fp8.serialization",
+    "quantize_model": "hf_fp8.quantizer",
+    "set_card_info": "hf_fp8.hub",
+    # kept for callers of earlier versions; not in __all__
+    "attach_card_hooks": "hf_fp8.hub",
+    "register_peft_lora": "hf_fp8.lora",
+    "register_trainer_optimizers": "hf_fp8.optim",
+    "register_with_transformers": "hf_fp8.quantizer",
+}
 
 __all__ = [
     "AdamWFp8",
@@ -36,3 +49,36 @@ __all__ = [
     "quantize_model",
     "set_card_info",
 ]
+
+if TYPE_CHECKING:
+    from hf_fp8.calibration import calibrate
+    from hf_fp8.config import Fp8Config
+    from hf_fp8.hub import export, set_card_info
+    from hf_fp8.modules import Fp8Linear
+    from hf_fp8.optim import AdamWFp8
+    from hf_fp8.quantizer import Fp8HfQuantizer, quantize_model
+    from hf_fp8.serialization import import_checkpoint, inspect_checkpoint
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("__"):
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")  # a subpackage: hf_fp8.hub
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'hf_fp8' has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module 'hf_fp8' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+_patches.install()

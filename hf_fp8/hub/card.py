@@ -199,9 +199,20 @@ def merge_card(existing: str | None, info: CardInfo, **render_kwargs) -> str:
     return render_model_card(info, tags=old_tags, **render_kwargs)
 
 
-def write_model_card(folder: str | os.PathLike, info: CardInfo, **render_kwargs) -> Path:
-    """Write ``README.md`` into ``folder`` (merged with a card already there)."""
+_READ = object()
+
+
+def write_model_card(
+    folder: str | os.PathLike,
+    info: CardInfo,
+    *,
+    existing: str | object | None = _READ,
+    **render_kwargs,
+) -> Path:
+    """Write ``README.md`` into ``folder``, merged with ``existing`` (default: the card already
+    in ``folder``; pass the old folder's card when ``folder`` is a fresh temporary one)."""
     path = Path(folder) / "README.md"
-    existing = path.read_text(encoding="utf-8") if path.is_file() else None
+    if existing is _READ:
+        existing = path.read_text(encoding="utf-8") if path.is_file() else None
     path.write_text(merge_card(existing, info, **render_kwargs), encoding="utf-8")
     return path

@@ -1,17 +1,19 @@
 """Model cards on ``save_pretrained`` and ``push_to_hub`` of models loaded through hf_fp8.
 
 After an hf_fp8 load, :func:`attach_card_hooks` marks the model (state in its
-``__dict__``, so copies keep it) and wraps two ``PreTrainedModel`` methods once, which act
-on marked models only: ``save_pretrained`` writes ``README.md`` next to the weights, and
-``_upload_modified_files`` — where ``push_to_hub`` and ``save_pretrained(push_to_hub=True)``
-both end — replaces the placeholder card transformers wrote with hf_fp8's. Nothing here
-touches the network.
+``__dict__``, so copies keep it) and makes sure the ``model_card`` patch
+(``hf_fp8.patches.model_card``) wraps two ``PreTrainedModel`` methods, which call
+:func:`save_pretrained` and :func:`before_upload` here for marked models only:
+``save_pretrained`` writes the checkpoint atomically with ``README.md`` next to the weights,
+and before ``push_to_hub`` uploads, the placeholder card transformers wrote is replaced with
+hf_fp8's. A card problem never fails a save or a push (one warning). Nothing here touches the
+network.
 """
 
 from __future__ import annotations
 
-import functools
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,50 +66,85 @@ def set_card_info(
         state["fidelity"] = {str(k): v for k, v in fidelity.items()}
 
 
-_ORIGINAL: dict[str, Callable] = {}  # transformers' own methods, once wrapped
+# Weight files one save_pretrained writes: an older set in the folder is replaced, not kept
+# (other files there -- adapters, tokenizer, sentence-transformers modules -- stay).
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model-*-of-*.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
-def _save_pretrained(self: nn.Module, save_directory: str | os.PathLike, *args, **kwargs):
-    result = _ORIGINAL["save_pretrained"](self, save_directory, *args, **kwargs)
-    if (
-        _STATE in self.__dict__
-        and not kwargs.get("push_to_hub")
-        and _is_fp8(self)
-        and os.path.isdir(save_directory)
-    ):
-        write_model_card(
-            save_directory, info_from_model(self), model_id=_local_name(save_directory)
+def _marked(model: nn.Module) -> bool:
+    return _STATE in model.__dict__ and _is_fp8(model)
+
+
+def _write_card(model: nn.Module, folder: Path, existing: str | None, **render_kwargs) -> None:
+    """Write the card into ``folder``; a card problem warns and never fails the save."""
+    try:
+        write_model_card(folder, info_from_model(model), existing=existing, **render_kwargs)
+    except Exception as exc:
+        warnings.warn(
+            f"hf_fp8: the model card was not written ({type(exc).__name__}: {exc}); the "
+            f"checkpoint in {folder} is complete. Write it later with "
+            "hf_fp8.hub.write_model_card(folder, hf_fp8.hub.info_from_model(model))",
+            stacklevel=3,
         )
+
+
+def save_pretrained(
+    original: Callable, model: nn.Module, save_directory: str | os.PathLike, *args, **kwargs
+):
+    """``save_pretrained`` of a marked hf_fp8 model: written into a temporary sibling folder
+    and renamed into place with its model card, so an interrupted save over an existing
+    checkpoint leaves the old one loadable (``hf_fp8.serialization.atomic.atomic_folder``).
+
+    Saves that push (transformers uploads from the folder itself), that pass options
+    positionally or that run on a non-main process go straight to transformers, with the card
+    written after.
+    """
+    if not _marked(model):
+        return original(model, save_directory, *args, **kwargs)
+    dest = Path(save_directory)
+    direct = (
+        args
+        or kwargs.get("push_to_hub")
+        or not kwargs.get("is_main_process", True)
+        or (dest.exists() and not dest.is_dir())
+    )
+    readme = dest / "README.md"
+    existing = readme.read_text(encoding="utf-8") if readme.is_file() else None
+    if direct:
+        result = original(model, save_directory, *args, **kwargs)
+        if not kwargs.get("push_to_hub") and kwargs.get("is_main_process", True) and dest.is_dir():
+            _write_card(model, dest, existing, model_id=_local_name(dest))
+        return result
+    from hf_fp8.serialization.atomic import atomic_folder
+
+    with atomic_folder(dest, drop=WEIGHT_FILES) as tmp:
+        result = original(model, tmp, **kwargs)
+        _write_card(model, tmp, existing, model_id=_local_name(dest))
     return result
 
 
-def _upload_modified_files(
-    self: nn.Module, working_dir: str | os.PathLike, repo_id: str, *args, **kwargs
-):
-    if _STATE in self.__dict__ and _is_fp8(self):
-        write_model_card(working_dir, info_from_model(self, repo_id=repo_id))
-    return _ORIGINAL["_upload_modified_files"](self, working_dir, repo_id, *args, **kwargs)
-
-
-def _wrap_transformers_methods() -> None:
-    """Wrap ``PreTrainedModel.save_pretrained`` / ``_upload_modified_files`` once.
-
-    The wrappers act only on models :func:`attach_card_hooks` marked (their ``__dict__``
-    holds the card state) and call transformers' own method otherwise. Methods on the class,
-    not on the instance: a bound method stored on the instance would make a reference cycle
-    (a dropped model would keep its weights until the next full garbage collection).
-    """
-    from transformers import PreTrainedModel
-
-    if _ORIGINAL:
-        return
-    for name, wrapper in (
-        ("save_pretrained", _save_pretrained),
-        ("_upload_modified_files", _upload_modified_files),
-    ):
-        original = getattr(PreTrainedModel, name)
-        _ORIGINAL[name] = original
-        setattr(PreTrainedModel, name, functools.wraps(original)(wrapper))
+def before_upload(model: nn.Module, working_dir: str | os.PathLike, repo_id: str) -> None:
+    """Before transformers uploads ``working_dir`` (``push_to_hub``): replace the placeholder
+    card it wrote with hf_fp8's. Never fails the push."""
+    if _marked(model):
+        readme = Path(working_dir) / "README.md"
+        existing = readme.read_text(encoding="utf-8") if readme.is_file() else None
+        try:
+            info = info_from_model(model, repo_id=repo_id)
+            write_model_card(working_dir, info, existing=existing)
+        except Exception as exc:
+            warnings.warn(
+                f"hf_fp8: the model card was not written ({type(exc).__name__}: {exc}); "
+                "the push goes on with transformers' card",
+                stacklevel=3,
+            )
 
 
 def attach_card_hooks(model: nn.Module, hf_quantizer: Any = None) -> None:
@@ -118,7 +155,9 @@ def attach_card_hooks(model: nn.Module, hf_quantizer: Any = None) -> None:
 
     if not isinstance(model, PreTrainedModel):
         return
-    _wrap_transformers_methods()
+    from hf_fp8.patches import apply
+
+    apply("model_card")
     state = model.__dict__.setdefault(_STATE, {})
     name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     if hf_quantizer is not None and getattr(hf_quantizer, "pre_quantized", False):

@@ -4,9 +4,10 @@ transformers 5.x turns ``optim`` into the enum ``training_args.OptimizerNames`` 
 ``TrainingArguments.__post_init__`` and in ``HfArgumentParser``'s ``choices``), then
 ``Trainer.get_optimizer_cls_and_kwargs`` looks the member up in
 ``trainer_optimizer._OPTIMIZER_HANDLERS``. A new name therefore needs an enum member and a
-handler; :func:`register_trainer_optimizers` adds both (idempotently). These are private
-internals: if a future transformers changes them, registration raises a ``RuntimeError``
-that points to the public route::
+handler; ``hf_fp8.patches.trainer_optimizers`` adds both (idempotently) and this module holds
+what they point to. These are private internals: if a future transformers changes them, the
+patch is off with one warning, and :func:`register_trainer_optimizers` raises a
+``RuntimeError``; both point to the public route::
 
     Trainer(model, args, optimizer_cls_and_kwargs=(hf_fp8.AdamWFp8, {"lr": 1e-4, ...}))
 
@@ -16,8 +17,6 @@ that points to the public route::
 
 from __future__ import annotations
 
-import enum
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -70,7 +69,7 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     return kwargs
 
 
-def _handler(expand: bool, ctx: Any) -> tuple[type, dict[str, Any]]:
+def handler(expand: bool, ctx: Any) -> tuple[type, dict[str, Any]]:
     """Trainer handler: ``(AdamWFp8, kwargs)`` from an ``OptimizerContext``."""
     try:
         kwargs = {**ctx.optimizer_kwargs, **ctx.adam_kwargs}
@@ -84,56 +83,17 @@ def _handler(expand: bool, ctx: Any) -> tuple[type, dict[str, Any]]:
     return AdamWFp8, kwargs
 
 
-def _add_enum_member(enum_cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
-    """Add ``name = value`` to an existing ``str`` enum (no-op when already there)."""
-    existing = enum_cls._value2member_map_.get(value)
-    if existing is not None:
-        return existing
-    if name in enum_cls.__members__:
-        raise RuntimeError(f"{enum_cls.__name__}.{name} already exists with another value")
-    member = str.__new__(enum_cls, value)
-    member._name_ = name
-    member._value_ = value
-    member.__objclass__ = enum_cls
-    member._sort_order_ = len(enum_cls._member_names_)
-    enum_cls._member_map_[name] = member
-    enum_cls._value2member_map_[value] = member
-    enum_cls._member_names_.append(name)
-    type.__setattr__(enum_cls, name, member)
-    return member
+_handler = handler  # the name older callers used
 
 
 def register_trainer_optimizers() -> None:
-    """Make ``optim="adamw_fp8_coat"`` and ``optim="adamw_fp8"`` known to transformers.
+    """Make ``optim="adamw_fp8_coat"`` and ``optim="adamw_fp8"`` known to transformers now.
 
-    Idempotent. Raises ``RuntimeError`` (naming the public alternative) when transformers'
-    ``OptimizerNames`` / ``_OPTIMIZER_HANDLERS`` are missing or behave differently.
+    Idempotent; ``import hf_fp8`` already does it when the Trainer modules are imported. Raises
+    ``RuntimeError`` (naming the public alternative) when transformers' ``OptimizerNames`` /
+    ``_OPTIMIZER_HANDLERS`` are missing or behave differently. The patch itself lives in
+    ``hf_fp8.patches.trainer_optimizers``.
     """
-    try:
-        from transformers import trainer_optimizer, training_args
-    except ImportError as exc:
-        raise RuntimeError(f"cannot import transformers' Trainer internals ({exc})") from exc
-    names = getattr(training_args, "OptimizerNames", None)
-    handlers = getattr(trainer_optimizer, "_OPTIMIZER_HANDLERS", None)
-    if not (isinstance(names, type) and issubclass(names, enum.Enum)) or not isinstance(
-        handlers, dict
-    ):
-        raise RuntimeError(
-            "this transformers version has no training_args.OptimizerNames enum and "
-            "trainer_optimizer._OPTIMIZER_HANDLERS dict, which hf_fp8 extends to register "
-            f"optim='adamw_fp8_coat'; {_PUBLIC_ROUTE}"
-        )
-    for value, (member_name, expand) in TRAINER_OPTIMIZERS.items():
-        try:
-            member = _add_enum_member(names, member_name, value)
-            ok = names(value) is member and member in list(names)
-        except Exception as exc:
-            raise RuntimeError(
-                f"could not add {value!r} to transformers' OptimizerNames ({exc!r}); "
-                f"{_PUBLIC_ROUTE}"
-            ) from exc
-        if not ok:
-            raise RuntimeError(
-                f"transformers' OptimizerNames did not accept {value!r}; {_PUBLIC_ROUTE}"
-            )
-        handlers[member] = functools.partial(_handler, expand)
+    from hf_fp8.patches import apply
+
+    apply("trainer_optimizers", strict=True)

@@ -1,0 +1,163 @@
+"""Every change hf_fp8 makes to another library's objects, one module per patch.
+
+=====================  ==========================================  =====================================
+patch                  what it changes                              public alternative when it fails
+=====================  ==========================================  =====================================
+``quantizers``         transformers' quantizer registries           ``from_pretrained(...,
+                       (``quant_method="hf_fp8"``)                  quantization_config=hf_fp8.Fp8Config(...))``
+                                                                    then ``hf_fp8.quantize_model``
+``trainer_optimizers`` ``TrainingArguments(optim="adamw_fp8...")``  ``Trainer(optimizer_cls_and_kwargs=
+                       (``OptimizerNames``, ``_OPTIMIZER_HANDLERS``) (hf_fp8.AdamWFp8, {...}))``
+``model_card``         ``PreTrainedModel.save_pretrained`` /        ``hf_fp8.hub.write_model_card`` /
+                       ``_upload_modified_files``                   ``hf_fp8.hub.push_folder``
+``peft_lora``          ``LoraConfig.__post_init__`` registers        ``config._register_custom_module(
+                       ``Fp8LoraLinear`` via peft's custom modules  {Fp8Linear: Fp8LoraLinear})``
+=====================  ==========================================  =====================================
+
+Each patch is applied on its own, when the library it changes is imported (see
+:func:`install`), inside ``try``/``except``: a failure disables only that feature, with one
+:class:`PatchWarning` that names the public alternative. ``import hf_fp8`` and
+``from_pretrained`` never fail because a private name moved. :func:`status` tells what is on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import warnings
+from dataclasses import dataclass
+
+import _hf_fp8_autoload
+
+
+class PatchWarning(UserWarning):
+    """An integration with another library is off (its internals changed)."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patch: its module (``apply()``, and ``TRIGGERS``: module name -> step), the modules
+    whose import triggers it, the feature and the way around it."""
+
+    module: str
+    triggers: tuple[str, ...]
+    feature: str
+    alternative: str
+
+
+PATCHES: dict[str, Patch] = {
+    "quantizers": Patch(
+        "hf_fp8.patches.quantizers",
+        ("transformers.quantizers", "transformers.modeling_utils"),
+        'loading checkpoints with quant_method="hf_fp8" by from_pretrained',
+        "quantize after loading the high-precision model: "
+        "hf_fp8.quantize_model(model, hf_fp8.Fp8Config(...))",
+    ),
+    "trainer_optimizers": Patch(
+        "hf_fp8.patches.trainer_optimizers",
+        ("transformers.training_args", "transformers.trainer_optimizer"),
+        'TrainingArguments(optim="adamw_fp8_coat" / "adamw_fp8")',
+        "Trainer(..., optimizer_cls_and_kwargs=(hf_fp8.AdamWFp8, "
+        "{'lr': ..., 'dynamic_range_expansion': True}))",
+    ),
+    "model_card": Patch(
+        "hf_fp8.patches.model_card",
+        ("hf_fp8.quantizer.hf_quantizer",),
+        "hf_fp8 model cards and atomic saves in save_pretrained / push_to_hub",
+        "write the card yourself: hf_fp8.hub.write_model_card(folder, "
+        "hf_fp8.hub.info_from_model(model)), and upload with hf_fp8.hub.push_folder(folder, repo_id)",
+    ),
+    "peft_lora": Patch(
+        "hf_fp8.patches.peft_lora",
+        ("peft.tuners.lora.config",),
+        "merge_and_unload() of LoRA adapters on FP8 layers",
+        "lora_config._register_custom_module({hf_fp8.Fp8Linear: hf_fp8.lora.Fp8LoraLinear}) "
+        "before get_peft_model, or merge into model.dequantize()",
+    ),
+}
+
+_LOCK = threading.RLock()
+_STATUS: dict[str, str] = {}  # name -> "off: <reason>" | "partly off: <reason>"
+
+
+def _disable(name: str, reason: str, *, partly: bool = False) -> None:
+    """Record ``name`` as off and warn once (per patch and process)."""
+    with _LOCK:
+        if _STATUS.get(name, "").startswith(("off", "partly off")):
+            return
+        _STATUS[name] = f"{'partly off' if partly else 'off'}: {reason}"
+    patch = PATCHES[name]
+    warnings.warn(
+        f"hf_fp8: {patch.feature} is {'partly ' if partly else ''}disabled ({reason}); "
+        f"instead: {patch.alternative}",
+        PatchWarning,
+        stacklevel=3,
+    )
+
+
+def disable(name: str, reason: str, *, partly: bool = False) -> None:
+    """For patch modules: switch (part of) a feature off with its one warning."""
+    _disable(name, reason, partly=partly)
+
+
+def apply(name: str, *, strict: bool = False, step: str | None = None) -> bool:
+    """Apply patch ``name`` (or its ``step``, one of its ``TRIGGERS`` callbacks); idempotent.
+
+    Returns False when the patch is off. On failure: with ``strict`` raise ``RuntimeError``
+    naming the public alternative; otherwise warn once and return False.
+    """
+    patch = PATCHES[name]
+    try:
+        module = importlib.import_module(patch.module)
+        func = module.TRIGGERS[step] if step is not None else module.apply
+        with _LOCK:
+            func()
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        if strict:
+            raise RuntimeError(
+                f"hf_fp8: {patch.feature} is unavailable ({reason}); instead: {patch.alternative}"
+            ) from exc
+        _disable(name, reason)
+        return False
+    return not _STATUS.get(name, "").startswith("off")
+
+
+def status() -> dict[str, str]:
+    """``{patch: "on" | "pending" | "off: reason" | "partly off: reason"}``, read from the
+    patched objects themselves ("pending": the library is not imported yet)."""
+    _hf_fp8_autoload.check_pending()
+    result = {}
+    for name, patch in PATCHES.items():
+        recorded = _STATUS.get(name, "")
+        if recorded.startswith("off"):
+            result[name] = recorded
+            continue
+        applied = importlib.import_module(patch.module).applied()
+        result[name] = recorded or "on" if applied else "pending"
+    return result
+
+
+def _trigger(name: str, step: str):
+    return lambda module: apply(name, step=step)
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Defer each patch until the module it changes is imported (at once if it already is)."""
+    global _INSTALLED
+    with _LOCK:
+        if _INSTALLED:
+            return
+        _INSTALLED = True
+    from hf_fp8._quiet import quiet_import
+
+    _hf_fp8_autoload.around_import("transformers.quantizers.auto", quiet_import)
+    for name, patch in PATCHES.items():
+        for step in patch.triggers:
+            _hf_fp8_autoload.when_imported(step, _trigger(name, step))
+
+
+__all__ = ["PATCHES", "Patch", "PatchWarning", "apply", "disable", "install", "status"]
