@@ -57,11 +57,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hf_fp8.kernels import check_kernel
 from hf_fp8.kernels.grouped import combine, grouped_fp8_linear, route
-from hf_fp8.modules.fp8_linear import default_activation_granularity, validate_scheme
 from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.quantize import block_scale_shape
+from hf_fp8.recipe import Fp8Recipe
 
 if TYPE_CHECKING:
     from hf_fp8.config import Fp8Config
@@ -212,6 +211,25 @@ def _plain_attributes(module: nn.Module) -> dict[str, Any]:
     return out
 
 
+def config_recipe(config: Fp8Config | None) -> Fp8Recipe:
+    """The ``Fp8Recipe`` of ``config`` (``config.recipe``, or resolved from its words);
+    the default recipe without a config."""
+    if config is None:
+        return Fp8Recipe.resolve()
+    recipe = getattr(config, "recipe", None)
+    if isinstance(recipe, Fp8Recipe):
+        return recipe
+    return Fp8Recipe.resolve(
+        config.activation_scheme,
+        weight_granularity=config.weight_granularity,
+        activation_granularity=config.activation_granularity,
+        fp8_format=config.fp8_format,
+        block_size=config.block_size,
+        kernel=config.kernel,
+        weight_scale_method=config.weight_scale_method,
+    )
+
+
 def _scale_shape(granularity: str, n: int, k: int, block_size: tuple[int, int]) -> tuple:
     if granularity == "tensor":
         return (1,)
@@ -232,38 +250,28 @@ class Fp8Experts(nn.Module):
     def __init__(
         self,
         layout: ExpertsLayout,
+        recipe: Fp8Recipe | None = None,
         *,
-        activation_scheme: str = "dynamic",
-        weight_granularity: str = "row",
-        activation_granularity: str | None = "auto",
-        fp8_format: str = "e4m3",
-        block_size: tuple[int, int] = (128, 128),
-        kernel: str = "auto",
         input_scale: float | torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        """Empty storage for ``layout`` with ``recipe`` (default: ``Fp8Recipe.resolve()``,
+        dynamic per-token activations, row weight scales, e4m3)."""
         super().__init__()
-        if activation_granularity == "auto":
-            activation_granularity = default_activation_granularity(
-                activation_scheme, weight_granularity
-            )
-        validate_scheme(activation_scheme, weight_granularity, activation_granularity)
+        recipe = recipe if recipe is not None else Fp8Recipe.resolve()
+        if not isinstance(recipe, Fp8Recipe):
+            raise TypeError(f"recipe must be an hf_fp8.recipe.Fp8Recipe, got {type(recipe)}")
         self.layout = layout
-        self.activation_scheme = activation_scheme
-        self.weight_granularity = weight_granularity
-        self.activation_granularity = activation_granularity
-        self.fp8_format = fp8_format
-        self.block_size = (int(block_size[0]), int(block_size[1]))
-        self.kernel = check_kernel(kernel)
+        self.recipe = recipe
         self.compute_dtype = dtype or torch.get_default_dtype()
         self._source_attributes: dict[str, Any] = {}
-        w_dtype = fp8_dtype(fp8_format)
+        w_dtype = fp8_dtype(recipe.fp8_format)
         for proj in layout.projections:
             e, n, k = layout.shape(proj)
             weight = torch.empty(e, n, k, dtype=w_dtype, device=device)
             scale = torch.empty(
-                e, *_scale_shape(weight_granularity, n, k, self.block_size), device=device
+                e, *_scale_shape(recipe.weight_granularity, n, k, recipe.block_size), device=device
             )
             bias = (
                 torch.empty(e, n, dtype=self.compute_dtype, device=device)
@@ -290,9 +298,34 @@ class Fp8Experts(nn.Module):
     def num_experts(self) -> int:
         return self.layout.num_experts
 
+    @property
+    def activation_scheme(self) -> str:
+        return self.recipe.activation_scheme.value
+
+    @property
+    def weight_granularity(self) -> str:
+        return self.recipe.weight_granularity.value
+
+    @property
+    def activation_granularity(self) -> str | None:
+        act = self.recipe.activation_granularity
+        return None if act is None else act.value
+
+    @property
+    def fp8_format(self) -> str:
+        return self.recipe.fp8_format.value
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        return self.recipe.block_size
+
+    @property
+    def kernel(self) -> str:
+        return self.recipe.kernel.value
+
     def set_input_scale(self, projection: str, scale: float | torch.Tensor) -> None:
         """Static activation scale of ``projection``: one number for every expert or ``[E]``."""
-        if self.activation_scheme != "static":
+        if not self.recipe.is_static:
             raise ValueError(
                 f"input scales are only used by activation_scheme='static', these experts are "
                 f"{self.activation_scheme!r}"
@@ -325,13 +358,12 @@ class Fp8Experts(nn.Module):
         if reason is not None:
             raise ValueError(f"cannot convert {module_name or type(module).__name__}: {reason}")
         layout = experts_layout(module)
-        kwargs: dict[str, Any] = config.linear_kwargs(module_name) if config is not None else {}
-        kwargs.pop("input_scale", None)
+        recipe = config_recipe(config)
         source_dtype = getattr(module, layout.up_name).dtype
         with torch.device("meta"):
-            new = cls(layout, dtype=source_dtype, **kwargs)
-        w_dtype = fp8_dtype(new.fp8_format)
-        method = getattr(config, "weight_scale_method", "absmax")
+            new = cls(layout, recipe, dtype=source_dtype)
+        w_dtype = fp8_dtype(recipe.fp8_format)
+        method = recipe.weight_scale_method.value
         prefix = f"{module_name}." if module_name else ""
         for proj in layout.projections:
             weight_hp = getattr(module, proj).detach()
@@ -362,7 +394,7 @@ class Fp8Experts(nn.Module):
                     f"{proj}_bias",
                     nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad),
                 )
-            if config is not None and new.activation_scheme == "static":
+            if config is not None and recipe.is_static:
                 scale = config.linear_kwargs(f"{prefix}{proj}")["input_scale"]
                 if scale is not None:
                     new.set_input_scale(proj, scale)
@@ -507,7 +539,7 @@ class Fp8Experts(nn.Module):
         layout = self.layout
         act = (
             "high precision (weight-only)"
-            if self.activation_scheme == "weight_only"
+            if not self.recipe.quantizes_activations
             else f"{self.fp8_format}/{self.activation_granularity}"
         )
         return (

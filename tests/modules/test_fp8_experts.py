@@ -17,10 +17,12 @@ from hf_fp8 import Fp8Config
 from hf_fp8.modules.fp8_experts import (
     Fp8Experts,
     bytes_per_parameter,
+    config_recipe,
     experts_layout,
     unsupported_reason,
 )
 from hf_fp8.numerics import dequantize, quantize_weight, quantize_with_scale
+from hf_fp8.recipe import Fp8Recipe
 from tests.kernels.reference import fake_quant
 from tests.modules.moe_zoo import build_tiny, experts_classes, routed_inputs
 
@@ -284,6 +286,17 @@ def test_dtype_casts_keep_codes_and_scales() -> None:
     assert out16.dtype == torch.bfloat16 and _rel(out16, out32) < 0.05
 
 
+def test_recipe_is_the_configs() -> None:
+    source = build_tiny(FAMILIES["MixtralExperts"])
+    config = Fp8Config("dynamic", weight_granularity="block", fp8_format="e5m2")
+    fp8 = Fp8Experts.from_experts(source, config)
+    assert fp8.recipe == Fp8Recipe.resolve("dynamic", weight_granularity="block", fp8_format="e5m2")
+    assert (fp8.activation_granularity, fp8.block_size, fp8.kernel) == ("block", (128, 128), "auto")
+    assert Fp8Experts.from_experts(source).recipe == Fp8Recipe.resolve()
+    with pytest.raises(TypeError, match="Fp8Recipe"):
+        Fp8Experts(fp8.layout, "dynamic")
+
+
 def test_meta_construction_matches_from_experts() -> None:
     source = build_tiny(FAMILIES["GptOssExperts"])
     for scheme, gran in [("dynamic", "row"), ("static", "tensor"), ("weight_only", "block")]:
@@ -291,8 +304,8 @@ def test_meta_construction_matches_from_experts() -> None:
                            activation_scale=1.0 if scheme == "static" else None)  # fmt: skip
         real = Fp8Experts.from_experts(source, config)
         with torch.device("meta"):
-            meta = Fp8Experts(experts_layout(source), dtype=torch.float32,
-                              **config.linear_kwargs())  # fmt: skip
+            meta = Fp8Experts(experts_layout(source), config_recipe(config), dtype=torch.float32,
+                              input_scale=config.activation_scale)  # fmt: skip
         assert {n: (p.shape, p.dtype) for n, p in meta.named_parameters()} == {
             n: (p.shape, p.dtype) for n, p in real.named_parameters() if "post_expert" not in n
         }
