@@ -1,20 +1,35 @@
 """``hf-fp8``: quantize, calibrate, export, import, push and inspect FP8 checkpoints.
 
-``main(argv) -> int`` runs in-process (tests call it); the console script wraps it. Errors
-print one line (``hf-fp8 <command>: error: …``) and return a non-zero code.
+``main(argv) -> int`` runs in-process (tests call it); the console script wraps it. Every error
+prints one line (``hf-fp8 <command>: error: …``) in command-line words and returns a non-zero
+code; ``HF_FP8_TRACEBACK=1`` shows the traceback instead. Only the standard library and the
+vocabularies (``hf_fp8.recipe``, ``hf_fp8.serialization.names``) load at import: torch and
+transformers load inside the commands, so ``hf-fp8 --help`` is fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hf_fp8.recipe import (
+    ActivationGranularity,
+    ActivationScheme,
+    Fp8Format,
+    Granularity,
+    WeightScaleMethod,
+    values,
+)
+from hf_fp8.serialization.names import COMPRESSED_TENSORS, EXPORT_FORMATS
+
 DEFAULT_MODEL = "the built-in all-MiniLM-L6-v2"
-_EXIT_USAGE, _EXIT_ERROR = 2, 1
+_EXIT_USAGE, _EXIT_ERROR, _EXIT_INTERRUPTED = 2, 1, 130
 
 
 class UsageError(Exception):
@@ -39,10 +54,11 @@ def _load(model_id: str, quantization_config: Any, dtype: str):
     """Load ``model_id`` (folder or repo id) with its own architecture class."""
     import transformers
 
+    from hf_fp8.serialization.layers import registered_model_class
+
     config = transformers.AutoConfig.from_pretrained(model_id)
     arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    cls = cls if cls is not None else transformers.AutoModel
+    cls = registered_model_class(config.model_type, arch) or transformers.AutoModel
     kwargs = {"dtype": dtype}
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
@@ -74,6 +90,7 @@ def _fp8_config(args: argparse.Namespace, scheme: str):
         block_size=args.block_size,
         modules_to_not_convert=args.skip or None,
         activation_scale=getattr(args, "activation_scale", None),
+        weight_scale_method=args.weight_scale_method,
     )
 
 
@@ -111,14 +128,64 @@ def _measure(model, model_id: str, dtype: str, n: int) -> dict[str, Any]:
     }
 
 
-def _out_dir(args: argparse.Namespace) -> Path:
-    from hf_fp8.serialization.checkpoint import prepare_out_dir
+def _local_source(model_id: str) -> Path | None:
+    path = Path(model_id).expanduser()
+    return path if path.is_dir() else None
 
-    return prepare_out_dir(args.out, overwrite=args.overwrite)
+
+def _out_dir(args: argparse.Namespace, model_id: str) -> Path:
+    """``--out`` checked before anything is loaded: never the source folder, however spelled."""
+    from hf_fp8.serialization.checkpoint import check_out_dir
+
+    return check_out_dir(args.out, source=_local_source(model_id), overwrite=args.overwrite)
+
+
+def _check_skip(model_id: str, skip: list[str] | None) -> None:
+    """``--skip`` names that match no module of the model are a typo: refuse them."""
+    if not skip:
+        return
+    import transformers
+
+    from hf_fp8.modules import unmatched_patterns
+    from hf_fp8.serialization.layers import build_meta_model
+
+    model = build_meta_model(transformers.AutoConfig.from_pretrained(model_id).to_dict())
+    missing = unmatched_patterns(model, skip)
+    if missing:
+        examples = [n for n, m in model.named_modules() if type(m).__name__.endswith("Linear")]
+        raise ValueError(
+            f"--skip {' '.join(missing)}: no module of {type(model).__name__} has that name "
+            f"(linear layers are called e.g. {', '.join(examples[-2:]) or '-'})"
+        )
+
+
+def _companion_source(model_id: str) -> Path | None:
+    """Folder holding ``model_id``'s other files (tokenizer, sentence-transformers pipeline):
+    the folder itself, or the Hub snapshot of its small files (never its weights)."""
+    local = _local_source(model_id)
+    if local is not None:
+        return local
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model_id, ignore_patterns=_WEIGHT_PATTERNS))
+    except Exception:  # no network and not cached: the pipeline files cannot be copied
+        print(f"note: could not fetch the other files of {model_id} (tokenizer, pipeline)")
+        return None
+
+
+_WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.ckpt"]
+_WEIGHT_PATTERNS += ["*.onnx", "*.onnx_data", "*.gguf", "onnx/*", "openvino/*"]
 
 
 def _save(model, args: argparse.Namespace, model_id: str, out: Path) -> None:
+    """Write the FP8 model, its tokenizer, the source's other files (sentence-transformers
+    ``modules.json``, ``1_Pooling/`` …) and the model card into ``out`` in one atomic step;
+    files already in ``out`` that are not written are kept."""
     from hf_fp8.hub import info_from_model, set_card_info
+    from hf_fp8.hub.card import merge_card
+    from hf_fp8.serialization.atomic import contained
+    from hf_fp8.serialization.checkpoint import CARD_NAME, copy_companion_files, output_folder
 
     if args.measure:
         fidelity = _measure(model, model_id, args.dtype, args.measure)
@@ -127,13 +194,22 @@ def _save(model, args: argparse.Namespace, model_id: str, out: Path) -> None:
             print(f"{name}: {value}")
     if args.base_model:
         set_card_info(model, base_model=args.base_model)
-    model.save_pretrained(out)
     tokenizer = _tokenizer(model_id, required=False)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    source = _companion_source(model_id)
+    with output_folder(out) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if source is not None:
+            copy_companion_files(source, tmp)
+        old_card = contained(out, CARD_NAME) if out.is_dir() else None
+        if old_card is not None and old_card.is_file():  # --overwrite: merge, never drop it
+            card = merge_card(old_card.read_text("utf-8"), info_from_model(model))
+            (tmp / CARD_NAME).write_text(card, encoding="utf-8")
     info = info_from_model(model)
     print(
-        f"wrote {out}: {info.scheme_text}; {info.fp8_layers} FP8 layers; {_bytes(info.bytes_before)} → {_bytes(info.bytes_after)}"
+        f"wrote {out}: {info.scheme_text}; {info.fp8_layers} FP8 layers; "
+        f"{_bytes(info.bytes_before)} → {_bytes(info.bytes_after)}"
     )
 
 
@@ -170,8 +246,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             "or pass --activation-scale"
         )
     model_id = _model_path(args.model)
+    out = _out_dir(args, model_id)
+    _check_skip(model_id, args.skip)
     config = _fp8_config(args, args.scheme)
-    out = _out_dir(args)
     _save(_load(model_id, config, args.dtype), args, model_id, out)
     return 0
 
@@ -181,8 +258,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     samples = _read_samples(args.data, args.max_samples)
     model_id = _model_path(args.model)
+    out = _out_dir(args, model_id)
+    _check_skip(model_id, args.skip)
     config = _fp8_config(args, "static")
-    out = _out_dir(args)
     tokenizer = _tokenizer(model_id, required=True)
     batches = [
         tokenizer(
@@ -202,7 +280,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hf_fp8.hub import export
+    from hf_fp8.serialization import export
 
     out = export(args.checkpoint, args.out, args.format, overwrite=args.overwrite)
     print(f"wrote {out} ({args.format})")
@@ -219,11 +297,13 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     from hf_fp8.hub import push_folder
+    from hf_fp8.serialization.checkpoint import folder_files
 
     if not Path(args.folder).is_dir():
         raise FileNotFoundError(
             f"{args.folder} is not a folder: push uploads a saved checkpoint folder"
         )
+    folder_files(args.folder)  # refuses symlinks: only the folder's own files go up
     commit = push_folder(
         args.folder,
         args.repo_id,
@@ -241,7 +321,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from hf_fp8.serialization import inspect_checkpoint
 
-    summary = inspect_checkpoint(args.checkpoint)
+    summary = inspect_checkpoint(args.checkpoint, revision=args.revision)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
         return 0
@@ -271,21 +351,64 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 # -- parser -----------------------------------------------------------------------------------------
+def _add_out(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="output folder: new or empty (never the source folder); written all at once",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out: replaces only the files this command writes "
+        "(weights, config, card …) and keeps the others (LoRA adapters, notes …)",
+    )
+
+
 def _add_recipe(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model", nargs="?", help=f"local folder or Hub repo id (default: {DEFAULT_MODEL})"
     )
-    p.add_argument("--out", required=True, help="output folder (must be new or empty)")
-    p.add_argument("--weight-granularity", default="row", choices=["row", "tensor", "block"])
+    _add_out(p)
+    p.add_argument(
+        "--weight-granularity",
+        default=Granularity.ROW.value,
+        choices=values(Granularity),
+        help="one weight scale per tensor, per output row (default) or per block",
+    )
     p.add_argument(
         "--activation-granularity",
         default=None,
-        choices=["token", "tensor", "block"],
-        help="dynamic activations: token (default), tensor or block",
+        choices=values(ActivationGranularity),
+        help="dynamic activations: one scale per token (default), per tensor or per 1×COLS block",
     )
-    p.add_argument("--fp8-format", default="e4m3", choices=["e4m3", "e5m2"])
-    p.add_argument("--block-size", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLS"))
-    p.add_argument("--skip", nargs="+", metavar="MODULE", help="modules kept in high precision")
+    p.add_argument(
+        "--fp8-format",
+        default=Fp8Format.E4M3.value,
+        choices=values(Fp8Format),
+        help="e4m3 (default: more precision) or e5m2 (more range)",
+    )
+    p.add_argument(
+        "--weight-scale-method",
+        default=WeightScaleMethod.ABSMAX.value,
+        choices=values(WeightScaleMethod),
+        help="absmax (default) or mse (clip weights to minimise the squared error)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        nargs=2,
+        default=[128, 128],
+        metavar=("ROWS", "COLS"),
+        help="block shape for --weight-granularity block / --activation-granularity block",
+    )
+    p.add_argument(
+        "--skip",
+        nargs="+",
+        metavar="MODULE",
+        help="modules kept in high precision (a name or a dotted part of one, e.g. lm_head)",
+    )
     p.add_argument(
         "--dtype",
         default="auto",
@@ -299,7 +422,6 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         help="compare with the unquantized model on N stdlib sentences; the figures go in the model card",
     )
     p.add_argument("--base-model", help="Hub id of the original model, for the model card")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,11 +433,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "quantize",
         help="quantize a model to FP8 and save it",
-        description="Quantize MODEL to FP8 (on the fly) and save the FP8 checkpoint, tokenizer and model card.",
+        description="Quantize MODEL to FP8 (on the fly) and save the FP8 checkpoint, tokenizer, "
+        "the model's other files (e.g. a sentence-transformers pipeline) and a model card.",
     )
     _add_recipe(p)
-    p.add_argument("--scheme", default="dynamic", choices=["dynamic", "static", "weight_only"])
-    p.add_argument("--activation-scale", type=float, help="static: one scale for every layer")
+    p.add_argument(
+        "--scheme",
+        default=ActivationScheme.DYNAMIC.value,
+        choices=values(ActivationScheme),
+        help="activations: dynamic (default: scales per call), static (one calibrated scale "
+        "per layer: use `hf-fp8 calibrate` or --activation-scale) or weight_only (not quantized)",
+    )
+    p.add_argument(
+        "--activation-scale",
+        type=float,
+        metavar="SCALE",
+        help="static: one activation scale for every layer",
+    )
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser(
@@ -325,27 +459,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_recipe(p)
     p.add_argument(
-        "--data", required=True, help=".txt (one sample per line) or .jsonl ('text' field)"
+        "--data",
+        required=True,
+        metavar="FILE",
+        help=".txt (one sample per line) or .jsonl ('text' field)",
     )
     p.add_argument(
-        "--observer", default="minmax", choices=["minmax", "moving_average", "percentile", "mse"]
+        "--observer",
+        default="minmax",
+        help="how activation ranges become scales: minmax (default), moving_average, "
+        "percentile or mse (see hf_fp8.calibration.OBSERVERS)",
     )
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-samples", type=int, default=512)
-    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8, help="samples per batch (default 8)")
+    p.add_argument(
+        "--max-samples", type=int, default=512, help="samples read from --data (default 512)"
+    )
+    p.add_argument(
+        "--max-length", type=int, default=512, help="tokens per sample, truncated (default 512)"
+    )
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser(
         "export",
         help="hf_fp8 → compressed-tensors / vLLM fp8",
-        description="Convert an hf_fp8 checkpoint (folder or repo id) for vLLM, SGLang, TGI (compressed-tensors) or vLLM's fp8 format.",
+        description="Convert an hf_fp8 checkpoint (folder or repo id) for vLLM, SGLang, TGI "
+        "(compressed-tensors) or vLLM's fp8 format; other files and a model card come along.",
     )
     p.add_argument("checkpoint", help="hf_fp8 checkpoint folder or Hub repo id")
     p.add_argument(
-        "--format", default="compressed-tensors", choices=["compressed-tensors", "vllm-fp8"]
+        "--format",
+        default=COMPRESSED_TENSORS,
+        choices=EXPORT_FORMATS,
+        help="compressed-tensors (default: vLLM, SGLang, TGI, transformers) or vllm-fp8 "
+        "(per-tensor or block weights)",
     )
-    p.add_argument("--out", required=True, help="output folder (must be new or empty)")
-    p.add_argument("--overwrite", action="store_true")
+    _add_out(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
@@ -354,21 +502,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert an FP8 compressed-tensors or vLLM fp8 checkpoint into an hf_fp8 checkpoint (same FP8 numbers).",
     )
     p.add_argument("checkpoint", help="checkpoint folder or Hub repo id")
-    p.add_argument("--out", required=True, help="output folder (must be new or empty)")
-    p.add_argument("--overwrite", action="store_true")
+    _add_out(p)
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser(
         "push",
         help="upload a checkpoint folder with its model card",
-        description="Upload FOLDER to the Hub repo REPO_ID (created if needed) with a model card, in one commit.",
+        description="Upload FOLDER to the Hub repo REPO_ID (created if needed) with a model "
+        "card, in one commit. Hidden files are left out; a symlink in FOLDER is refused.",
     )
-    p.add_argument("folder")
-    p.add_argument("repo_id")
+    p.add_argument("folder", help="the checkpoint folder to upload")
+    p.add_argument("repo_id", help="Hub repo id, e.g. your-name/model-fp8")
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--revision", help="branch to push to")
-    p.add_argument("--create-pr", action="store_true")
-    p.add_argument("--commit-message")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead")
+    p.add_argument("--commit-message", help="commit message (default: Upload FP8 model)")
     p.add_argument("--base-model", help="Hub id of the original model, for the model card")
     p.add_argument("--token", help="Hub token (default: the stored login)")
     p.set_defaults(func=cmd_push)
@@ -376,17 +524,72 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "inspect",
         help="format, scheme, layers and bytes of a checkpoint",
-        description="Show format, FP8 scheme, layers and bytes of a checkpoint (reads tensor headers only).",
+        description="Show format, FP8 scheme, layers and bytes of a checkpoint (reads tensor "
+        "headers only; for a Hub repo id nothing but config.json is downloaded).",
     )
     p.add_argument("checkpoint", help="checkpoint folder or Hub repo id")
+    p.add_argument("--revision", help="Hub branch, tag or commit (repo ids only)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
     return parser
 
 
+# -- errors -----------------------------------------------------------------------------------------
+# Library messages name keyword arguments; the command line has options.
+_OPTION_OF = {
+    "format": "--format",
+    "overwrite": "--overwrite",
+    "weight_granularity": "--weight-granularity",
+    "activation_granularity": "--activation-granularity",
+    "activation_scheme": "--scheme",
+    "fp8_format": "--fp8-format",
+    "block_size": "--block-size",
+    "modules_to_not_convert": "--skip",
+    "weight_scale_method": "--weight-scale-method",
+    "observer": "--observer",
+}
+_NAMES = "|".join(_OPTION_OF)
+_VALUE = r"(\[[^\]]*\]|[^,)\s]*)"
+_KWARG = re.compile(rf"(?:hf_fp8\.)?Fp8Config\(\b({_NAMES})={_VALUE}\)|\b({_NAMES})={_VALUE}")
+
+
+def _cli_words(text: str) -> str:
+    """``overwrite=True`` → ``--overwrite``; ``Fp8Config(fp8_format='e4m3')`` →
+    ``--fp8-format e4m3``; ``format='compressed-tensors'`` → ``--format compressed-tensors``."""
+
+    def option(match: re.Match) -> str:
+        key, value = match.group(1) or match.group(3), match.group(2) or match.group(4) or ""
+        flag, value = _OPTION_OF[key], value.strip("'\"")
+        if value == "True":
+            return flag
+        value = " ".join(value.strip("[]").replace(",", " ").split())
+        return f"{flag} {value}" if value else flag
+
+    return _KWARG.sub(option, text)
+
+
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
     return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _message(err: BaseException) -> str:
+    """One line for the user: what went wrong and the fix, in command-line words."""
+    from_lib = err.__class__.__module__.split(".")[0]
+    name = type(err).__name__
+    if name == "OutputExistsError":
+        return (
+            f"{err.filename} is not empty: choose a new --out, or use --overwrite (only the "
+            "files this command writes are replaced; the others are kept)"
+        )
+    if any(word in name for word in ("Connect", "Timeout", "OfflineMode")):
+        return (
+            f"cannot reach the Hugging Face Hub ({name}: {_one_line(err)}): check the network, "
+            "or set HF_HUB_OFFLINE=1 to use the local cache"
+        )
+    text = _cli_words(_one_line(err))
+    builtin = from_lib == "builtins" or name in ("UnsafePathError", "CheckpointTensorError")
+    return text if builtin else f"{name}: {text}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -402,8 +605,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(done.code or 0)
     try:
         return args.func(args)
-    except (ValueError, TypeError, OSError, ImportError, RuntimeError) as err:
-        print(f"hf-fp8 {args.command}: error: {_one_line(err)}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"hf-fp8 {args.command}: interrupted (nothing was written)", file=sys.stderr)
+        return _EXIT_INTERRUPTED
+    except Exception as err:
+        if os.environ.get("HF_FP8_TRACEBACK"):
+            raise
+        print(f"hf-fp8 {args.command}: error: {_message(err)}", file=sys.stderr)
         return _EXIT_ERROR
 
 

@@ -177,11 +177,20 @@ def atomic_folder(dest: str | os.PathLike, *, drop: Iterable[str] = ()) -> Itera
     dest = dest.absolute()
     if dest.exists() and not dest.is_dir():
         raise NotADirectoryError(f"{dest} is a file: the output must be a folder")
+    created = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
     try:
         yield tmp
         _commit(tmp, dest, tuple(drop))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for folder in created:  # the parents made for dest, innermost first, if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -11,7 +11,7 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,15 +99,8 @@ def resolve_checkpoint(
     if path.exists():
         raise ValueError(f"{path} is a file: pass the checkpoint folder (the one with config.json)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
 
-    try:
-        validate_repo_id(str(model_id))
-    except HFValidationError:
-        raise FileNotFoundError(
-            f"{model_id!r} is neither a local folder nor a Hub repo id ('org/name')"
-        ) from None
+    check_repo_id(str(model_id))
     try:
         return Path(
             snapshot_download(str(model_id), revision=revision, cache_dir=cache_dir, token=token)
@@ -117,6 +110,19 @@ def resolve_checkpoint(
             f"cannot get {model_id!r} from the Hub or its local cache ({type(err).__name__}): "
             "check the repo id, log in (hf auth login), or pass a local folder"
         ) from err
+
+
+def check_repo_id(model_id: str) -> None:
+    """Raise ``FileNotFoundError`` unless ``model_id`` can be a Hub repo id."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"{model_id!r} is neither a local folder nor a Hub repo id ('org/name')"
+        ) from None
 
 
 class OutputExistsError(FileExistsError):
@@ -218,36 +224,63 @@ class Checkpoint:
         """Files besides config, weights, index and model card (tokenizer, generation config,
         sentence-transformers folders), relative to ``root``; hidden files and weights in
         other formats (``.bin``, ``onnx/`` …) are left out. A symlink raises."""
-        skip = {CONFIG_NAME, INDEX_NAME, CARD_NAME, WEIGHTS_NAME, *self.files}
-        return [
-            Path(rel)
-            for rel in folder_files(self.root, links_within=self._links)
-            if rel not in skip and not _weights(Path(rel))
-        ]
+        return [Path(rel) for rel in companion_files(self.root, skip=self.files)]
 
 
-def folder_files(
-    root: str | os.PathLike, *, links_within: str | os.PathLike | None = None
-) -> list[str]:
-    """Every file under ``root`` (POSIX paths relative to it), hidden files and folders left
-    out; what ``push`` uploads and conversions copy. A symlink raises ``UnsafePathError``
-    (hf_fp8 never reads, copies or uploads a link target); in a Hub cache snapshot the links
-    into its ``blobs/`` are the cache's layout and allowed."""
-    root = Path(root).expanduser().resolve()
-    if links_within is None:
-        links_within = hub_cache_root(root)
-    found = []
-    for folder, dirs, names in os.walk(root):  # does not descend into linked folders
+def _walk(root: Path) -> Iterator[str]:
+    """Relative POSIX paths of the entries under ``root``, hidden ones left out; linked
+    folders are yielded, not entered."""
+    for folder, dirs, names in os.walk(root):
         rel_folder = Path(folder).relative_to(root)
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in [*dirs, *sorted(names)]:
-            if name.startswith("."):
-                continue
-            rel = (rel_folder / name).as_posix()
-            path = contained(root, rel, links_within=links_within)
-            if path.is_file():
-                found.append(rel)
+            if not name.startswith("."):
+                yield (rel_folder / name).as_posix()
+
+
+def folder_files(
+    root: str | os.PathLike, *, keep: Callable[[str], bool] | None = None
+) -> list[str]:
+    """Every file under ``root`` (POSIX paths relative to it) for which ``keep`` holds, hidden
+    files and folders left out: what ``push`` uploads and conversions copy. A symlink among
+    them raises ``UnsafePathError``: hf_fp8 never reads, copies or uploads a link target (a Hub
+    cache snapshot's links into its own ``blobs/`` are the cache's layout and allowed)."""
+    root = Path(root).expanduser().resolve()
+    links_within = hub_cache_root(root)
+    found = []
+    for rel in _walk(root):
+        if keep is not None and not keep(rel):
+            continue
+        if contained(root, rel, links_within=links_within).is_file():
+            found.append(rel)
     return sorted(found)
+
+
+def companion_files(root: str | os.PathLike, *, skip: Iterable[str] = ()) -> list[str]:
+    """The files of a model folder that travel with its weights (tokenizer, generation config,
+    sentence-transformers ``modules.json``, ``1_Pooling/`` …): every file but the config, the
+    safetensors weights and index, the model card, ``skip``, hidden files and weights in other
+    formats (``.bin``, ``onnx/`` …). A symlink among them raises (see :func:`folder_files`)."""
+    skipped = {CONFIG_NAME, INDEX_NAME, CARD_NAME, WEIGHTS_NAME, *skip}
+    return folder_files(root, keep=lambda rel: rel not in skipped and not _weights(Path(rel)))
+
+
+def copy_companion_files(
+    source: str | os.PathLike, out_dir: Path, *, skip: Iterable[str] = ()
+) -> list[str]:
+    """Copy ``companion_files(source)`` that ``out_dir`` does not have yet into ``out_dir``;
+    returns the copied relative paths."""
+    source = Path(source).expanduser().resolve()
+    links_within = hub_cache_root(source)
+    copied = []
+    for rel in companion_files(source, skip=skip):
+        target = contained(out_dir, rel)
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(contained(source, rel, links_within=links_within), target)
+        copied.append(rel)
+    return copied
 
 
 def _weights(rel: Path) -> bool:
@@ -297,14 +330,9 @@ def output_folder(out_dir: str | os.PathLike) -> Iterator[Path]:
         yield tmp
 
 
-def copy_other_files(src: Checkpoint, out_dir: Path) -> list[Path]:
+def copy_other_files(src: Checkpoint, out_dir: Path) -> list[str]:
     """Copy ``src.other_files()`` into ``out_dir``; returns the copied relative paths."""
-    copied = src.other_files()
-    for rel in copied:
-        target = contained(out_dir, rel)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src.path(rel), target)
-    return copied
+    return copy_companion_files(src.root, out_dir, skip=src.files)
 
 
 TensorMap = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]

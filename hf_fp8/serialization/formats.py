@@ -13,6 +13,7 @@ from hf_fp8.config import QUANT_METHOD as HF_FP8_METHOD
 from hf_fp8.config import Fp8Config
 from hf_fp8.serialization import compressed_tensors, vllm_fp8
 from hf_fp8.serialization.layers import LayerPlan
+from hf_fp8.serialization.names import COMPRESSED_TENSORS, EXPORT_FORMATS, FORMAT_ALIASES, VLLM_FP8
 
 TensorConvert = Callable[[dict[str, torch.Tensor], LayerPlan, Fp8Config], dict[str, torch.Tensor]]
 
@@ -43,16 +44,16 @@ def _format(name: str, module: ModuleType) -> Format:
 
 
 FORMATS: dict[str, Format] = {
-    "compressed-tensors": _format("compressed-tensors", compressed_tensors),
-    "vllm-fp8": _format("vllm-fp8", vllm_fp8),
+    COMPRESSED_TENSORS: _format(COMPRESSED_TENSORS, compressed_tensors),
+    VLLM_FP8: _format(VLLM_FP8, vllm_fp8),
 }
-_ALIASES = {"ct": "compressed-tensors", "fp8": "vllm-fp8", "vllm": "vllm-fp8"}
-EXPORT_FORMATS = tuple(FORMATS)
+if tuple(FORMATS) != EXPORT_FORMATS:  # one list of names: names.py
+    raise RuntimeError("serialization.names.EXPORT_FORMATS and formats.FORMATS disagree")
 
 
 def get_format(name: str) -> Format:
     """The format called ``name`` (``"compressed-tensors"`` or ``"vllm-fp8"``)."""
-    key = _ALIASES.get(name, name)
+    key = FORMAT_ALIASES.get(name, name)
     if key not in FORMATS:
         raise ValueError(f"format={name!r} is not supported; use one of {EXPORT_FORMATS}")
     return FORMATS[key]

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hf_fp8.config import Fp8Config
 from hf_fp8.serialization.checkpoint import (
     FP8_DTYPE_NAMES,
     Checkpoint,
     TensorInfo,
+    check_repo_id,
     module_of,
     resolve_checkpoint,
 )
 from hf_fp8.serialization.formats import FORMATS, format_of
 from hf_fp8.serialization.layers import plan_layers
+
+if TYPE_CHECKING:
+    from hf_fp8.serialization.remote import HubHeaders
 
 _SCALE_LEAVES = (
     "weight_scale",
@@ -125,8 +130,8 @@ def _compute_dtype(config: dict[str, Any], tensors: dict[str, TensorInfo]) -> st
     return None
 
 
-def summarize(checkpoint: Checkpoint) -> CheckpointSummary:
-    """Summary of an opened checkpoint."""
+def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
+    """Summary of an opened checkpoint (a folder, or a Hub repo's headers)."""
     tensors = checkpoint.tensors()
     fmt = format_of(checkpoint.quantization_config)
     scheme, note = _scheme(checkpoint, fmt) if fmt != "unquantized" else (None, None)
@@ -160,7 +165,19 @@ def summarize(checkpoint: Checkpoint) -> CheckpointSummary:
     return summary
 
 
-def inspect_checkpoint(model_id: str | os.PathLike) -> CheckpointSummary:
-    """Format, FP8 scheme, layers and bytes of a checkpoint folder or Hub repo id (only
-    tensor headers are read)."""
-    return summarize(Checkpoint(resolve_checkpoint(model_id)))
+def inspect_checkpoint(
+    model_id: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> CheckpointSummary:
+    """Format, FP8 scheme, layers and bytes of a checkpoint folder or Hub repo id. Only tensor
+    headers are read: a repo id's through ``HfApi.get_safetensors_metadata`` (the local Hub
+    cache when ``HF_HUB_OFFLINE=1``), no weights are downloaded."""
+    path = Path(model_id).expanduser()
+    if path.is_dir() or path.exists():
+        return summarize(Checkpoint(resolve_checkpoint(path)))
+    from hf_fp8.serialization.remote import hub_headers
+
+    check_repo_id(str(model_id))
+    return summarize(hub_headers(str(model_id), revision=revision, token=token))

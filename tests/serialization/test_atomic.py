@@ -95,6 +95,12 @@ def test_failure_leaves_dest_untouched(tmp_path, exists):
     assert _temps(tmp_path) == []
 
 
+def test_failure_removes_the_parents_it_made(tmp_path):
+    with pytest.raises(RuntimeError), atomic_folder(tmp_path / "a" / "b" / "out"):
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_symlinked_dest_is_written_through(tmp_path):
     real = tmp_path / "real"
     real.mkdir()

