@@ -10,10 +10,11 @@ Two kernels, built once per code path with :func:`hf_fp8.utils.native.load_libra
   bit-identical to ``dequantize`` / ``w_fp8.float().to(dtype)``; it feeds torch's matmul
   tile by tile (:func:`fp8_mm`).
 
-Code path, chosen at run time from the CPU: ``avx512`` (AVX-512 F/BW/VL + F16C + FMA),
+Code path, chosen at run time from the CPU: ``avx512bf16`` (AVX-512 + VBMI + BF16: byte-table
+decode, bf16 dot products for bf16 activations), ``avx512`` (AVX-512 F/BW/VL + F16C + FMA),
 ``avx2`` (AVX2 + F16C + FMA), ``neon`` (aarch64), ``scalar`` (portable C). The environment
-variable ``HF_FP8_CPU_KERNEL`` forces one (``avx512``, ``avx2``, ``neon``, ``scalar``) or
-turns the C kernels off (``off``: the compiled emulation runs instead). Without a C compiler
+variable ``HF_FP8_CPU_KERNEL`` forces one (``avx512bf16``, ``avx512``, ``avx2``, ``neon``,
+``scalar``) or turns the C kernels off (``off``: the compiled emulation runs instead). Without a C compiler
 the kernels are unavailable and the emulation runs, with one warning.
 
 The Python side checks every dtype, shape and contiguity before a call (the C code trusts
@@ -39,14 +40,17 @@ logger = logging.getLogger("hf_fp8")
 
 SOURCE = Path(__file__).parent / "csrc" / "fp8_gemv.c"
 ENV = "HF_FP8_CPU_KERNEL"
-PATHS = ("avx512", "avx2", "neon", "scalar")  # widest first
-_PATH_ID = {"avx512": 3, "avx2": 2, "neon": 1, "scalar": 0}
+PATHS = ("avx512bf16", "avx512", "avx2", "neon", "scalar")  # widest first
+_PATH_ID = {"avx512bf16": 4, "avx512": 3, "avx2": 2, "neon": 1, "scalar": 0}
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mf16c", "-mfma")
 _PATH_CFLAGS = {
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mf16c", "-mfma"),
+    "avx512bf16": (*_AVX512, "-mavx512vbmi", "-mavx512bf16"),
+    "avx512": _AVX512,
     "avx2": ("-mavx2", "-mf16c", "-mfma", "-mno-avx512f"),  # AVX2 code even on AVX-512
     "neon": (),
     "scalar": (),
 }
+BF16_ACTIVATION_PATHS = ("avx512bf16",)  # the GEMV takes exact bf16 activations there
 GEMV_MAX_TOKENS = 16  # the C kernel's limit (and where it stops beating decode + matmul)
 FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 GRANULARITIES = {"tensor": 0, "row": 1, "block": 2}
@@ -75,7 +79,10 @@ def supported_paths() -> tuple[str, ...]:
     machine = platform.machine().lower()
     paths = []
     if machine in ("x86_64", "amd64"):
-        if "avx512f" in feats and "avx2" in feats:
+        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx2"} <= feats
+        if avx512 and {"avx512vbmi", "avx512bf16"} <= feats:
+            paths.append("avx512bf16")
+        if avx512:
             paths.append("avx512")
         if "avx2" in feats:
             paths.append("avx2")
@@ -112,7 +119,7 @@ def _build(path: str) -> ctypes.CDLL:
         logger.info("hf_fp8: built the CPU FP8 kernel (%s path) in %.1f s; cached", path, seconds)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.fp8_gemv.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr]
-    lib.fp8_gemv.argtypes += [i64, i64, i64]
+    lib.fp8_gemv.argtypes += [i64, i64, i64, i64]
     lib.fp8_decode.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64]
     for fn in (lib.fp8_gemv, lib.fp8_decode, lib.fp8_kernel_path, lib.fp8_cpu_ok):
         fn.restype = ctypes.c_int
@@ -224,8 +231,15 @@ def _gemv_impl(
     _check_weight(w, w_scale, w_gran, bn, bk)
     n, k = w.shape
     _check(
-        a.dtype == torch.float32 and a.dim() == 2 and a.is_contiguous() and a.device.type == "cpu",
+        a.dtype in (torch.float32, torch.bfloat16)
+        and a.dim() == 2
+        and a.is_contiguous()
+        and a.device.type == "cpu",
         f"activation must be contiguous 2-D CPU float32, got {tuple(a.shape)} {a.dtype}",
+    )
+    _check(
+        a.dtype == torch.float32 or path in BF16_ACTIVATION_PATHS,
+        f"bf16 activations need the {BF16_ACTIVATION_PATHS} path, not {path}",
     )
     m = a.shape[0]
     _check(1 <= m <= GEMV_MAX_TOKENS and a.shape[1] == k, f"activation {tuple(a.shape)} vs {k}")
@@ -252,7 +266,8 @@ def _gemv_impl(
     rc = lib.fp8_gemv(
         a.data_ptr(), m, k, w.data_ptr(), n, w_scale.data_ptr(), GRANULARITIES[w_gran], bn, bk,
         _ptr(a_scale) if a_gran is not None else None, _ASCALE[a_gran], _ptr(bias),
-        out.data_ptr(), kind, FORMATS[w.dtype], torch.get_num_threads(),
+        out.data_ptr(), kind, FORMATS[w.dtype], int(a.dtype == torch.bfloat16),
+        torch.get_num_threads(),
     )  # fmt: skip
     _check(rc == 0, f"fp8_gemv failed with code {rc}")
     return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -45,11 +45,15 @@ def linear(
     w_scale = w_scale.detach().float().reshape(-1).contiguous()
     w_fp8 = w_fp8.detach().contiguous()
     if m <= GEMV_MAX_TOKENS:
-        a, a_scale, a_kind = x.detach().float().contiguous(), None, None
+        # exact bf16 operands (a bf16 input, or fp8 values) take the bf16 dot products there
+        a_dtype = torch.float32
+        if path in cpu_kernel.BF16_ACTIVATION_PATHS and dtype == torch.bfloat16:
+            a_dtype = torch.bfloat16 if a_gran != "block" else torch.float32
+        a, a_scale, a_kind = x.detach().to(a_dtype).contiguous(), None, None
         if act_dtype is not None:
             a, a_scale = _emu._fake_quant_act(
                 x.detach(), input_scale, act_dtype=act_dtype, gran=a_gran, bk=bk,
-                out_dtype=torch.float32, post=a_gran != "block",
+                out_dtype=a_dtype, post=a_gran != "block",
             )  # fmt: skip
             a = a.contiguous()
             a_kind = _A_GRAN[a_gran]

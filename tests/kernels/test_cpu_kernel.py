@@ -196,7 +196,7 @@ def test_the_environment_forces_a_path_and_refuses_unknown_ones(monkeypatch) -> 
     monkeypatch.setenv(cpu_kernel.ENV, "off")
     assert cpu_kernel.active_path() is None
     monkeypatch.setenv(cpu_kernel.ENV, "sse9")
-    with pytest.raises(ValueError, match="auto, off, avx512, avx2, neon, scalar"):
+    with pytest.raises(ValueError, match="auto, off, avx512bf16, avx512, avx2, neon, scalar"):
         cpu_kernel.active_path()
     foreign = "neon" if "neon" not in cpu_kernel.supported_paths() else "avx512"
     if foreign not in cpu_kernel.supported_paths():
@@ -257,3 +257,18 @@ def test_custom_ops_compile_fullgraph_without_recompiles(path) -> None:
         compiled(torch.randn(m, 64).to(torch.bfloat16))
     assert counters["stats"]["unique_graphs"] == 2
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("m", [1, 3, 16, 20])
+def test_subnormal_codes_are_exact_not_flushed(path, fmt, m) -> None:
+    """Every weight the smallest subnormal (E4M3 2**-9, E5M2 2**-16), scale 1, input 1:
+    the output is exactly K times that value (a flush to zero would give 0)."""
+    k = 192
+    w8 = torch.full((24, k), 1, dtype=torch.uint8).view(FORMATS[fmt])
+    tiny = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}[fmt]
+    for dtype in (torch.bfloat16, torch.float32):
+        out = emulated.emulated_linear(
+            torch.ones(m, k, dtype=dtype), w8, torch.ones(24, 1), None, "row", BLOCK
+        )
+        assert bool((out == k * tiny).all()), (dtype, out.flatten()[:4])

@@ -1,7 +1,8 @@
 /* FP8 linear on the CPU: a fused decode-and-reduce GEMV for few tokens, and a vectorized
  * fp8 -> bf16 / fp32 weight decode that feeds a bf16 matmul for many tokens.
  *
- * Built by hf_fp8.kernels.cpu_native with -DFP8_PATH=<n>:
+ * Built by hf_fp8.kernels.cpu_kernel with -DFP8_PATH=<n>:
+ *   4 AVX-512 + VBMI + BF16: byte-table decode (vpermi2b) and bf16 dot products
  *   3 AVX-512 (F, BW, VL) + F16C + FMA    2 AVX2 + F16C + FMA    1 NEON (aarch64)
  *   0 plain C (portable; the compiler may auto-vectorize)
  *
@@ -12,7 +13,13 @@
  *   E4M3: fp16 bits = sign << 15 | (code & 0x7f) << 7: the exact value times 2^-8
  *         (E4M3 subnormals land on fp16 subnormals, still exact); 0x7f / 0xff -> NaN.
  * The 2^8 is applied once, to the fp32 accumulator (a power of two: exact). Products and
- * sums are fp32 FMAs (no bf16 dot-product instructions: they flush subnormals).
+ * sums are fp32 FMAs.
+ * Path 4 decodes with two 128-entry byte tables (the high and low byte of each code's exact
+ * bf16 value) and, for bf16 activations, multiplies with vdpbf16ps: products of bf16 values
+ * are exact in fp32 and summed in fp32. That instruction flushes subnormal *bf16* inputs and
+ * fp32 partial sums to zero, but every fp8 value, subnormal codes included (E4M3 >= 2^-9,
+ * E5M2 >= 2^-16), is a normal bf16 number, so every fp8 code stays exact; only activations
+ * or partial sums below 2^-126 in magnitude (~1e-38) are lost.
  *
  * Numerics of the GEMV (the emulation's epilogue, in the same order):
  *   out[t, n] = ((sum_k a[t,k] * w[n,k]) * a_scale[t]) * w_scale[n] + bias[n]
@@ -27,7 +34,7 @@
 #ifndef FP8_PATH
 #define FP8_PATH 0
 #endif
-#if FP8_PATH == 3 || FP8_PATH == 2
+#if FP8_PATH >= 2
 #include <immintrin.h>
 #elif FP8_PATH == 1
 #include <arm_neon.h>
@@ -45,6 +52,9 @@ enum { OUT_F32 = 0, OUT_BF16 = 1 };
 /* LUT[fmt][code]: the value times 2^-8 for E4M3, the value for E5M2 (as the vector paths). */
 static float LUT[2][256];
 static pthread_once_t LUT_ONCE = PTHREAD_ONCE_INIT;
+#if FP8_PATH == 4
+static void tables_init(void);
+#endif
 
 static void lut_init(void) {
     for (int c = 0; c < 256; ++c) {
@@ -60,6 +70,9 @@ static void lut_init(void) {
                              : ldexpf(1.0f + m5 / 4.0f, e5 - 15);
         LUT[FMT_E5M2][c] = sign * v5;
     }
+#if FP8_PATH == 4
+    tables_init();
+#endif
 }
 
 static float dec_factor(int fmt) { return fmt == FMT_E4M3 ? 256.0f : 1.0f; }
@@ -72,7 +85,7 @@ AI uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
 }
 
 /* ---------------------------------------------------------------- vector primitives */
-#if FP8_PATH == 3
+#if FP8_PATH == 3 || FP8_PATH == 4
 typedef __m512 vf;
 #define VL 16 /* floats per vector; one decode step yields 2 vectors */
 AI vf vzero(void) { return _mm512_setzero_ps(); }
@@ -186,7 +199,7 @@ typedef struct {
     const float *bias;   /* [N] fp32 or NULL */
     void *out;           /* [M, N] fp32 or bf16 */
     int64_t M, K, N, bn, bk, n0, n1;
-    int fmt, wgran, agran, out_kind;
+    int fmt, wgran, agran, out_kind, a_bf16; /* a_bf16: a is [M, K] bf16 (path 4) */
 } gemv_t;
 
 /* Dot products of MT tokens with one weight row; block scales per K-segment (bs != NULL). */
@@ -239,7 +252,7 @@ typedef struct {
 DEFINE_TILE(1)
 DEFINE_TILE(2)
 DEFINE_TILE(4)
-#if FP8_PATH == 3
+#if FP8_PATH >= 3
 DEFINE_TILE(8)
 #define MAX_TILE 8
 #else
@@ -278,13 +291,113 @@ static void row_dots(const gemv_t *g, const uint8_t *wrow, int64_t seg, const fl
 }
 #endif
 
+#if FP8_PATH == 4
+/* Byte tables: the high / low byte of the exact bf16 value of each magnitude code 0..127. */
+static __m512i T_HI[2][2], T_LO[2][2], PERM;
+
+static void tables_init(void) {
+    uint8_t hi[128], lo[128], perm[64];
+    for (int fmt = 0; fmt < 2; ++fmt) {
+        for (int c = 0; c < 128; ++c) {
+            float v = LUT[fmt][c] * dec_factor(fmt);
+            uint32_t u;
+            memcpy(&u, &v, 4);
+            hi[c] = (uint8_t)(u >> 24);
+            lo[c] = (uint8_t)(u >> 16);
+        }
+        T_HI[fmt][0] = _mm512_loadu_si512(hi);
+        T_HI[fmt][1] = _mm512_loadu_si512(hi + 64);
+        T_LO[fmt][0] = _mm512_loadu_si512(lo);
+        T_LO[fmt][1] = _mm512_loadu_si512(lo + 64);
+    }
+    /* so that the per-128-bit-lane byte unpacks below give elements in order */
+    for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 16; ++i) perm[16 * j + i] = (uint8_t)(i < 8 ? 8 * j + i : 32 + 8 * j + i - 8);
+    PERM = _mm512_loadu_si512(perm);
+}
+
+/* 64 codes -> 64 exact bf16 values, in order: elements 0..31 in *o0, 32..63 in *o1. */
+AI void dec64_bf16(const uint8_t *p, __m512i hi0, __m512i hi1, __m512i lo0, __m512i lo1,
+                   __m512i perm, __m512i *o0, __m512i *o1) {
+    __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(p));
+    __m512i hi = _mm512_permutex2var_epi8(hi0, c, hi1); /* index bit 6 picks the table half */
+    __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
+    hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8); /* | sign */
+    *o0 = _mm512_unpacklo_epi8(lo, hi);
+    *o1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+AI float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* MT tokens of bf16 activations against one row: exact bf16 products summed in fp32. */
+#define DEFINE_BTILE(MT)                                                                 \
+    static void btile_##MT(const uint16_t *a, int64_t K, const uint8_t *w, int64_t seg,  \
+                           const float *bs, int fmt, float *res) {                       \
+        const float *lut = LUT[fmt];                                                     \
+        const float factor = dec_factor(fmt);                                            \
+        const __m512i hi0 = T_HI[fmt][0], hi1 = T_HI[fmt][1];                            \
+        const __m512i lo0 = T_LO[fmt][0], lo1 = T_LO[fmt][1], perm = PERM;               \
+        float tot[MT];                                                                   \
+        for (int t = 0; t < MT; ++t) tot[t] = 0.0f;                                      \
+        for (int64_t k0 = 0, b = 0; k0 < K; k0 += seg, ++b) {                            \
+            int64_t k1 = k0 + seg < K ? k0 + seg : K, k = k0;                            \
+            __m512 acc[MT][2];                                                           \
+            for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();    \
+            for (; k + 64 <= k1; k += 64) {                                              \
+                __m512i w0, w1;                                                          \
+                dec64_bf16(w + k, hi0, hi1, lo0, lo1, perm, &w0, &w1);                   \
+                for (int t = 0; t < MT; ++t) {                                           \
+                    const uint16_t *at = a + t * K + k;                                  \
+                    acc[t][0] = _mm512_dpbf16_ps(acc[t][0],                              \
+                        (__m512bh)_mm512_loadu_si512(at), (__m512bh)w0);                 \
+                    acc[t][1] = _mm512_dpbf16_ps(acc[t][1],                              \
+                        (__m512bh)_mm512_loadu_si512(at + 32), (__m512bh)w1);            \
+                }                                                                        \
+            }                                                                            \
+            for (int t = 0; t < MT; ++t) {                                               \
+                float part = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));  \
+                for (int64_t kk = k; kk < k1; ++kk)                                      \
+                    part += bf16_to_f32(a[t * K + kk]) * (lut[w[kk]] * factor);          \
+                tot[t] = bs ? fmaf(part, bs[b], tot[t]) : part;                          \
+            }                                                                            \
+        }                                                                                \
+        for (int t = 0; t < MT; ++t) res[t] = tot[t];                                    \
+    }
+DEFINE_BTILE(1)
+DEFINE_BTILE(2)
+DEFINE_BTILE(4)
+DEFINE_BTILE(8)
+
+static void row_dots_bf16(const gemv_t *g, const uint8_t *wrow, int64_t seg, const float *bs,
+                          float *res) {
+    int64_t t = 0;
+    while (t < g->M) {
+        int64_t left = g->M - t;
+        const uint16_t *a = (const uint16_t *)g->a + t * g->K;
+        if (left >= 8) { btile_8(a, g->K, wrow, seg, bs, g->fmt, res + t); t += 8; }
+        else if (left >= 4) { btile_4(a, g->K, wrow, seg, bs, g->fmt, res + t); t += 4; }
+        else if (left >= 2) { btile_2(a, g->K, wrow, seg, bs, g->fmt, res + t); t += 2; }
+        else { btile_1(a, g->K, wrow, seg, bs, g->fmt, res + t); t += 1; }
+    }
+}
+#endif
+
 static void *gemv_worker(void *arg) {
     const gemv_t *g = (const gemv_t *)arg;
-    float res[16], factor = dec_factor(g->fmt);
+    float res[16], factor = g->a_bf16 ? 1.0f : dec_factor(g->fmt); /* bf16 tiles: exact */
     int64_t kblocks = (g->K + g->bk - 1) / g->bk;
     for (int64_t n = g->n0; n < g->n1; ++n) {
         int block = g->wgran == GRAN_BLOCK;
         const float *bs = block ? g->ws + (n / g->bn) * kblocks : NULL;
+#if FP8_PATH == 4
+        if (g->a_bf16) row_dots_bf16(g, g->w + n * g->K, block ? g->bk : g->K, bs, res);
+        else
+#endif
         row_dots(g, g->w + n * g->K, block ? g->bk : g->K, bs, res);
         float wsc = g->wgran == GRAN_TENSOR ? g->ws[0] : g->wgran == GRAN_ROW ? g->ws[n] : 1.0f;
         for (int64_t t = 0; t < g->M; ++t) {
@@ -330,12 +443,13 @@ static void gemv_range(void *p, int64_t n0, int64_t n1) {
 int fp8_gemv(const float *a, int64_t M, int64_t K, const uint8_t *w, int64_t N,
              const float *ws, int64_t wgran, int64_t bn, int64_t bk, const float *as,
              int64_t agran, const float *bias, void *out, int64_t out_kind, int64_t fmt,
-             int64_t nthreads) {
+             int64_t a_kind, int64_t nthreads) {
     if (M < 1 || M > 16 || K < 1 || N < 1 || bn < 1 || bk < 1 || (fmt != 0 && fmt != 1))
         return -1;
+    if (a_kind != 0 && !(FP8_PATH == 4 && a_kind == 1)) return -1;
     pthread_once(&LUT_ONCE, lut_init);
     gemv_t g = {a, w, ws, as, bias, out, M, K, N, bn, bk, 0, N, (int)fmt, (int)wgran,
-                (int)agran, (int)out_kind};
+                (int)agran, (int)out_kind, (int)a_kind};
     /* below ~64K weights per thread, starting a thread costs more than it saves */
     int64_t useful = (N * K) / 65536;
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
@@ -355,6 +469,18 @@ static void decode_span(const decode_t *d, const uint8_t *w, int64_t len, float 
                         float factor, void *out) {
     const float *lut = LUT[d->fmt];
     int64_t k = 0;
+#if FP8_PATH == 4
+    if (d->out_kind == OUT_BF16 && d->ws == NULL) { /* unscaled: the byte tables, exact */
+        const __m512i hi0 = T_HI[d->fmt][0], hi1 = T_HI[d->fmt][1];
+        const __m512i lo0 = T_LO[d->fmt][0], lo1 = T_LO[d->fmt][1], perm = PERM;
+        for (; k + 64 <= len; k += 64) {
+            __m512i o0, o1;
+            dec64_bf16(w + k, hi0, hi1, lo0, lo1, perm, &o0, &o1);
+            _mm512_storeu_si512((uint16_t *)out + k, o0);
+            _mm512_storeu_si512((uint16_t *)out + k + 32, o1);
+        }
+    }
+#endif
 #if FP8_PATH != 0
     vf f = vset(factor), s = vset(scale);
     for (; k + 2 * VL <= len; k += 2 * VL) {
@@ -423,11 +549,13 @@ int fp8_kernel_path(void) { return FP8_PATH; }
 
 /* 1 when this CPU runs every instruction the path uses (checked before the first call). */
 int fp8_cpu_ok(void) {
-#if FP8_PATH == 3
+#if FP8_PATH >= 3
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
-           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma") &&
+           (FP8_PATH == 3 || (__builtin_cpu_supports("avx512vbmi") &&
+                              __builtin_cpu_supports("avx512bf16")));
 #elif FP8_PATH == 2
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
