@@ -36,6 +36,14 @@ Conventions and guards:
   approximations (relative error < 3e-6, far below the fp8 step of 6%) written with plain
   fp32 operations only, so that a fused CPU kernel reproduces this module bit for bit.
 
+Stochastic rounding (optional, ``stochastic_bits=``): the value about to be cast is first
+rounded to a neighbouring fp8 value with probability proportional to its distance, so that
+small, steady changes of a moment (β2 = 0.999 moves ``v`` by 0.1 % a step, one E4M3 step is
+6–12 %) are kept in expectation instead of being rounded away every step. The random bits come
+from a counter-based hash (:func:`hash32`, Wellons' "lowbias32") of a per-(seed, step,
+parameter, moment) key plus the element's index, computed with int64 arithmetic that never
+overflows, so the C kernel, ``torch.compile`` and this reference give the same bits.
+
 The functions avoid data-dependent Python branches so that ``torch.compile`` can fuse
 them; the optimizer runs them eagerly as its reference step.
 """
@@ -69,6 +77,78 @@ EXP2_COEFFS = (
     0.05195051991394458,
     0.013581263456585196,
 )
+
+
+# Stochastic rounding: random bits below the fp8 mantissa (20 for E4M3, 21 for E5M2), the
+# smallest normal fp8 magnitude and the subnormal spacing (2^-9 for E4M3, 2^-16 for E5M2).
+SR_DROP_BITS = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
+SR_MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e5m2: 2.0**-14}
+SR_SUBNORMAL_STEPS = {torch.float8_e4m3fn: 512.0, torch.float8_e5m2: 65536.0}
+HASH_MUL = (0x7FEB352D, 0x846CA68B)  # lowbias32 multipliers
+MASK32 = 0xFFFFFFFF
+
+
+def hash32_int(x: int) -> int:
+    """Wellons' lowbias32 on a Python int (uint32 in, uint32 out)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * HASH_MUL[0]) & MASK32
+    x ^= x >> 15
+    x = (x * HASH_MUL[1]) & MASK32
+    return x ^ (x >> 16)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x · c mod 2^32`` for int64 ``x`` in [0, 2^32) without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of an int64 tensor holding uint32 values (identical to the C kernel's)."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, HASH_MUL[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, HASH_MUL[1])
+    return x ^ (x >> 16)
+
+
+def stream_key(seed: int, step: int, index: int, moment: int) -> int:
+    """The uint32 key of one moment (0: exp_avg, 1: exp_avg_sq) of parameter ``index`` at
+    ``step``; element ``e`` of it draws ``hash32(key + e)``."""
+    h = hash32_int(seed ^ 0x5BD1E995)
+    h = hash32_int(h ^ (step & MASK32))
+    h = hash32_int(h ^ ((step >> 32) & MASK32))
+    return hash32_int(h ^ ((2 * index + moment) & MASK32))
+
+
+def random_bits(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """int64 ``hash32(key + e)`` for the flat index ``e`` of every element of ``shape``."""
+    n = math.prod(shape)
+    e = torch.arange(n, dtype=torch.int64, device=key.device).view(shape)
+    return hash32((e + key) & MASK32)
+
+
+def stochastic_round_magnitude(
+    a: torch.Tensor, bits: torch.Tensor, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """Round fp32 magnitudes ``a`` (``0 ≤ a ≤ F``) to fp8-representable values, up with
+    probability proportional to the distance (``bits``: int64 random bits, low ones used).
+
+    Normal range: add random bits below the fp8 mantissa to the fp32 pattern and truncate.
+    Subnormal range: ``floor(a / spacing + u) · spacing`` with ``u`` uniform in [0, 1).
+    The result is clamped to ``F`` (rounding up from the largest value).
+    """
+    drop = SR_DROP_BITS[fp8_dtype]
+    low = bits & ((1 << drop) - 1)
+    ab = a.view(torch.int32)
+    normal = ((ab + low.to(torch.int32)) & ~((1 << drop) - 1)).view(torch.float32)
+    steps = SR_SUBNORMAL_STEPS[fp8_dtype]
+    u = low.to(torch.float32) * (2.0**-drop)
+    sub = torch.floor(a * steps + u) * (1.0 / steps)
+    out = torch.where(a < SR_MIN_NORMAL[fp8_dtype], sub, normal)
+    return out.clamp(max=fp8_max(fp8_dtype))
 
 
 def _horner(t: torch.Tensor, coeffs: tuple[float, ...]) -> torch.Tensor:
@@ -121,13 +201,18 @@ def expansion_exponent(
 
 
 def quantize_groups(
-    x: torch.Tensor, fp8_dtype: torch.dtype, *, dynamic_range_expansion: bool = True
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    dynamic_range_expansion: bool = True,
+    stochastic_bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize ``x`` (``[..., group_size]``) per group of its last dimension.
 
     Returns ``(q, scale, exponent)``: ``q`` in ``fp8_dtype`` with the shape of ``x``,
     fp32 ``scale = amax / F`` and, with expansion, fp32 ``exponent`` (``k``), both of shape
-    ``x.shape[:-1]``. Without expansion ``exponent`` is ``None``.
+    ``x.shape[:-1]``. Without expansion ``exponent`` is ``None``. ``stochastic_bits`` (int64,
+    the shape of ``x``): stochastic instead of round-to-nearest casts (see the module doc).
     """
     fmax = fp8_max(fp8_dtype)
     xf = x.float()
@@ -139,6 +224,8 @@ def quantize_groups(
     if not dynamic_range_expansion:
         safe_scale = torch.where(valid, scale.unsqueeze(-1), torch.ones_like(xf))
         q = torch.where(valid, xf / safe_scale, zero).clamp(-fmax, fmax)
+        if stochastic_bits is not None:
+            q = torch.copysign(stochastic_round_magnitude(q.abs(), stochastic_bits, fp8_dtype), q)
         return q.to(fp8_dtype), scale, None
     nonzero = ax >= FLT_MIN
     amin = torch.where(nonzero, ax, torch.full_like(ax, math.inf)).amin(dim=-1)
@@ -149,6 +236,8 @@ def quantize_groups(
         k.unsqueeze(-1)
     ) + math.log2(fmax)
     mag = torch.where(nonzero, fast_exp2(y), zero).clamp(max=fmax)
+    if stochastic_bits is not None:
+        mag = stochastic_round_magnitude(mag, stochastic_bits, fp8_dtype)
     return torch.copysign(mag, xf).to(fp8_dtype), scale, k
 
 

@@ -40,10 +40,12 @@ from hf_fp8.utils import native
 SOURCE = Path(__file__).with_name("csrc") / "adamw_fp8.c"
 
 # Variant flag bits (one library per combination).
-FLAGS = {"P_BF16": 1, "G_BF16": 2, "E5M2": 4, "EXPAND": 8}
+FLAGS = {"P_BF16": 1, "G_BF16": 2, "E5M2": 4, "EXPAND": 8, "SR_M": 16, "SR_V": 32, "SQRT_V": 64}
 P_BF16, G_BF16, E5M2, EXPAND = (FLAGS[k] for k in ("P_BF16", "G_BF16", "E5M2", "EXPAND"))
+SR_M, SR_V, SQRT_V = FLAGS["SR_M"], FLAGS["SR_V"], FLAGS["SQRT_V"]
 # One task = these int64 fields, in this order: pointers, the [rows, cols] view, the group
-# size, the variant flags, then the element count of every pointed-to tensor.
+# size, the variant flags, the stochastic-rounding stream keys of the two moments (uint32,
+# already offset by the shard's first element), then the element count of every tensor.
 TASK_FIELDS = (
     "p",
     "g",
@@ -58,6 +60,8 @@ TASK_FIELDS = (
     "cols",
     "group_size",
     "flags",
+    "key_m",
+    "key_v",
     "p_n",
     "g_n",
     "m_q_n",
@@ -97,6 +101,12 @@ def kernel_defines(variant: int) -> dict[str, object]:
         d[f"{name}_MAX"] = fmax
         d[f"{name}_LOG2MAX"] = math.log2(fmax)
         d[f"{name}_STEPS"] = coat.EXPONENT_STEPS * coat.target_log2_range(dtype)
+        d[f"{name}_SR_DROP"] = coat.SR_DROP_BITS[dtype]
+        d[f"{name}_SR_UNIT"] = 2.0 ** -coat.SR_DROP_BITS[dtype]
+        d[f"{name}_SR_STEPS"] = coat.SR_SUBNORMAL_STEPS[dtype]
+        d[f"{name}_SR_INV_STEPS"] = 1.0 / coat.SR_SUBNORMAL_STEPS[dtype]
+        d[f"{name}_SR_MIN_NORMAL"] = coat.SR_MIN_NORMAL[dtype]
+    d["HASH_MUL0"], d["HASH_MUL1"] = (f"{m:#x}u" for m in coat.HASH_MUL)
     d["INV_STEPS"] = 1.0 / coat.EXPONENT_STEPS
     d["K_MIN"] = float(coat.EXPONENT_MIN)
     d["K_MAX"] = float(coat.EXPONENT_MAX)
@@ -104,14 +114,24 @@ def kernel_defines(variant: int) -> dict[str, object]:
 
 
 def variant(
-    param_dtype: torch.dtype, grad_dtype: torch.dtype, fp8: torch.dtype, expand: bool
+    param_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    fp8: torch.dtype,
+    expand: bool,
+    *,
+    sqrt_v: bool = False,
+    sr_m: bool = False,
+    sr_v: bool = False,
 ) -> int:
-    """Kernel variant (bit field) for these dtypes and mode."""
+    """Kernel variant (bit field of :data:`FLAGS`) for these dtypes and options."""
     return (
         (P_BF16 if param_dtype == torch.bfloat16 else 0)
         | (G_BF16 if grad_dtype == torch.bfloat16 else 0)
         | (E5M2 if fp8 == torch.float8_e5m2 else 0)
         | (EXPAND if expand else 0)
+        | (SQRT_V if sqrt_v else 0)
+        | (SR_M if sr_m else 0)
+        | (SR_V if sr_v else 0)
     )
 
 
@@ -230,8 +250,15 @@ class Batch:
         group_size: int,
         expand: bool,
         copy_to: torch.Tensor | None = None,
+        *,
+        keys: tuple[int, int] = (0, 0),
+        sqrt_v: bool = False,
+        sr_m: bool = False,
+        sr_v: bool = False,
     ) -> None:
-        """Queue the step of a contiguous ``param``; ``copy_to`` receives it after the run."""
+        """Queue the step of a contiguous ``param``; ``copy_to`` receives it after the run.
+
+        ``keys``: the uint32 stream keys of the two moments (stochastic rounding)."""
         grad = grad.contiguous()
         check_tensors(param, grad, states, hp, cols, group_size, expand)
         self.keep_alive += [param, grad, hp]
@@ -241,7 +268,17 @@ class Batch:
             "rows": param.shape[0],
             "cols": cols,
             "group_size": group_size,
-            "flags": variant(param.dtype, grad.dtype, states[0].dtype, expand),
+            "flags": variant(
+                param.dtype,
+                grad.dtype,
+                states[0].dtype,
+                expand,
+                sqrt_v=sqrt_v,
+                sr_m=sr_m,
+                sr_v=sr_v,
+            ),
+            "key_m": keys[0] & 0xFFFFFFFF,
+            "key_v": keys[1] & 0xFFFFFFFF,
         }
         for name, t in tensors.items():
             fields[name] = 0 if t is None else t.data_ptr()

@@ -50,6 +50,16 @@ def quantized_states(state: dict[str, Any]) -> tuple[torch.Tensor | None, ...]:
     return tuple(state.get(key) for key in QUANT_KEYS)
 
 
+def row_offset(p: torch.Tensor) -> int:
+    """Index of the first row of ``p``'s local shard in the full tensor (0 for plain tensors)."""
+    if not is_dtensor(p):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]) if len(offset) else 0
+
+
 def quantizable_placements(p: torch.Tensor) -> bool:
     """Whether ``p``'s layout keeps whole rows per rank (plain tensor, ``Shard(0)``, ``Replicate``)."""
     if not is_dtensor(p):

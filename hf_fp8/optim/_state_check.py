@@ -138,6 +138,8 @@ def _to_fp8(
     expand = group["dynamic_range_expansion"]
     rows, cols, gc = layout(p, gs)
     state = new_quantized_state(p, group_size=gs, fp8=fp8, expand=expand)
+    if group.get("sqrt_second_moment"):
+        v = v.sqrt()
     for name, x in (("exp_avg", m), ("exp_avg_sq", v)):
         x2 = torch.nn.functional.pad(x.float().reshape(rows, cols), (0, gc * gs - cols))
         q, scale, k = coat.quantize_groups(x2.reshape(-1, gs), fp8, dynamic_range_expansion=expand)

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hf_fp8.numerics.coat import dequantize_groups, quantize_groups
+from hf_fp8.numerics.coat import dequantize_groups, quantize_groups, random_bits
 
 # Order of the fields of the hyper-parameter tensor: the one table, shared with the C kernel
 # (passed to it as HP_* defines) and the compiled step.
@@ -64,12 +64,18 @@ def grouped_step(
     v_scale: torch.Tensor,
     v_exp: torch.Tensor | None,
     hp: torch.Tensor,
+    keys: torch.Tensor | None = None,
+    sqrt_v: bool = False,
+    sr_m: bool = False,
+    sr_v: bool = False,
 ) -> None:
     """One AdamW step on ``[G, group_size]`` tensors with quantized moments, in place.
 
     ``m_q`` / ``v_q``: fp8 codes ``[G, group_size]``; ``*_scale`` / ``*_exp``: fp32 ``[G]``
-    (``*_exp`` is ``None`` without dynamic range expansion). Every operation is fp32 and in
-    the order the C kernel uses.
+    (``*_exp`` is ``None`` without dynamic range expansion). ``sqrt_v``: the second moment is
+    stored as ``sqrt(v)``. ``sr_m`` / ``sr_v``: stochastic rounding of that moment, with the
+    int64 stream keys ``keys = [key_m, key_v]`` (see :func:`hf_fp8.numerics.coat.random_bits`).
+    Every operation is fp32 and in the order the C kernel uses.
     """
     h = dict(zip(HP_FIELDS, hp.unbind(0), strict=True))
     decay, step_size, w1, beta2 = h["decay"], h["step_size"], h["one_minus_beta1"], h["beta2"]
@@ -77,13 +83,25 @@ def grouped_step(
     g = grad.float()
     m = dequantize_groups(m_q, m_scale, m_exp)
     v = dequantize_groups(v_q, v_scale, v_exp)
+    if sqrt_v:
+        v = v * v
     m = m + w1 * (g - m)
     v = v * beta2 + w2 * g * g
-    denom = _sqrt_rn(v) * inv_bc2 + eps
+    root = _sqrt_rn(v)
+    denom = root * inv_bc2 + eps
     param.copy_(param.float() * decay - step_size * m / denom)
     expand = m_exp is not None
-    for new, q, scale, exp in ((m, m_q, m_scale, m_exp), (v, v_q, v_scale, v_exp)):
-        q_new, scale_new, exp_new = quantize_groups(new, q.dtype, dynamic_range_expansion=expand)
+    stored_v = root if sqrt_v else v
+    moments = ((m, m_q, m_scale, m_exp, sr_m, 0), (stored_v, v_q, v_scale, v_exp, sr_v, 1))
+    for new, q, scale, exp, sr, which in moments:
+        bits = None
+        if sr:
+            if keys is None:
+                raise ValueError("stochastic rounding needs the stream keys")
+            bits = random_bits(keys[which], new.shape)
+        q_new, scale_new, exp_new = quantize_groups(
+            new, q.dtype, dynamic_range_expansion=expand, stochastic_bits=bits
+        )
         q.copy_(q_new)
         scale.copy_(scale_new)
         if exp is not None and exp_new is not None:
@@ -112,11 +130,13 @@ def run_grouped(
     hp: torch.Tensor,
     group_size: int,
     mark_dynamic: bool = False,
+    **options,
 ) -> None:
     """Call ``fn`` (:func:`grouped_step` or a compiled version) on a ``[rows, cols]`` parameter.
 
     ``states`` are ``(m_q [rows, Cp], m_scale [rows, Gc], m_exp, v_q, v_scale, v_exp)``.
-    Rows that do not fill whole groups are padded in temporary copies.
+    Rows that do not fill whole groups are padded in temporary copies. ``options`` go to
+    ``fn`` (``keys``, ``sqrt_v``, ``sr_m``, ``sr_v``).
     """
     rows, cols = param2d.shape
     m_q, m_scale, m_exp, v_q, v_scale, v_exp = states
@@ -135,7 +155,7 @@ def run_grouped(
         for t in (p, g, *flat):
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-    fn(p, g, *flat, hp)
+    fn(p, g, *flat, hp, **options)
     if not aligned:
         param2d.copy_(p.view(rows, -1)[:, :cols])
 

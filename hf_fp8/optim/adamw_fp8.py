@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from hf_fp8.numerics import coat
 from hf_fp8.numerics.formats import fp8_dtype
 from hf_fp8.optim import _cpu_kernel, _step
 from hf_fp8.optim._layout import (
@@ -35,13 +36,15 @@ from hf_fp8.optim._layout import (
     new_quantized_state,
     quantizable_placements,
     quantized_states,
+    row_offset,
 )
 from hf_fp8.optim._state_check import OptimizerStateError, validated_state, wants_quantized
 
 IMPLEMENTATIONS = ("auto", "cpu_kernel", "compile", "reference")
 DEFAULT_MIN_QUANTIZE_NUMEL = 4096
 # Options that define the state format: loading a state saved with others is an error.
-FORMAT_OPTIONS = ("group_size", "fp8_format", "dynamic_range_expansion")
+FORMAT_OPTIONS = ("group_size", "fp8_format", "dynamic_range_expansion", "sqrt_second_moment")
+STOCHASTIC_ROUNDING = (False, True, "exp_avg_sq")
 
 
 class AdamWFp8(Optimizer):
@@ -57,6 +60,14 @@ class AdamWFp8(Optimizer):
         fp8_format: ``"e4m3"`` (default) or ``"e5m2"``.
         min_quantize_numel: tensors with fewer elements (and all 1-D tensors) keep fp32
             states.
+        stochastic_rounding: ``True``: both stored moments are cast to fp8 with stochastic
+            rounding (unbiased: slow changes are kept in expectation); ``"exp_avg_sq"``: the
+            second moment only; ``False``: round-to-nearest. Reproducible: the random bits
+            are a hash of (``seed``, step, parameter index, element), so a resumed or
+            FSDP2-sharded run draws the same bits.
+        sqrt_second_moment: store ``sqrt(v)`` instead of ``v`` (half the log-range; free: the
+            step computes the root anyway).
+        seed: seed of the stochastic rounding streams.
         amsgrad: must be ``False`` (not supported).
         implementation: ``"auto"`` (fused C kernel for CPU tensors, else ``torch.compile``
             of the reference step, falling back to the reference if compilation fails),
@@ -87,6 +98,9 @@ class AdamWFp8(Optimizer):
         group_size: int = 128,
         fp8_format: str = "e4m3",
         min_quantize_numel: int = DEFAULT_MIN_QUANTIZE_NUMEL,
+        stochastic_rounding: bool | str = False,
+        sqrt_second_moment: bool = False,
+        seed: int = 0,
         amsgrad: bool = False,
         implementation: str = "auto",
     ) -> None:
@@ -108,6 +122,9 @@ class AdamWFp8(Optimizer):
             "group_size": group_size,
             "fp8_format": fp8_format,
             "min_quantize_numel": min_quantize_numel,
+            "stochastic_rounding": stochastic_rounding,
+            "sqrt_second_moment": sqrt_second_moment,
+            "seed": seed,
         }
         _validate_group(defaults)
         super().__init__(params, defaults)
@@ -144,11 +161,12 @@ class AdamWFp8(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for group in self.param_groups:
-            self._step_group(group)
+            self._step_group(group, index)
         return loss
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _step_group(self, group: dict[str, Any], index: dict[torch.Tensor, int]) -> None:
         beta1, beta2 = group["betas"]
         fp32: dict[torch.device, dict[str, list]] = {}  # per device: foreach needs one
         batch = _cpu_kernel.Batch()
@@ -177,7 +195,8 @@ class AdamWFp8(Optimizer):
             key = (step, param.device)
             if key not in hp_cache:
                 hp_cache[key] = _step.hyperparams(group, step, param.device)
-            self._quantized_step(param, grad, states, hp_cache[key], group, batch)
+            keys = _stream_keys(group, int(step), index[p], p, states[0].shape[1])
+            self._quantized_step(param, grad, states, hp_cache[key], group, batch, keys)
         batch.run()
         lr = group["lr"]
         for lists in fp32.values():
@@ -202,31 +221,42 @@ class AdamWFp8(Optimizer):
         hp: torch.Tensor,
         group: dict[str, Any],
         batch: _cpu_kernel.Batch,
+        keys: tuple[int, int],
     ) -> None:
         rows = param.shape[0]
         cols = param.numel() // rows
         gs = group["group_size"]
         expand = group["dynamic_range_expansion"]
+        options = step_options(group)
         work = param if param.is_contiguous() else param.contiguous()
-        impl = self._resolve(work, grad, states, expand)
+        impl = self._resolve(work, grad, states, expand, options)
         if impl == "cpu_kernel":  # queued: one kernel call per group and variant
-            batch.add(work, grad, states, hp, cols, gs, expand, copy_to=param)
+            batch.add(work, grad, states, hp, cols, gs, expand, copy_to=param, keys=keys, **options)
             return
         p2d, g2d = work.view(rows, cols), grad.reshape(rows, cols)
+        if options["sr_m"] or options["sr_v"]:
+            options["keys"] = torch.tensor(keys, dtype=torch.int64, device=param.device)
         done = False
         if impl == "compile":
             try:
-                _step.run_grouped(self._compiled_fn(), p2d, g2d, states, hp, gs, True)
+                _step.run_grouped(self._compiled_fn(), p2d, g2d, states, hp, gs, True, **options)
                 done = True
             except Exception as exc:  # compilation failed: reference from now on
                 self._warn_once("compile", f"torch.compile failed ({exc!r}); using the reference")
                 self.implementation = "reference"
         if not done:
-            _step.run_grouped(_step.grouped_step, p2d, g2d, states, hp, gs)
+            _step.run_grouped(_step.grouped_step, p2d, g2d, states, hp, gs, **options)
         if work is not param:
             param.copy_(work)
 
-    def _resolve(self, param: torch.Tensor, grad: torch.Tensor, states: tuple, expand: bool) -> str:
+    def _resolve(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        states: tuple,
+        expand: bool,
+        options: dict[str, bool],
+    ) -> str:
         impl = self.implementation
         if impl in ("auto", "cpu_kernel"):
             why = None
@@ -236,7 +266,9 @@ class AdamWFp8(Optimizer):
                     f"{param.device.type} with a {grad.dtype} gradient"
                 )
             else:
-                variant = _cpu_kernel.variant(param.dtype, grad.dtype, states[0].dtype, expand)
+                variant = _cpu_kernel.variant(
+                    param.dtype, grad.dtype, states[0].dtype, expand, **options
+                )
                 if _cpu_kernel.load(variant):
                     return "cpu_kernel"
                 why = _cpu_kernel.error(variant)
@@ -282,6 +314,26 @@ class AdamWFp8(Optimizer):
             )
         else:
             state.update(new_fp32_state(p))
+
+    @torch.no_grad()
+    def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(exp_avg, exp_avg_sq)`` of ``p`` (its local shard), dequantized if stored in FP8
+        (``exp_avg_sq`` is squared back when stored as its root)."""
+        state = self.state[p]
+        loc = local(p)
+        if not is_quantized_state(state):
+            return local(state["exp_avg"]).float(), local(state["exp_avg_sq"]).float()
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        rows = loc.shape[0]
+        out = []
+        for name in ("exp_avg", "exp_avg_sq"):
+            scale = local(state[f"{name}_scale"])
+            exp = state.get(f"{name}_exponent")
+            q = local(state[f"{name}_fp8"]).view(rows, scale.shape[1], -1)
+            x = coat.dequantize_groups(q, scale, None if exp is None else local(exp))
+            out.append(x.view(rows, -1)[:, : loc.numel() // max(rows, 1)].reshape(loc.shape))
+        m, v = out
+        return m, v * v if group["sqrt_second_moment"] else v
 
     # ------------------------------------------------------------ state dict
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -354,6 +406,8 @@ class AdamWFp8(Optimizer):
             )
         merged = []
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if "group_size" in saved:  # an AdamWFp8 state from before an option existed
+                saved = {"sqrt_second_moment": False, **saved}
             for option in FORMAT_OPTIONS:
                 if option in saved and saved[option] != group[option]:
                     raise ValueError(
@@ -377,6 +431,25 @@ class AdamWFp8(Optimizer):
         return merged
 
 
+def step_options(group: dict[str, Any]) -> dict[str, bool]:
+    """The per-group options of the quantized step (flags of the C kernel)."""
+    sr = group["stochastic_rounding"]
+    return {"sqrt_v": bool(group["sqrt_second_moment"]), "sr_m": sr is True, "sr_v": bool(sr)}
+
+
+def _stream_keys(
+    group: dict[str, Any], step: int, index: int, p: torch.Tensor, padded_cols: int
+) -> tuple[int, int]:
+    """uint32 stochastic-rounding keys of both moments of ``p``'s local rows at ``step``."""
+    if not group["stochastic_rounding"]:
+        return (0, 0)
+    first = row_offset(p) * padded_cols  # a shard's first element in the full state
+    return tuple(  # type: ignore[return-value]
+        (coat.stream_key(group["seed"], step, index, moment) + first) & coat.MASK32
+        for moment in (0, 1)
+    )
+
+
 def _validate_group(group: dict[str, Any]) -> None:
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
@@ -397,6 +470,18 @@ def _validate_group(group: dict[str, Any]) -> None:
     fp8_dtype(group["fp8_format"])  # raises with the accepted names
     if not isinstance(group["dynamic_range_expansion"], bool):
         raise ValueError("dynamic_range_expansion must be a bool")
+    if group["stochastic_rounding"] not in STOCHASTIC_ROUNDING or (
+        not isinstance(group["stochastic_rounding"], (bool, str))
+    ):
+        raise ValueError(
+            f"stochastic_rounding must be one of {STOCHASTIC_ROUNDING}, "
+            f"got {group['stochastic_rounding']!r}"
+        )
+    if not isinstance(group["sqrt_second_moment"], bool):
+        raise ValueError("sqrt_second_moment must be a bool")
+    seed = group["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     n = group["min_quantize_numel"]
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"min_quantize_numel must be an int >= 0, got {n!r}")

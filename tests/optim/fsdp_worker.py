@@ -24,7 +24,14 @@ from torch.distributed.fsdp import fully_shard
 from hf_fp8.optim import AdamWFp8
 
 STEPS_BEFORE, STEPS_AFTER = 3, 2
-OPTIM_KWARGS = {"lr": 1e-2, "weight_decay": 0.01, "min_quantize_numel": 1024}
+# stochastic rounding on: the ranks must draw the bits of their rows in the full tensor
+OPTIM_KWARGS = {
+    "lr": 1e-2,
+    "weight_decay": 0.01,
+    "min_quantize_numel": 1024,
+    "stochastic_rounding": True,
+    "sqrt_second_moment": True,
+}
 
 
 def build_model() -> nn.Module:

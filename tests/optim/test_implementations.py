@@ -51,7 +51,9 @@ def adversarial_grads(params: list[torch.Tensor], step: int, grad_dtype: torch.d
         p.grad = grad.to(grad_dtype)
 
 
-def run(implementation: str, param_dtype, grad_dtype, fp8_format: str, expand: bool, steps=4):
+def run(
+    implementation: str, param_dtype, grad_dtype, fp8_format: str, expand: bool, steps=4, **options
+):
     g = torch.Generator().manual_seed(0)
     params = [
         torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(param_dtype)) for s in SHAPES
@@ -62,6 +64,7 @@ def run(implementation: str, param_dtype, grad_dtype, fp8_format: str, expand: b
         dynamic_range_expansion=expand,
         implementation=implementation,
         **HP,
+        **options,
     )
     for step in range(steps):
         adversarial_grads(params, step, grad_dtype)
@@ -103,6 +106,48 @@ def test_cpu_kernel_is_bit_identical_to_reference(
     quantized = [p for p in kernel[0] if QUANT_KEYS[0] in kernel[1].state[p]]
     assert len(quantized) == 4  # the 1-D tensor keeps fp32 states
     assert len(count_launches) == 4 * 4  # every quantized parameter, every step, in C
+
+
+OPTIONS = [
+    {"stochastic_rounding": True},
+    {"stochastic_rounding": "exp_avg_sq", "sqrt_second_moment": True},
+    {"sqrt_second_moment": True},
+    {"stochastic_rounding": True, "sqrt_second_moment": True, "seed": 7},
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
+@pytest.mark.parametrize(
+    ("param_dtype", "grad_dtype", "fp8_format", "expand"),
+    [
+        (torch.float32, torch.float32, "e4m3", True),
+        (torch.bfloat16, torch.float32, "e5m2", True),
+        (torch.float32, torch.bfloat16, "e4m3", False),
+    ],
+)
+def test_cpu_kernel_options_are_bit_identical_to_reference(
+    param_dtype, grad_dtype, fp8_format, expand, options, count_launches
+):
+    reference = run("reference", param_dtype, grad_dtype, fp8_format, expand, **options)
+    kernel = run("cpu_kernel", param_dtype, grad_dtype, fp8_format, expand, **options)
+    assert_bit_identical(reference, kernel)
+    assert len(count_launches) == 4 * 4
+
+
+@needs_kernel
+def test_stochastic_rounding_draws_other_bits_per_seed_and_step():
+    """Different seeds give different codes; the same seed is reproducible."""
+    a = run("cpu_kernel", torch.float32, torch.float32, "e4m3", True, stochastic_rounding=True)
+    b = run("cpu_kernel", torch.float32, torch.float32, "e4m3", True, stochastic_rounding=True)
+    c = run(
+        "cpu_kernel", torch.float32, torch.float32, "e4m3", True, stochastic_rounding=True, seed=1
+    )
+    assert_bit_identical(a, b)
+    codes = [o[1].state[o[0][0]]["exp_avg_sq_fp8"].view(torch.uint8) for o in (a, c)]
+    assert not torch.equal(*codes)
 
 
 @needs_kernel

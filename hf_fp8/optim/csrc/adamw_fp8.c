@@ -108,6 +108,33 @@ AI uint16_t f_to_bf16(float f) {
     return (uint16_t)(((u & 0x7FFFFFFFu) > INF_BITS) ? 0x7FC0u : r);
 }
 
+/* Wellons' lowbias32: the counter-based hash of coat.hash32 (multipliers from Python). */
+AI uint32_t hash32(uint32_t x) {
+    x ^= x >> 16;
+    x *= (uint32_t)HASH_MUL0;
+    x ^= x >> 15;
+    x *= (uint32_t)HASH_MUL1;
+    x ^= x >> 16;
+    return x;
+}
+
+/* coat.stochastic_round_magnitude: a (0 <= a <= F) to an fp8 value, up with probability
+   proportional to the distance, from the random bits r. */
+AI float sr_mag(float a, uint32_t r, const int E5) {
+    const uint32_t mask = E5 ? ((1u << E5M2_SR_DROP) - 1u) : ((1u << E4M3_SR_DROP) - 1u);
+    const float F = E5 ? E5M2_MAX : E4M3_MAX;
+    const float steps = E5 ? E5M2_SR_STEPS : E4M3_SR_STEPS;
+    const float inv_steps = E5 ? E5M2_SR_INV_STEPS : E4M3_SR_INV_STEPS;
+    const float unit = E5 ? E5M2_SR_UNIT : E4M3_SR_UNIT;
+    const float min_normal = E5 ? E5M2_SR_MIN_NORMAL : E4M3_SR_MIN_NORMAL;
+    uint32_t low = r & mask;
+    float normal = b2f((f2b(a) + low) & ~mask);
+    float u = (float)(int32_t)low * unit;
+    float sub = floorf(a * steps + u) * inv_steps;
+    float out = (a < min_normal) ? sub : normal;
+    return (out > F) ? F : out;
+}
+
 AI float expansion_k(float amax, float amin, float steps) {
     int valid = amax >= FLT_MIN_F;
     float lr = flog2(valid ? amax : 1.0f) - flog2(valid ? amin : 1.0f);
@@ -122,7 +149,8 @@ AI float expansion_k(float amax, float amin, float steps) {
 /* Quantize one group held in fp32 in buf[0:n] with its exponent k and log2(amax) (EX) or
    its amax (plain); codes n..gs-1 are set to 0. */
 AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
-                float k, float lmax, float amax, const int E5, const int EX) {
+                float k, float lmax, float amax, uint32_t key, const int E5, const int EX,
+                const int SR) {
     const float F = E5 ? E5M2_MAX : E4M3_MAX;
     const float LOG2F = E5 ? E5M2_LOG2MAX : E4M3_LOG2MAX;
     int valid = amax >= FLT_MIN_F;
@@ -137,6 +165,7 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
             float mag = fexp2_nc(y);
             mag = nz ? mag : 0.0f;
             mag = (mag > F) ? F : mag;
+            if (SR) mag = sr_mag(mag, hash32(key + (uint32_t)i), E5);
             q[i] = enc_fp8(copysignf(mag, x), E5);
         }
     } else {
@@ -146,6 +175,7 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
             float v = valid ? buf[i] / ss : 0.0f;
             v = (v < -F) ? -F : v;
             v = (v > F) ? F : v;
+            if (SR) v = copysignf(sr_mag(fabsf(v), hash32(key + (uint32_t)i), E5), v);
             q[i] = enc_fp8(v, E5);
         }
     }
@@ -184,7 +214,8 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
                      const uint8_t* restrict qv, float* restrict m_out, float* restrict v_out,
                      float sm, float sv, float ik_m, float b_m, float ik_v, float b_v,
                      const float* restrict hp, int64_t n, uint32_t* restrict red,
-                     const int PB, const int GB, const int E5, const int EX, const int CLAMP) {
+                     const int PB, const int GB, const int E5, const int EX, const int SQ,
+                     const int CLAMP) {
     const float decay = hp[HP_DECAY], step_size = hp[HP_STEP_SIZE], w1 = hp[HP_ONE_MINUS_BETA1];
     const float b2 = hp[HP_BETA2], w2 = hp[HP_ONE_MINUS_BETA2];
     const float eps = hp[HP_EPS], inv_bc2s = hp[HP_INV_BC2];
@@ -209,16 +240,19 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
             mo = qmf * sm;
             vo = qvf * sv;
         }
+        if (SQ) vo = vo * vo; /* the second moment is stored as sqrt(v) */
         float g = GB ? bf16_to_f(gbf[i]) : g32[i];
         float p = PB ? bf16_to_f(pbf[i]) : p32[i];
         float mn = mo + w1 * (g - mo);
         float vn = vo * b2 + w2 * g * g;
-        float den = sqrtf(vn) * inv_bc2s + eps;
+        float rt = sqrtf(vn);
+        float den = rt * inv_bc2s + eps;
         float pn = p * decay - step_size * mn / den;
         if (PB) pbf[i] = f_to_bf16(pn); else p32[i] = pn;
         m_out[i] = mn;
-        v_out[i] = vn;
-        uint32_t a = f2b(mn) & 0x7FFFFFFFu, b = f2b(vn) & 0x7FFFFFFFu;
+        float vs_ = SQ ? rt : vn;
+        v_out[i] = vs_;
+        uint32_t a = f2b(mn) & 0x7FFFFFFFu, b = f2b(vs_) & 0x7FFFFFFFu;
         amx = (a > amx) ? a : amx;
         avx = (b > avx) ? b : avx;
         uint32_t an = (a >= FLT_MIN_BITS) ? a : INF_BITS;
@@ -234,7 +268,8 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
 /* A task is T_FIELDS int64 (pointers, sizes, flags: see T_* in _cpu_kernel.TASK_FIELDS).
    Groups lo..hi-1 of the task; mb / vb hold CHUNK * group_size floats. */
 AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
-                   float* restrict vb, const int PB, const int GB, const int E5, const int EX) {
+                   float* restrict vb, const int PB, const int GB, const int E5, const int EX,
+                   const int SQ, const int SRM, const int SRV) {
     const float F = E5 ? E5M2_MAX : E4M3_MAX;
     const float LOG2F = E5 ? E5M2_LOG2MAX : E4M3_LOG2MAX;
     const float STEPS = E5 ? E5M2_STEPS : E4M3_STEPS;
@@ -249,6 +284,7 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
     float* vs = (float*)(intptr_t)t[T_V_S];
     float* vk = (float*)(intptr_t)t[T_V_K];
     const float* hp = (const float*)(intptr_t)t[T_HP];
+    const uint32_t key_m = (uint32_t)t[T_KEY_M], key_v = (uint32_t)t[T_KEY_V];
     const float LOG2_MIN_CODE = E5 ? -16.0f : -9.0f; /* flog2 of the smallest positive code */
     const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
     for (int64_t g0 = lo; g0 < hi; g0 += CHUNK) {
@@ -274,21 +310,22 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
             if (clamp)
                 update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
                              mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
-                             bv[j], hp, n, red, PB, GB, E5, EX, 1);
+                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 1);
             else
                 update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
                              mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
-                             bv[j], hp, n, red, PB, GB, E5, EX, 0);
+                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 0);
             mmax[j] = red[0]; mmin[j] = red[1]; vmax[j] = red[2]; vmin[j] = red[3];
         }
         float km[CHUNK], kv[CHUNK], lm[CHUNK], lv[CHUNK], am[CHUNK], av[CHUNK];
         quant_consts(mmax, mmin, ms + g0, EX ? mk + g0 : NULL, am, km, lm, nb, F, STEPS, EX);
         quant_consts(vmax, vmin, vs + g0, EX ? vk + g0 : NULL, av, kv, lv, nb, F, STEPS, EX);
         for (int j = 0; j < nb; ++j) {
+            const uint32_t e0 = (uint32_t)((g0 + j) * gs); /* flat index of the group */
             requant(mb + j * gs, mq + (g0 + j) * gs, nn[j], gs, EX ? km[j] : 0.0f,
-                    EX ? lm[j] : 0.0f, am[j], E5, EX);
+                    EX ? lm[j] : 0.0f, am[j], key_m + e0, E5, EX, SRM);
             requant(vb + j * gs, vq + (g0 + j) * gs, nn[j], gs, EX ? kv[j] : 0.0f,
-                    EX ? lv[j] : 0.0f, av[j], E5, EX);
+                    EX ? lv[j] : 0.0f, av[j], key_v + e0, E5, EX, SRV);
         }
     }
 }
@@ -296,7 +333,9 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
 /* One variant per library: VARIANT is a combination of the FLAG_* bits. */
 static int dispatch(const int64_t* t, int64_t lo, int64_t hi, float* mb, float* vb) {
     run_groups(t, lo, hi, mb, vb, (VARIANT & FLAG_P_BF16) != 0, (VARIANT & FLAG_G_BF16) != 0,
-               (VARIANT & FLAG_E5M2) != 0, (VARIANT & FLAG_EXPAND) != 0);
+               (VARIANT & FLAG_E5M2) != 0, (VARIANT & FLAG_EXPAND) != 0,
+               (VARIANT & FLAG_SQRT_V) != 0, (VARIANT & FLAG_SR_M) != 0,
+               (VARIANT & FLAG_SR_V) != 0);
     return 0;
 }
 
