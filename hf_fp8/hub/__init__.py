@@ -1,4 +1,4 @@
-"""Sharing: model cards (``model_cards/``), uploads, export with a card."""
+"""Sharing: model cards (``hub/templates/``), uploads, export with a card."""
 
 from hf_fp8.hub.card import read_card_info, render_model_card, write_model_card
 from hf_fp8.hub.card_info import CardInfo, info_from_model, info_from_summary

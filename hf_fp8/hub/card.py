@@ -1,11 +1,11 @@
-"""Model cards: render ``model_cards/hf_fp8_model_card.md.j2`` (Jinja2), embed the facts so
-a later push can re-render them, and respect cards the user wrote."""
+"""Model cards: render ``hf_fp8/hub/templates/hf_fp8_model_card.md.j2`` (Jinja2, package data),
+embed the facts so a later push can re-render them, and respect cards the user wrote."""
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterable
+from importlib import resources
 from pathlib import Path
 
 import jinja2
@@ -37,13 +37,18 @@ _LIBRARY = {"hf_fp8": "hf-fp8"}
 _FORMAT_TAGS = {"compressed-tensors": ["compressed-tensors", "vllm"], "vllm-fp8": ["vllm"]}
 
 
-def template_dirs() -> list[Path]:
-    """Where templates are looked for: the source tree's ``model_cards/``, then
-    ``<prefix>/share/hf-fp8/model_cards`` (a wheel's data files)."""
-    return [
-        Path(__file__).resolve().parents[2] / "model_cards",
-        Path(sys.prefix) / "share" / "hf-fp8" / "model_cards",
-    ]
+def default_template() -> str:
+    """Text of the built-in card template, package data of ``hf_fp8.hub``
+    (``hf_fp8/hub/templates/``), read with ``importlib.resources``: works from any install
+    (``--user``, ``--prefix``, ``--target``, zip)."""
+    resource = resources.files("hf_fp8.hub").joinpath("templates", TEMPLATE_NAME)
+    try:
+        return resource.read_text(encoding="utf-8")
+    except (FileNotFoundError, OSError) as exc:
+        raise FileNotFoundError(
+            f"hf-fp8's model card template {TEMPLATE_NAME} is missing from the installed "
+            f"package ({exc}): reinstall hf-fp8, or pass template=PATH"
+        ) from exc
 
 
 def _load_template(template: str | os.PathLike | None) -> jinja2.Template:
@@ -51,17 +56,11 @@ def _load_template(template: str | os.PathLike | None) -> jinja2.Template:
         path = Path(template)
         if not path.is_file():
             raise FileNotFoundError(f"model card template {path} does not exist")
-        search, name = [str(path.parent)], path.name
+        source, name = path.read_text(encoding="utf-8"), path.name
     else:
-        search = [str(d) for d in template_dirs() if (d / TEMPLATE_NAME).is_file()]
-        name = TEMPLATE_NAME
-        if not search:
-            raise FileNotFoundError(
-                f"model card template {TEMPLATE_NAME} not found in "
-                f"{[str(d) for d in template_dirs()]}: reinstall hf-fp8 or pass template=PATH"
-            )
+        source, name = default_template(), TEMPLATE_NAME
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(search),
+        loader=jinja2.DictLoader({name: source}),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,

@@ -22,7 +22,7 @@ MINILM_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 @dataclass
 class CardInfo:
-    """Everything ``model_cards/`` templates use; JSON round-trips (embedded in the card)."""
+    """Everything the card templates (``hub/templates/``) use; JSON round-trips (embedded in the card)."""
 
     format: str = "hf_fp8"
     architecture: str | None = None

@@ -40,12 +40,16 @@ def test_card_renders_for_every_scheme(scheme, tiny_model_dir):
     assert data["base_model"] == "hf-fp8-tests/tiny-llama"
     assert data["base_model_relation"] == "quantized"
     text = card.text
+    # the first lines say how to load, what happens without hf-fp8, and where to go instead
+    first = text.split("## Quantization")[0]
     for line in (
-        "pip install hf-fp8",
-        "import hf_fp8",
-        f'AutoModelForCausalLM.from_pretrained("{REPO}")',
+        "`pip install hf-fp8`",
+        f'`AutoModelForCausalLM.from_pretrained("{REPO}")`',
+        "`Unknown quantization type, got hf_fp8 ... we will skip the quantization`",
+        f"`hf-fp8 export {REPO} --format compressed-tensors --out tiny-llama-fp8-compressed-tensors`",
     ):
-        assert line in text
+        assert line in first, line
+    assert f'AutoModelForCausalLM.from_pretrained("{REPO}")' in text.split("## How to load")[1]
     assert info.scheme_text.split(":")[0] in text  # the scheme name
     assert "| Kept in high precision (float32) | `lm_head` |" in text
     assert f"| FP8 linear layers | {info.fp8_layers} |" in text
