@@ -121,7 +121,15 @@ def _build(path: str) -> ctypes.CDLL:
     lib.fp8_gemv.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr]
     lib.fp8_gemv.argtypes += [i64, i64, i64, i64]
     lib.fp8_decode.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64]
-    for fn in (lib.fp8_gemv, lib.fp8_decode, lib.fp8_kernel_path, lib.fp8_cpu_ok):
+    lib.fp8_quant_act.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, i64]
+    lib.fp8_quant_act.argtypes += [i64]
+    for fn in (
+        lib.fp8_gemv,
+        lib.fp8_decode,
+        lib.fp8_quant_act,
+        lib.fp8_kernel_path,
+        lib.fp8_cpu_ok,
+    ):
         fn.restype = ctypes.c_int
     if lib.fp8_kernel_path() != _PATH_ID[path]:
         raise RuntimeError(f"the {path} CPU kernel library reports another path")
@@ -308,6 +316,44 @@ def decode(
     )  # fmt: skip
     _check(rc == 0, f"fp8_decode failed with code {rc}")
     return out
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    act_dtype: torch.dtype,
+    gran: str,
+    bk: int,
+    out_dtype: torch.dtype,
+    post: bool,
+    path: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The emulation's ``_fake_quant_act`` in C, bit for bit: ``(fp8 values, scale)`` when
+    ``post``, else ``(dequantized values, None)``; ``gran`` is a numerics name."""
+    _check(
+        x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.is_contiguous(),
+        f"activation must be contiguous 2-D float32 / bf16, got {tuple(x.shape)} {x.dtype}",
+    )
+    _check(act_dtype in FORMATS and gran in GRANULARITIES and bk >= 1, "activation recipe")
+    _check(out_dtype in _OUT, f"activation output dtype {out_dtype}")
+    m, k = x.shape
+    kb = -(-k // bk)
+    if input_scale is not None:
+        _check(gran == "tensor" and input_scale.numel() == 1, "a static scale is per tensor")
+        scale = input_scale.detach().float().reshape(1).contiguous().clone()
+    else:
+        scale = torch.empty({"tensor": (1,), "row": (m, 1), "block": (m, kb)}[gran])
+    _check(k >= 2, "K must be at least 2 (the tensor amax is reduced through the output)")
+    out = torch.empty(m, k, dtype=out_dtype)
+    lib = library(path)
+    _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
+    rc = lib.fp8_quant_act(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, GRANULARITIES[gran], bk,
+        FORMATS[act_dtype], scale.data_ptr(), int(input_scale is not None), out.data_ptr(),
+        _OUT[out_dtype], int(post), torch.get_num_threads(),
+    )  # fmt: skip
+    _check(rc == 0, f"fp8_quant_act failed with code {rc}")
+    return out, (scale if post else None)
 
 
 def _fp8_mm_impl(

@@ -51,10 +51,9 @@ def linear(
             a_dtype = torch.bfloat16 if a_gran != "block" else torch.float32
         a, a_scale, a_kind = x.detach().to(a_dtype).contiguous(), None, None
         if act_dtype is not None:
-            a, a_scale = _emu._fake_quant_act(
-                x.detach(), input_scale, act_dtype=act_dtype, gran=a_gran, bk=bk,
-                out_dtype=a_dtype, post=a_gran != "block",
-            )  # fmt: skip
+            a, a_scale = _quantize_act(
+                x, input_scale, act_dtype, a_gran, bk, a_dtype, a_gran != "block", path
+            )
             a = a.contiguous()
             a_kind = _A_GRAN[a_gran]
             if a_scale is not None:
@@ -69,16 +68,40 @@ def linear(
     a, a_scale, a_post = x.detach().contiguous(), None, False
     if act_dtype is not None:
         a_post = _emu.post_scaled(a_gran, dtype)
-        a, a_scale = _emu._fake_quant_act(
-            x.detach(), input_scale, act_dtype=act_dtype, gran=a_gran, bk=bk,
-            out_dtype=dtype, post=a_post,
-        )  # fmt: skip
+        a, a_scale = _quantize_act(x, input_scale, act_dtype, a_gran, bk, dtype, a_post, path)
         a = a.contiguous()
     b = None if bias is None else bias.detach().contiguous()
     if not (w_post or a_post):
         return cpu_kernel.cpu_fp8_mm(a, w_fp8, w_scale, b, w_gran, bn, bk, path)
     acc = cpu_kernel.cpu_fp8_mm(a, w_fp8, None if w_post else w_scale, None, w_gran, bn, bk, path)
     return _emu._epilogue(acc.float(), a_scale, w_scale if w_post else None, b, dtype)
+
+
+def _quantize_act(
+    x: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    act_dtype: torch.dtype,
+    gran: str,
+    bk: int,
+    out_dtype: torch.dtype,
+    post: bool,
+    path: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The emulation's activation fake-quantization: in C (bit-identical, one pass) where it
+    applies, else the emulation's own torch code (eager, or traced by the user's compile)."""
+    x = x.detach()
+    if (
+        torch.compiler.is_compiling()
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.shape[1] < 2
+        or out_dtype not in (torch.float32, torch.bfloat16)
+    ):
+        return _emu._fake_quant_act(
+            x, input_scale, act_dtype=act_dtype, gran=gran, bk=bk, out_dtype=out_dtype, post=post
+        )
+    return cpu_kernel.quantize_activation(
+        x.contiguous(), input_scale, act_dtype, gran, bk, out_dtype, post, path
+    )
 
 
 def decode_weight(

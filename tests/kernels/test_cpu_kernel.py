@@ -272,3 +272,31 @@ def test_subnormal_codes_are_exact_not_flushed(path, fmt, m) -> None:
             torch.ones(m, k, dtype=dtype), w8, torch.ones(24, 1), None, "row", BLOCK
         )
         assert bool((out == k * tiny).all()), (dtype, out.flatten()[:4])
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("gran", ["tensor", "row", "block", "static"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantization_is_bit_identical_to_the_numerics(path, fmt, gran, x_dtype):
+    """The C fake-quantization against the emulation's torch code: every value, scale and
+    NaN equal; inputs span the subnormal fp8 range, exact ties, saturation and non-finite."""
+    act = FORMATS[fmt]
+    x = torch.randn(9, 133) * torch.logspace(-12, 3, 133)
+    x[1, :40] = torch.arange(40) * 2.0**-10  # subnormal grid points and their midpoints
+    x[2, 5], x[3, 7], x[4, 9], x[5, 0] = float("nan"), float("inf"), -float("inf"), 1e30
+    x[6] = 0.0  # an all-zero token: the scale floor
+    x = x.to(x_dtype)
+    static = gran == "static"
+    input_scale = torch.tensor([0.37]) if static else None
+    ngran = "tensor" if static else gran
+    for out_dtype in (torch.float32, torch.bfloat16):
+        for post in (True, False) if ngran != "block" else (False,):
+            got, got_s = cpu_kernel.quantize_activation(
+                x, input_scale, act, ngran, 32, out_dtype, post, path
+            )
+            want, want_s = emulated._fake_quant_act(
+                x, input_scale, act_dtype=act, gran=ngran, bk=32, out_dtype=out_dtype, post=post
+            )
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+            if post:
+                torch.testing.assert_close(got_s, want_s.float(), rtol=0, atol=0)

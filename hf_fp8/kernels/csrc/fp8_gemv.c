@@ -26,6 +26,7 @@
  * with block weight scales applied to each K-block's partial sum instead. Sizes are
  * trusted: the Python wrapper checks every shape, dtype and contiguity before the call.
  */
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -76,6 +77,13 @@ static void lut_init(void) {
 }
 
 static float dec_factor(int fmt) { return fmt == FMT_E4M3 ? 256.0f : 1.0f; }
+
+AI float bf16_bits_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 AI uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
     uint32_t u;
@@ -542,6 +550,102 @@ int fp8_decode(const uint8_t *w, int64_t rows, int64_t K, int64_t row0, const fl
     int64_t useful = (rows * K) / 262144;
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
     return run_split(decode_worker, &d, sizeof d, rows, nthreads, decode_range);
+}
+
+/* ---------------------------------------------------------------- activation quantization */
+/* hf_fp8.numerics, operation by operation: amax of the finite |x| (per tensor, token or
+ * 1 x bk block), scale = max(amax, 1e-12f) / fp8_max, q = RNE_fp8(clamp(x / scale, +-max))
+ * (NaN for a non-finite x); out = q (post) or q * scale rounded once (block: folded). */
+typedef struct {
+    const void *x;       /* [M, K] fp32 or bf16 */
+    float *scale;        /* [1], [M] or [M, kblocks]: computed, or given (static) */
+    void *out;           /* [M, K] fp32 or bf16 */
+    int64_t M, K, bk, n0, n1;
+    int x_bf16, gran, fmt, out_kind, post, phase, given;
+} quant_t;
+
+AI float load_x(const quant_t *q, int64_t i) {
+    if (q->x_bf16) return bf16_bits_to_f32(((const uint16_t *)q->x)[i]);
+    return ((const float *)q->x)[i];
+}
+
+/* The fp8 value nearest to a finite |x| <= fp8 max, ties to even (as torch's cast). */
+AI float fp8_round(float x, int fmt) {
+    float a = fabsf(x), r;
+    if (a < (fmt == FMT_E4M3 ? 0x1p-6f : 0x1p-14f)) { /* subnormal grid: fixed spacing */
+        float inv = fmt == FMT_E4M3 ? 0x1p9f : 0x1p16f;
+        r = ((a * inv + 12582912.0f) - 12582912.0f) / inv;
+    } else { /* keep 3 (E4M3) or 2 (E5M2) mantissa bits, round half to even */
+        int sh = fmt == FMT_E4M3 ? 20 : 21;
+        uint32_t u;
+        memcpy(&u, &a, 4);
+        u = (u + ((1u << (sh - 1)) - 1u) + ((u >> sh) & 1u)) & ~((1u << sh) - 1u);
+        memcpy(&r, &u, 4);
+    }
+    return copysignf(r, x);
+}
+
+static void *quant_worker(void *arg) {
+    const quant_t *q = (const quant_t *)arg;
+    const float fmax = q->fmt == FMT_E4M3 ? 448.0f : 57344.0f;
+    int64_t kb = (q->K + q->bk - 1) / q->bk, seg = q->gran == GRAN_BLOCK ? q->bk : q->K;
+    for (int64_t m = q->n0; m < q->n1; ++m) {
+        for (int64_t k0 = 0, b = 0; k0 < q->K; k0 += seg, ++b) {
+            int64_t k1 = k0 + seg < q->K ? k0 + seg : q->K;
+            float *sp = q->gran == GRAN_TENSOR ? q->scale : q->gran == GRAN_ROW ? q->scale + m
+                                                                             : q->scale + m * kb + b;
+            if (q->phase == 0) { /* amax -> scale (row, block) or the row's amax (tensor) */
+                float amax = 0.0f;
+                for (int64_t k = k0; k < k1; ++k) {
+                    float v = fabsf(load_x(q, m * q->K + k));
+                    amax = (v <= FLT_MAX && v > amax) ? v : amax; /* skips NaN and inf */
+                }
+                if (q->gran == GRAN_TENSOR) ((float *)q->out)[m] = amax;
+                else *sp = (amax > 1e-12f ? amax : 1e-12f) / fmax;
+                continue;
+            }
+            float scale = *sp;
+            for (int64_t k = k0; k < k1; ++k) {
+                float v = load_x(q, m * q->K + k) / scale;
+                v = v != v || fabsf(v) > FLT_MAX ? NAN : fp8_round(v < -fmax ? -fmax : v > fmax ? fmax : v, q->fmt);
+                if (!q->post) v = v * scale;
+                if (q->out_kind == OUT_BF16) ((uint16_t *)q->out)[m * q->K + k] = f32_to_bf16(v);
+                else ((float *)q->out)[m * q->K + k] = v;
+            }
+        }
+    }
+    return NULL;
+}
+
+static void quant_range(void *p, int64_t n0, int64_t n1) {
+    ((quant_t *)p)->n0 = n0;
+    ((quant_t *)p)->n1 = n1;
+}
+
+/* Fake-quantize an [M, K] activation. scale: [1] (tensor), [M] (row) or [M, ceil(K/bk)]
+ * (block); read when `given` (static), else written. A tensor amax is reduced through
+ * `out` (>= M floats of scratch) before the second pass overwrites it. */
+int fp8_quant_act(const void *x, int64_t x_bf16, int64_t M, int64_t K, int64_t gran,
+                  int64_t bk, int64_t fmt, float *scale, int64_t given, void *out,
+                  int64_t out_kind, int64_t post, int64_t nthreads) {
+    if (M < 1 || K < 1 || bk < 1 || (fmt != 0 && fmt != 1) || gran < 0 || gran > 2) return -1;
+    if (gran == GRAN_TENSOR && !given && out_kind != OUT_F32 && K < 2) return -1;
+    quant_t q = {x, scale, out, M, K, bk, 0, M, (int)x_bf16, (int)gran, (int)fmt,
+                 (int)out_kind, (int)post, 0, (int)given};
+    int64_t useful = (M * K) / 65536;
+    if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
+    if (!given) {
+        float *rowmax = (float *)out; /* tensor: per-row amax in the output buffer */
+        int rc = run_split(quant_worker, &q, sizeof q, M, nthreads, quant_range);
+        if (rc) return rc;
+        if (gran == GRAN_TENSOR) {
+            float amax = 0.0f;
+            for (int64_t m = 0; m < M; ++m) amax = rowmax[m] > amax ? rowmax[m] : amax;
+            scale[0] = (amax > 1e-12f ? amax : 1e-12f) / (fmt == FMT_E4M3 ? 448.0f : 57344.0f);
+        }
+    }
+    q.phase = 1;
+    return run_split(quant_worker, &q, sizeof q, M, nthreads, quant_range);
 }
 
 /* The path this library was built for (checked by the loader). */
