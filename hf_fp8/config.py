@@ -1,16 +1,26 @@
-"""``Fp8Config``: the one FP8 recipe, for ``from_pretrained`` and ``quantize_model`` alike."""
+"""``Fp8Config``: the one FP8 recipe, for ``from_pretrained`` and ``quantize_model`` alike.
+
+Strings in, one typed ``Fp8Recipe`` inside (``config.recipe``), plain JSON on disk.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
+import inspect
+import math
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from hf_fp8.kernels import check_kernel
-from hf_fp8.modules import default_activation_granularity, validate_scheme
-from hf_fp8.numerics import SCALE_METHODS, fp8_dtype
+from hf_fp8.recipe import Fp8Recipe, Kernel, parse
 
 QUANT_METHOD = "hf_fp8"
+
+# Fields transformers may set on a loaded config: ``from_pretrained(fp8_dir,
+# quantization_config=Fp8Config(dequantize=True))`` copies ``get_loading_attributes()`` onto
+# the checkpoint's config with ``setattr`` (``AutoHfQuantizer.merge_quantization_configs``).
+LOADING_ATTRIBUTES = ("dequantize", "kernel")
 
 
 class Fp8Config(QuantizationConfigMixin):
@@ -38,6 +48,11 @@ class Fp8Config(QuantizationConfigMixin):
             (per-group clipping that minimises the weight's squared error; slower to
             quantize, same format on disk).
         dequantize: load an FP8 checkpoint back into high precision.
+
+    The config is immutable after construction: build a variant with
+    :meth:`replace`. Only the loading attributes ``dequantize`` and ``kernel`` may be
+    assigned (transformers does so when ``from_pretrained`` gets a config for an FP8
+    checkpoint); they are validated like the constructor's arguments.
     """
 
     def __init__(
@@ -58,59 +73,108 @@ class Fp8Config(QuantizationConfigMixin):
     ) -> None:
         if quant_method != QUANT_METHOD:
             raise ValueError(f"quant_method must be {QUANT_METHOD!r}, got {quant_method!r}")
-        self.quant_method = QUANT_METHOD
-        self.activation_scheme = activation_scheme
-        self.weight_granularity = weight_granularity
-        if activation_granularity is None and activation_scheme in (
-            "dynamic",
-            "static",
-            "weight_only",
-        ):
-            activation_granularity = default_activation_granularity(
-                activation_scheme, weight_granularity
-            )
-        self.activation_granularity = activation_granularity
-        self.fp8_format = fp8_format
-        self.block_size = [int(b) for b in block_size]
-        self.modules_to_not_convert = (
-            None if modules_to_not_convert is None else list(modules_to_not_convert)
+        recipe = Fp8Recipe.resolve(
+            activation_scheme,
+            weight_granularity=weight_granularity,
+            activation_granularity=activation_granularity,
+            fp8_format=fp8_format,
+            block_size=block_size,
+            kernel=kernel,
+            weight_scale_method=weight_scale_method,
         )
-        self.activation_scale = None if activation_scale is None else float(activation_scale)
-        self.activation_scales = (
-            {str(k): float(v) for k, v in activation_scales.items()} if activation_scales else None
-        )
-        self.kernel = kernel
-        self.weight_scale_method = weight_scale_method
-        self.dequantize = bool(dequantize)
-        self.post_init()
-
-    def post_init(self) -> None:
-        """Validate every field; errors name the accepted values."""
-        validate_scheme(
-            self.activation_scheme, self.weight_granularity, self.activation_granularity
-        )
-        fp8_dtype(self.fp8_format)
-        check_kernel(self.kernel)
-        if self.weight_scale_method not in SCALE_METHODS:
-            raise ValueError(
-                f"weight_scale_method={self.weight_scale_method!r} is not supported; use one "
-                f"of {SCALE_METHODS}"
-            )
-        if len(self.block_size) != 2 or min(self.block_size) < 1:
-            raise ValueError(
-                f"block_size must be two positive ints [rows, cols], got {self.block_size}"
-            )
-        scales = [self.activation_scale, *(self.activation_scales or {}).values()]
-        if any(s is not None and not (s > 0 and s < float("inf")) for s in scales):
+        scales = {
+            "activation_scale": None if activation_scale is None else float(activation_scale),
+            "activation_scales": (
+                {str(k): float(v) for k, v in activation_scales.items()}
+                if activation_scales
+                else None
+            ),
+        }
+        values = [scales["activation_scale"], *(scales["activation_scales"] or {}).values()]
+        if any(v is not None and not (v > 0 and math.isfinite(v)) for v in values):
             raise ValueError("activation scales must be positive finite numbers")
-        if self.activation_scheme != "static" and any(s is not None for s in scales):
+        if not recipe.is_static and any(v is not None for v in values):
             raise ValueError(
                 "activation_scale / activation_scales are only used with activation_scheme='static'"
             )
+        # The JSON fields are plain strings (the recipe's words); ``_recipe`` is not written.
+        self.__dict__.update(
+            quant_method=QUANT_METHOD,
+            **recipe.to_strings(),
+            modules_to_not_convert=(
+                None if modules_to_not_convert is None else list(modules_to_not_convert)
+            ),
+            **scales,
+            dequantize=bool(dequantize),
+            _recipe=recipe,
+        )
+
+    # -- immutability ----------------------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "kernel":
+            kernel = parse(Kernel, value, "kernel")
+            recipe = dataclasses.replace(self._recipe, kernel=kernel)
+            self.__dict__.update(kernel=kernel.value, _recipe=recipe)
+        elif name == "dequantize":
+            self.__dict__["dequantize"] = bool(value)
+        elif name in self.__dict__:
+            raise AttributeError(
+                f"Fp8Config is immutable: build a new one with config.replace({name}=...) "
+                f"(only the loading attributes {LOADING_ATTRIBUTES} may be assigned)"
+            )
+        else:
+            super().__setattr__(name, value)
+
+    def replace(self, **changes: Any) -> Fp8Config:
+        """A new config with ``changes`` applied (validated like the constructor). A new
+        ``activation_scheme`` or ``weight_granularity`` re-defaults ``activation_granularity``
+        unless it is given too."""
+        scheme_changed = {"activation_scheme", "weight_granularity"} & set(changes)
+        if scheme_changed and "activation_granularity" not in changes:
+            changes["activation_granularity"] = None
+        return type(self)(**{**self.to_dict(), **changes})
+
+    @property
+    def recipe(self) -> Fp8Recipe:
+        """The typed, validated scheme every layer of this config uses."""
+        return self._recipe
+
+    # -- JSON --------------------------------------------------------------------------------
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """The keys ``to_dict`` writes and ``from_dict`` accepts."""
+        return tuple(inspect.signature(cls.__init__).parameters)[1:]
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs):
+        """Build from a saved ``quantization_config``; a field this hf-fp8 does not know
+        (written by a newer version) is named in the error."""
+        known = cls.fields()
+        unknown = sorted(set(config_dict) - set(known))
+        if unknown:
+            raise ValueError(
+                f"quantization_config has field(s) {unknown} that hf-fp8 {_version()} does "
+                "not know: the checkpoint was probably written by a newer hf-fp8. Upgrade "
+                "hf-fp8 (pip install -U hf-fp8) to load it."
+            )
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in known}
+        config = cls(**{**config_dict, **overrides})
+        return (config, kwargs) if return_unused_kwargs else config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON fields (plain strings, lists, numbers)."""
+        return {k: _copy(v) for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __iter__(self):
+        yield from self.to_dict().items()
+
+    # -- per module ----------------------------------------------------------------------------
+    def activation_scale_for(self, module_name: str) -> float | None:
+        """The static activation scale given for ``module_name`` (``None``: calibrate)."""
+        return (self.activation_scales or {}).get(module_name, self.activation_scale)
 
     def linear_kwargs(self, module_name: str = "") -> dict[str, Any]:
         """Keyword arguments of ``Fp8Linear`` for the module called ``module_name``."""
-        scale = (self.activation_scales or {}).get(module_name, self.activation_scale)
         return {
             "activation_scheme": self.activation_scheme,
             "weight_granularity": self.weight_granularity,
@@ -118,14 +182,29 @@ class Fp8Config(QuantizationConfigMixin):
             "fp8_format": self.fp8_format,
             "block_size": tuple(self.block_size),
             "kernel": self.kernel,
-            "input_scale": scale,
+            "input_scale": self.activation_scale_for(module_name),
         }
 
     def get_loading_attributes(self) -> dict[str, Any]:
         """Fields a user may override when loading a saved FP8 checkpoint."""
-        return {"dequantize": self.dequantize, "kernel": self.kernel}
+        return {name: getattr(self, name) for name in LOADING_ATTRIBUTES}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Fp8Config) and self.to_dict() == other.to_dict()
 
-    __hash__ = None  # mutable
+    __hash__ = None  # the loading attributes may still be assigned
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("hf-fp8")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value

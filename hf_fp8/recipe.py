@@ -47,10 +47,14 @@ __all__ = [
 
 
 class _Word(str, Enum):
-    """A vocabulary word: compares, hashes, formats and serializes as its string value."""
+    """A vocabulary word: compares, hashes, formats, prints and serializes as its string
+    value (``repr`` too, so ``f"{x!r}"`` in an error message reads ``'e4m3'``)."""
 
     def __str__(self) -> str:
         return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)

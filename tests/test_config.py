@@ -155,3 +155,74 @@ def test_weight_scale_method_is_validated_and_round_trips() -> None:
     assert Fp8Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     with pytest.raises(ValueError, match="absmax"):
         Fp8Config(weight_scale_method="max")
+
+
+def test_json_on_disk_is_unchanged() -> None:
+    """The saved quantization_config keeps its plain-string layout (no recipe object)."""
+    config = Fp8Config("static", weight_granularity="block", activation_scale=0.5)
+    assert json.loads(config.to_json_string(use_diff=False)) == {
+        "quant_method": "hf_fp8",
+        "activation_scheme": "static",
+        "weight_granularity": "block",
+        "activation_granularity": "tensor",
+        "fp8_format": "e4m3",
+        "block_size": [128, 128],
+        "kernel": "auto",
+        "weight_scale_method": "absmax",
+        "modules_to_not_convert": None,
+        "activation_scale": 0.5,
+        "activation_scales": None,
+        "dequantize": False,
+    }
+    assert set(config.to_dict()) == set(Fp8Config.fields())
+    assert dict(config) == config.to_dict()
+
+
+def test_the_recipe_inside_is_resolved_once_and_typed() -> None:
+    config = Fp8Config("dynamic", weight_granularity="block", fp8_format="e5m2")
+    recipe = config.recipe
+    assert recipe.activation_granularity.layout == "block" and recipe.block_size == (128, 128)
+    assert recipe.fp8_format == "e5m2" and config.recipe is recipe
+
+
+def test_config_is_immutable_except_the_loading_attributes() -> None:
+    config = Fp8Config("static", activation_scale=0.5)
+    for field, value in [("activation_scheme", "dynamic"), ("modules_to_not_convert", ["x"]),
+                         ("block_size", [64, 64]), ("activation_scale", 2.0)]:  # fmt: skip
+        with pytest.raises(AttributeError, match=rf"immutable.*replace\({field}="):
+            setattr(config, field, value)
+    assert config.activation_scheme == "static" and config.activation_scale == 0.5
+    config.kernel = "emulated"  # a loading attribute: validated, and the recipe follows
+    assert config.kernel == "emulated" and config.recipe.kernel == "emulated"
+    with pytest.raises(ValueError, match=r"kernel='cuda'.*'auto', 'scaled_mm', 'emulated'"):
+        config.kernel = "cuda"
+    config.dequantize = 1
+    assert config.dequantize is True
+    other = config.replace(activation_scheme="dynamic", activation_scale=None)
+    assert other.recipe.activation_granularity == "token" and config.activation_scheme == "static"
+    assert config.replace(activation_scheme="weight_only", activation_scale=None).recipe == (
+        Fp8Config("weight_only", kernel="emulated").recipe
+    )
+    with pytest.raises(ValueError, match="positive finite"):
+        config.replace(activation_scale=0.0)
+
+
+def test_transformers_overrides_the_loading_attributes_of_a_saved_config() -> None:
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    saved = Fp8Config("dynamic", modules_to_not_convert=["lm_head"]).to_dict()
+    merged = AutoHfQuantizer.merge_quantization_configs(
+        saved, Fp8Config(dequantize=True, kernel="emulated")
+    )
+    assert merged.dequantize is True and merged.kernel == "emulated"
+    assert merged.recipe.kernel == "emulated" and merged.modules_to_not_convert == ["lm_head"]
+
+
+def test_an_unknown_saved_field_names_it_and_says_upgrade() -> None:
+    saved = {**Fp8Config().to_dict(), "expert_granularity": "row", "zz": 1}
+    with pytest.raises(ValueError, match=r"\['expert_granularity', 'zz'\].*[Uu]pgrade hf-fp8"):
+        Fp8Config.from_dict(saved)
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    with pytest.raises(ValueError, match="expert_granularity"):
+        AutoQuantizationConfig.from_dict(saved)

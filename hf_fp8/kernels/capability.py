@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-KERNELS = ("auto", "scaled_mm", "emulated")
+from hf_fp8.recipe import Kernel, parse, values
+
+KERNELS = values(Kernel)
 
 
-def check_kernel(kernel: str) -> str:
-    """Return ``kernel`` if it is one of ``KERNELS``, else raise ``ValueError``."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r} is not supported; use one of {KERNELS}")
-    return kernel
+def check_kernel(kernel: str | Kernel) -> Kernel:
+    """``kernel`` as a :class:`~hf_fp8.recipe.Kernel`, else ``ValueError`` naming the choices."""
+    return parse(Kernel, kernel, "kernel")
 
 
 @torch.compiler.assume_constant_result

@@ -7,50 +7,117 @@ invisible to autograd. Forward numbers are the same with and without autograd.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from hf_fp8.kernels import compiled
-from hf_fp8.kernels.capability import check_kernel
 from hf_fp8.kernels.emulated import _quantize_act, decode_weight, emulated_linear
 from hf_fp8.kernels.scaled_mm import scaled_mm_linear, unsupported_reason
+from hf_fp8.numerics.formats import fp8_dtype, fp8_format_of
+from hf_fp8.recipe import (
+    ActivationGranularity,
+    ActivationScheme,
+    Fp8Recipe,
+    Granularity,
+    Kernel,
+    parse,
+    values,
+)
 
-ACTIVATION_SCHEMES = ("dynamic", "static", "weight_only")
-# activation granularity -> numerics granularity
-_ACT_TO_NUMERICS = {"tensor": "tensor", "token": "row", "block": "block"}
+ACTIVATION_SCHEMES = values(ActivationScheme)
+# Plain strings (the recipe's words): compared per call, also under torch.compile.
+_EMULATED, _SCALED_MM = Kernel.EMULATED.value, Kernel.SCALED_MM.value
+# activation word -> numerics layout, derived from the recipe (kept for hf_fp8.kernels.grouped)
+_ACT_TO_NUMERICS = {a.value: a.layout.value for a in ActivationGranularity}
 
 
 def quantize_activation(
     x_hp: torch.Tensor,
     fp8_dtype: torch.dtype,
-    granularity: str,
+    granularity: str | ActivationGranularity,
     input_scale: torch.Tensor | None,
     block_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 activation ``[..., K]`` and its scale: static when ``input_scale`` is given
     (per tensor), else dynamic with ``granularity`` ``"tensor"``, ``"token"`` or ``"block"``
     (``1 × block_k``). A compiled single pass where inductor is available."""
-    if granularity not in _ACT_TO_NUMERICS:
-        raise ValueError(
-            f"activation granularity={granularity!r} is not supported; use one of "
-            f"{tuple(_ACT_TO_NUMERICS)}"
-        )
-    gran = "tensor" if input_scale is not None else _ACT_TO_NUMERICS[granularity]
+    layout = parse(ActivationGranularity, granularity, "activation granularity").layout
+    gran = Granularity.TENSOR.value if input_scale is not None else layout.value
     return compiled.run(
         _quantize_act, x_hp, input_scale, act_dtype=fp8_dtype, gran=gran, bk=int(block_k)
     )
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """Everything static about one FP8 linear call."""
+class LinearPlan:
+    """Everything static about one FP8 linear layer, derived once from its ``Fp8Recipe``.
 
-    kernel: str  # "scaled_mm" | "emulated"
-    weight_granularity: str
+    Plain strings and dtypes (no enums): it is a constant to ``torch.compile`` and a key of
+    the compiled helpers. ``kernel`` is the request; the gemm is chosen per call from the
+    input's device and dtype (:func:`fp8_linear`).
+    """
+
+    kernel: str  # Kernel word: "auto" | "scaled_mm" | "emulated"
+    weight_granularity: str  # numerics layout: "tensor" | "row" | "block"
     block_size: tuple[int, int]
     act_dtype: torch.dtype | None  # None: weight-only
-    act_granularity: str | None  # numerics name: "tensor" | "row" | "block"
+    act_granularity: str | None  # numerics layout ("row" for per-token)
+    static: bool
+
+    @classmethod
+    def from_recipe(cls, recipe: Fp8Recipe) -> LinearPlan:
+        quantized = recipe.quantizes_activations
+        return cls(
+            kernel=recipe.kernel.value,
+            weight_granularity=recipe.weight_granularity.value,
+            block_size=recipe.block_size,
+            act_dtype=fp8_dtype(recipe.fp8_format) if quantized else None,
+            act_granularity=recipe.activation_layout.value if quantized else None,
+            static=recipe.is_static,
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_from_words(
+    activation_scheme: str,
+    activation_granularity: str | None,
+    weight_granularity: str,
+    block_size: tuple[int, int],
+    fp8_format: str,
+    kernel: str,
+) -> LinearPlan:
+    if activation_scheme == ActivationScheme.STATIC:
+        activation_granularity = None  # static scales are per tensor, whatever was passed
+    elif activation_scheme == ActivationScheme.WEIGHT_ONLY:
+        activation_granularity = None
+    recipe = Fp8Recipe.resolve(
+        activation_scheme,
+        weight_granularity=weight_granularity,
+        activation_granularity=activation_granularity,
+        fp8_format=fp8_format,
+        block_size=block_size,
+        kernel=kernel,
+    )
+    return LinearPlan.from_recipe(recipe)
+
+
+def _choose_gemm(plan: LinearPlan, x: torch.Tensor, w_fp8: torch.Tensor) -> bool:
+    """True: ``torch._scaled_mm``; False: the emulation. Raises for an impossible
+    ``kernel="scaled_mm"``."""
+    if plan.act_dtype is None or plan.kernel == _EMULATED:
+        return False
+    reason = unsupported_reason(
+        x.device, x.dtype, plan.act_dtype, w_fp8.dtype, plan.act_granularity,
+        plan.weight_granularity,
+    )  # fmt: skip
+    if reason is not None and plan.kernel == _SCALED_MM:
+        raise RuntimeError(
+            f"kernel='scaled_mm' cannot run here: {reason}. Use kernel='auto' (or "
+            "'emulated') to run the FP8 emulation instead."
+        )
+    return reason is None
 
 
 def _forward(
@@ -59,9 +126,10 @@ def _forward(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     input_scale: torch.Tensor | None,
-    plan: _Plan,
+    plan: LinearPlan,
+    use_scaled_mm: bool,
 ) -> torch.Tensor:
-    if plan.kernel == "scaled_mm":
+    if use_scaled_mm:
         a_fp8, a_scale = compiled.run(
             _quantize_act,
             x,
@@ -88,16 +156,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """FP8 forward; straight-through backward in the compute dtype."""
 
     @staticmethod
-    def forward(ctx, x, w_fp8, w_scale, bias, input_scale, plan):  # type: ignore[override]
+    def forward(ctx, x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm):  # type: ignore[override]
         ctx.save_for_backward(w_fp8, w_scale)
         ctx.plan = plan
-        return _forward(x, w_fp8, w_scale, bias, input_scale, plan)
+        return _forward(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
         w_fp8, w_scale = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+        plan: LinearPlan = ctx.plan
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             w = decode_weight(
@@ -106,7 +174,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_x = grad_out @ w
         if ctx.needs_input_grad[3]:
             grad_bias = grad_out.sum(0)
-        return grad_x, None, None, grad_bias, None, None
+        return grad_x, None, None, grad_bias, None, None, None
 
 
 def fp8_linear(
@@ -115,70 +183,51 @@ def fp8_linear(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    plan: LinearPlan | None = None,
+    input_scale: torch.Tensor | None = None,
     activation_scheme: str = "dynamic",
     activation_granularity: str | None = "token",
     weight_granularity: str = "row",
     block_size: tuple[int, int] = (128, 128),
-    input_scale: torch.Tensor | None = None,
     activation_dtype: torch.dtype | None = None,
     kernel: str = "auto",
 ) -> torch.Tensor:
     """FP8 ``linear``: ``x_hp @ W.T + bias`` with ``W ≈ w_fp8 * w_scale``, in ``x_hp.dtype``.
 
-    ``activation_scheme``: ``"dynamic"`` (scale per call, ``activation_granularity``
-    ``"token"``, ``"tensor"`` or ``"block"``), ``"static"`` (per-tensor ``input_scale``),
-    ``"weight_only"`` (activations stay in high precision). ``kernel``: ``"auto"``
-    (``torch._scaled_mm`` where the GPU and the scaling allow it, emulation elsewhere),
-    ``"scaled_mm"`` (raise if impossible) or ``"emulated"``. ``bias`` must already be in
-    ``x_hp.dtype``. ``x_hp`` may have any number of leading dims.
+    ``plan`` (``LinearPlan.from_recipe(recipe)``, built once per layer, as ``Fp8Linear``
+    does) says everything static; nothing in it is re-validated per call. Without a plan the
+    words below are resolved once into a cached plan (``Fp8Recipe`` errors name the accepted
+    values): ``activation_scheme`` ``"dynamic"`` (``activation_granularity`` ``"token"``,
+    ``"tensor"`` or ``"block"``), ``"static"`` (per-tensor ``input_scale``) or
+    ``"weight_only"``; ``kernel`` ``"auto"`` (``torch._scaled_mm`` where the GPU and the
+    scaling allow it, emulation elsewhere), ``"scaled_mm"`` (raise if impossible) or
+    ``"emulated"``; the activation format is ``activation_dtype`` or the weight's.
+    ``bias`` must already be in ``x_hp.dtype``. ``x_hp`` may have any number of leading dims.
     """
-    check_kernel(kernel)
+    if plan is None:
+        fmt = fp8_format_of(activation_dtype or w_fp8.dtype)
+        plan = _plan_from_words(
+            activation_scheme, activation_granularity, weight_granularity,
+            (int(block_size[0]), int(block_size[1])), fmt.value, kernel,
+        )  # fmt: skip
+    if not x_hp.is_floating_point():
+        raise RuntimeError(
+            f"FP8 linear expects a floating-point input (bfloat16, float16 or float32), got "
+            f"{x_hp.dtype}: cast it first, as nn.Linear requires"
+        )
     if x_hp.dim() == 0 or x_hp.shape[-1] != w_fp8.shape[-1]:
         raise RuntimeError(
             f"input of shape {tuple(x_hp.shape)} cannot multiply a weight of shape "
             f"{tuple(w_fp8.shape)}: the last input dim must be in_features={w_fp8.shape[-1]}"
         )
-    if activation_scheme not in ACTIVATION_SCHEMES:
-        raise ValueError(
-            f"activation_scheme={activation_scheme!r} is not supported; use one of "
-            f"{ACTIVATION_SCHEMES}"
+    if not plan.static:
+        input_scale = None
+    elif input_scale is None:
+        raise RuntimeError(
+            "this static FP8 layer has no input_scale: calibrate it with "
+            "hf_fp8.calibrate(model, batches), or give Fp8Config('static', activation_scale=...)"
         )
-    block_size = (int(block_size[0]), int(block_size[1]))
-    if activation_scheme == "weight_only":
-        if kernel == "scaled_mm":
-            raise ValueError(
-                "kernel='scaled_mm' needs FP8 activations; activation_scheme='weight_only' "
-                "dequantizes the weight instead: use kernel='auto' or 'emulated'"
-            )
-        plan = _Plan("emulated", weight_granularity, block_size, None, None)
-    else:
-        if activation_scheme == "static":
-            if input_scale is None:
-                raise RuntimeError(
-                    "this static FP8 layer has no input_scale: calibrate it with "
-                    "hf_fp8.calibrate(model, batches), or give "
-                    "Fp8Config('static', activation_scale=...)"
-                )
-            a_gran = "tensor"
-        else:
-            if activation_granularity not in _ACT_TO_NUMERICS:
-                raise ValueError(
-                    f"activation_granularity={activation_granularity!r} is not supported for "
-                    f"dynamic activations; use one of {tuple(_ACT_TO_NUMERICS)}"
-                )
-            a_gran = _ACT_TO_NUMERICS[activation_granularity]
-            input_scale = None
-        act_dtype = activation_dtype or w_fp8.dtype
-        reason = unsupported_reason(
-            x_hp.device, x_hp.dtype, act_dtype, w_fp8.dtype, a_gran, weight_granularity
-        )
-        if kernel == "scaled_mm" and reason is not None:
-            raise RuntimeError(
-                f"kernel='scaled_mm' cannot run here: {reason}. Use kernel='auto' (or "
-                "'emulated') to run the FP8 emulation instead."
-            )
-        chosen = "scaled_mm" if kernel != "emulated" and reason is None else "emulated"
-        plan = _Plan(chosen, weight_granularity, block_size, act_dtype, a_gran)
+    use_scaled_mm = _choose_gemm(plan, x_hp, w_fp8)
 
     lead, k = x_hp.shape[:-1], x_hp.shape[-1]
     x = x_hp.reshape(-1, k)
@@ -187,7 +236,7 @@ def fp8_linear(
         return out.reshape(*lead, w_fp8.shape[0])
     tensors = (x, w_fp8, w_scale, bias, input_scale)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        out = _Fp8LinearFunction.apply(x, w_fp8, w_scale, bias, input_scale, plan)
+        out = _Fp8LinearFunction.apply(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
     else:
-        out = _forward(x, w_fp8, w_scale, bias, input_scale, plan)
+        out = _forward(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
     return out.reshape(*lead, w_fp8.shape[0])

@@ -20,7 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_fp8.kernels.capability import has_fp8_gemm
+from hf_fp8.recipe import Granularity
 
+# Plain strings (the recipe's words): compared per call, also under torch.compile.
+_BLOCK, _ROW = Granularity.BLOCK.value, Granularity.ROW.value
 # Output dtypes whose bias torch._scaled_mm adds itself (fp32 output rejects a bias).
 _FUSED_BIAS_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -33,7 +36,8 @@ def unsupported_reason(
     act_granularity: str,
     weight_granularity: str,
 ) -> str | None:
-    """Why ``_scaled_mm`` cannot run this product, or ``None`` when it can."""
+    """Why ``_scaled_mm`` cannot run this product, or ``None`` when it can (granularities are
+    numerics layouts, :class:`hf_fp8.recipe.Granularity`)."""
     if device.type == "cuda" and torch.version.hip is not None:
         return (
             "torch._scaled_mm on ROCm takes the *_fnuz fp8 dtypes, not hf_fp8's OCP "
@@ -46,9 +50,9 @@ def unsupported_reason(
         )
     if act_dtype == weight_dtype == torch.float8_e5m2:
         return "torch._scaled_mm cannot multiply two e5m2 operands; use fp8_format='e4m3'"
-    if "block" in (act_granularity, weight_granularity):
+    if _BLOCK in (act_granularity, weight_granularity):
         return "block-wise scales run on the emulated kernel"
-    rowwise = "row" in (act_granularity, weight_granularity)
+    rowwise = _ROW in (act_granularity, weight_granularity)
     if rowwise and out_dtype != torch.bfloat16:
         return f"row-wise torch._scaled_mm only writes bfloat16, not {out_dtype}; load in bfloat16"
     if rowwise and weight_dtype != torch.float8_e4m3fn:

@@ -2,38 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from hf_fp8.kernels import ACTIVATION_SCHEMES, check_kernel, fp8_linear
-from hf_fp8.numerics import GRANULARITIES, dequantize, fp8_dtype, is_fp8, quantize_weight
+from hf_fp8.kernels import LinearPlan, fp8_linear
+from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
+from hf_fp8.recipe import ActivationGranularity, Fp8Recipe, Granularity, values
 
 if TYPE_CHECKING:
     from hf_fp8.config import Fp8Config
 
-ACTIVATION_GRANULARITIES = ("tensor", "token", "block")
+ACTIVATION_GRANULARITIES = values(ActivationGranularity)
 
 
 def default_activation_granularity(activation_scheme: str, weight_granularity: str) -> str | None:
-    """``token`` for dynamic (``block`` with block weights), ``tensor`` for static."""
-    if activation_scheme == "weight_only":
-        return None
-    if activation_scheme == "static":
-        return "tensor"
-    return "block" if weight_granularity == "block" else "token"
-
-
-def weight_scale_shape(
-    out_features: int, in_features: int, granularity: str, block_size: tuple[int, int]
-) -> tuple[int, ...]:
-    if granularity == "tensor":
-        return (1,)
-    if granularity == "row":
-        return (out_features, 1)
-    return (math.ceil(out_features / block_size[0]), math.ceil(in_features / block_size[1]))
+    """The recipe table's default (``hf_fp8.recipe.ACTIVATION_GRANULARITY_TABLE``)."""
+    act = Fp8Recipe.resolve(
+        activation_scheme, weight_granularity=weight_granularity
+    ).activation_granularity
+    return None if act is None else act.value
 
 
 def validate_scheme(
@@ -41,33 +32,20 @@ def validate_scheme(
     weight_granularity: str,
     activation_granularity: str | None,
 ) -> None:
-    """Raise ``ValueError`` naming the accepted values for any invalid combination."""
-    if activation_scheme not in ACTIVATION_SCHEMES:
-        raise ValueError(
-            f"activation_scheme={activation_scheme!r} is not supported; use one of "
-            f"{ACTIVATION_SCHEMES}"
-        )
-    if weight_granularity not in GRANULARITIES:
-        raise ValueError(
-            f"weight_granularity={weight_granularity!r} is not supported; use one of "
-            f"{GRANULARITIES}"
-        )
-    if activation_scheme == "weight_only":
-        if activation_granularity is not None:
-            raise ValueError(
-                "activation_granularity must be None for activation_scheme='weight_only'"
-            )
-        return
-    if activation_granularity not in ACTIVATION_GRANULARITIES:
-        raise ValueError(
-            f"activation_granularity={activation_granularity!r} is not supported; use one of "
-            f"{ACTIVATION_GRANULARITIES}"
-        )
-    if activation_scheme == "static" and activation_granularity != "tensor":
-        raise ValueError(
-            "static activation scales are per tensor: use activation_granularity='tensor' "
-            "(or activation_scheme='dynamic' for per-token scales)"
-        )
+    """Raise ``ValueError`` naming the accepted values for any invalid combination (the
+    recipe's rules; prefer ``Fp8Recipe.resolve``)."""
+    Fp8Recipe(activation_scheme, weight_granularity, activation_granularity)  # type: ignore[arg-type]
+
+
+def weight_scale_shape(
+    out_features: int, in_features: int, granularity: str, block_size: tuple[int, int]
+) -> tuple[int, ...]:
+    """Shape of the fp32 weight scale of an ``[out, in]`` weight."""
+    if granularity == Granularity.TENSOR:
+        return (1,)
+    if granularity == Granularity.ROW:
+        return (out_features, 1)
+    return (math.ceil(out_features / block_size[0]), math.ceil(in_features / block_size[1]))
 
 
 class Fp8Linear(nn.Linear):
@@ -94,14 +72,23 @@ class Fp8Linear(nn.Linear):
         block_size: tuple[int, int] = (128, 128),
         kernel: str = "auto",
         input_scale: float | torch.Tensor | None = None,
+        recipe: Fp8Recipe | None = None,
     ) -> None:
+        """The scheme words are resolved once into ``self.recipe`` (an ``Fp8Recipe``);
+        ``recipe=`` gives a resolved one directly (it then wins over the words).
+        ``activation_granularity="auto"`` (or ``None``) takes the recipe's default."""
         nn.Module.__init__(self)
-        if activation_granularity == "auto":
-            activation_granularity = default_activation_granularity(
-                activation_scheme, weight_granularity
+        if recipe is None:
+            recipe = Fp8Recipe.resolve(
+                activation_scheme,
+                weight_granularity=weight_granularity,
+                activation_granularity=(
+                    None if activation_granularity == "auto" else activation_granularity
+                ),
+                fp8_format=fp8_format,
+                block_size=block_size,
+                kernel=kernel,
             )
-        validate_scheme(activation_scheme, weight_granularity, activation_granularity)
-        block_size = tuple(block_size)
         compute_dtype = dtype or torch.get_default_dtype()
         # Plain attributes go straight into __dict__, as nn.Module.__init__ does its own:
         # Module.__setattr__ costs microseconds each, and a model load builds one module per
@@ -109,18 +96,18 @@ class Fp8Linear(nn.Linear):
         self.__dict__.update(
             in_features=in_features,
             out_features=out_features,
-            activation_scheme=activation_scheme,
-            weight_granularity=weight_granularity,
-            activation_granularity=activation_granularity,
-            fp8_format=fp8_format,
-            block_size=block_size,
-            kernel=check_kernel(kernel),
+            recipe=recipe,
+            _plan=LinearPlan.from_recipe(recipe),
             compute_dtype=compute_dtype,
         )
-        scale_shape = weight_scale_shape(out_features, in_features, weight_granularity, block_size)
+        scale_shape = weight_scale_shape(
+            out_features, in_features, recipe.weight_granularity, recipe.block_size
+        )
         # Fill only real storage: the quantizer and ``from_linear`` build on meta, where a fill
         # is a needless op (and, per module, a costly one).
-        weight = torch.empty(out_features, in_features, device=device, dtype=fp8_dtype(fp8_format))
+        weight = torch.empty(
+            out_features, in_features, device=device, dtype=fp8_dtype(recipe.fp8_format)
+        )
         weight_scale = torch.empty(scale_shape, device=device, dtype=torch.float32)
         bias_hp = torch.empty(out_features, device=device, dtype=compute_dtype) if bias else None
         if not weight.is_meta:
@@ -135,12 +122,74 @@ class Fp8Linear(nn.Linear):
         if input_scale is not None:
             self.set_input_scale(input_scale)
 
+    # -- the recipe: resolved once, read through these properties --------------------------------
+    def set_recipe(self, recipe: Fp8Recipe) -> None:
+        """Switch to another recipe with the same storage (format, weight granularity, block
+        size); e.g. calibration runs a static layer as weight-only while it observes."""
+        old = self.recipe
+        if (recipe.fp8_format, recipe.weight_granularity, recipe.block_size) != (
+            old.fp8_format,
+            old.weight_granularity,
+            old.block_size,
+        ):
+            raise ValueError(
+                "set_recipe cannot change the stored format, weight granularity or block size "
+                f"({old.fp8_format}/{old.weight_granularity}/{old.block_size}); re-quantize "
+                "from the high-precision layer instead"
+            )
+        self.__dict__.update(recipe=recipe, _plan=LinearPlan.from_recipe(recipe))
+
+    @property
+    def activation_scheme(self) -> str:
+        return self.recipe.activation_scheme
+
+    @activation_scheme.setter
+    def activation_scheme(self, scheme: str) -> None:
+        """Re-resolves the recipe (the activation granularity takes the new scheme's default
+        unless it stays valid)."""
+        recipe = self.recipe
+        try:
+            new = dataclasses.replace(recipe, activation_scheme=scheme)
+        except ValueError:
+            new = dataclasses.replace(
+                recipe,
+                activation_scheme=scheme,
+                activation_granularity=Fp8Recipe.resolve(
+                    scheme, weight_granularity=recipe.weight_granularity
+                ).activation_granularity,
+            )
+        self.set_recipe(new)
+
+    @property
+    def kernel(self) -> str:
+        return self.recipe.kernel
+
+    @kernel.setter
+    def kernel(self, kernel: str) -> None:
+        self.set_recipe(dataclasses.replace(self.recipe, kernel=kernel))
+
+    @property
+    def weight_granularity(self) -> str:
+        return self.recipe.weight_granularity
+
+    @property
+    def activation_granularity(self) -> str | None:
+        return self.recipe.activation_granularity
+
+    @property
+    def fp8_format(self) -> str:
+        return self.recipe.fp8_format
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        return self.recipe.block_size
+
     def reset_parameters(self) -> None:
         """No-op: FP8 weights come from ``from_linear`` or a checkpoint, never random init."""
 
     def set_input_scale(self, scale: float | torch.Tensor) -> None:
         """Set the static activation scale (``x ≈ x_fp8 * scale``)."""
-        if self.activation_scheme != "static":
+        if not self.recipe.is_static:
             raise ValueError(
                 f"input_scale is only used by activation_scheme='static', this layer is "
                 f"{self.activation_scheme!r}"
@@ -158,8 +207,8 @@ class Fp8Linear(nn.Linear):
         cls, linear: nn.Linear, config: Fp8Config | None = None, *, module_name: str = ""
     ) -> Fp8Linear:
         """Quantize an ``nn.Linear`` (its weight must be finite) with ``config``'s recipe."""
-        kwargs: dict[str, Any] = config.linear_kwargs(module_name) if config is not None else {}
-        input_scale = kwargs.pop("input_scale", None)
+        recipe = config.recipe if config is not None else Fp8Recipe.resolve()
+        input_scale = config.activation_scale_for(module_name) if config is not None else None
         weight_hp = linear.weight.detach()
         compute_dtype = weight_hp.dtype if not is_fp8(weight_hp.dtype) else torch.bfloat16
         with torch.device("meta"):
@@ -168,15 +217,15 @@ class Fp8Linear(nn.Linear):
                 linear.out_features,
                 linear.bias is not None,
                 dtype=compute_dtype,
-                **kwargs,
+                recipe=recipe,
             )
         w_fp8, w_scale = quantize_weight(
             weight_hp,
-            fp8_dtype(new.fp8_format),
-            new.weight_granularity,
-            new.block_size,
+            fp8_dtype(recipe.fp8_format),
+            recipe.weight_granularity,
+            recipe.block_size,
             name=f"{module_name or 'linear'}.weight",
-            scale_method=getattr(config, "weight_scale_method", "absmax"),
+            scale_method=recipe.weight_scale_method,
         )
         new.weight = nn.Parameter(w_fp8.contiguous(), requires_grad=False)  # Conv1D: a .t() view
         new.weight_scale = nn.Parameter(w_scale, requires_grad=False)
@@ -190,20 +239,12 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         bias = self.bias
-        if bias is not None and bias.dtype != input.dtype:
+        if bias is not None and bias.dtype != input.dtype and input.is_floating_point():
             bias = bias.to(input.dtype)
         return fp8_linear(
-            input,
-            self.weight,
-            self.weight_scale,
-            bias,
-            activation_scheme=self.activation_scheme,
-            activation_granularity=self.activation_granularity,
-            weight_granularity=self.weight_granularity,
-            block_size=self.block_size,
+            input, self.weight, self.weight_scale, bias, plan=self._plan,
             input_scale=self.input_scale,
-            kernel=self.kernel,
-        )
+        )  # fmt: skip
 
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(
@@ -249,7 +290,7 @@ class Fp8Linear(nn.Linear):
             if scale is not None and scale.dim() == 0:  # AutoFP8 / vLLM "fp8" scalar scales
                 state_dict[prefix + name] = scale.reshape(1)
         scale = state_dict.get(prefix + "input_scale")
-        if scale is not None and self.input_scale is None and self.activation_scheme == "static":
+        if scale is not None and self.input_scale is None and self.recipe.is_static:
             self.input_scale = nn.Parameter(
                 torch.empty(1, dtype=torch.float32, device=self.weight.device), requires_grad=False
             )
@@ -258,7 +299,7 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         act = (
             f"{str(self.compute_dtype).removeprefix('torch.')} (weight-only)"
-            if self.activation_scheme == "weight_only"
+            if not self.recipe.quantizes_activations
             else f"{self.fp8_format}/{self.activation_granularity}"
         )
         return (

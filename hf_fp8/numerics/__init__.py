@@ -1,6 +1,13 @@
 """Numerics: fp8 formats, scales, quantize / dequantize. Pure torch functions."""
 
-from hf_fp8.numerics.formats import AMAX_EPS, FP8_DTYPES, fp8_dtype, fp8_max, is_fp8
+from hf_fp8.numerics.formats import (
+    AMAX_EPS,
+    FP8_DTYPES,
+    fp8_dtype,
+    fp8_format_of,
+    fp8_max,
+    is_fp8,
+)
 from hf_fp8.numerics.quantize import (
     GRANULARITIES,
     SCALE_METHODS,
@@ -28,6 +35,7 @@ __all__ = [
     "check_finite",
     "dequantize",
     "fp8_dtype",
+    "fp8_format_of",
     "fp8_max",
     "is_fp8",
     "mse_scale",

@@ -10,23 +10,32 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPES: dict[str, torch.dtype] = {
-    "e4m3": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2,
+from hf_fp8.recipe import Fp8Format, parse
+
+# Keys are the ``Fp8Format`` words (str enums: ``FP8_DTYPES["e4m3"]`` works too).
+FP8_DTYPES: dict[Fp8Format, torch.dtype] = {
+    Fp8Format.E4M3: torch.float8_e4m3fn,
+    Fp8Format.E5M2: torch.float8_e5m2,
 }
+_FORMATS = {dtype: fmt for fmt, dtype in FP8_DTYPES.items()}
 
 # Smallest amax used to build a scale: an all-zero tensor gets a tiny, finite scale
 # (its fp8 values are all zero, so the dequantized tensor is exactly zero).
 AMAX_EPS = 1e-12
 
 
-def fp8_dtype(fp8_format: str) -> torch.dtype:
+def fp8_dtype(fp8_format: str | Fp8Format) -> torch.dtype:
     """Torch dtype of an fp8 format name (``"e4m3"`` or ``"e5m2"``)."""
+    return FP8_DTYPES[parse(Fp8Format, fp8_format, "fp8_format")]
+
+
+def fp8_format_of(dtype: torch.dtype) -> Fp8Format:
+    """The format word of an fp8 dtype (the inverse of :func:`fp8_dtype`)."""
     try:
-        return FP8_DTYPES[fp8_format]
-    except (KeyError, TypeError):
+        return _FORMATS[dtype]
+    except KeyError:
         raise ValueError(
-            f"fp8_format={fp8_format!r} is not supported; use one of {sorted(FP8_DTYPES)}"
+            f"{dtype} is not an fp8 dtype hf_fp8 stores; use one of {list(_FORMATS)}"
         ) from None
 
 

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from hf_fp8.numerics.formats import AMAX_EPS, fp8_max
+from hf_fp8.recipe import Granularity, WeightScaleMethod, values
 
-GRANULARITIES = ("tensor", "row", "block")
+GRANULARITIES = values(Granularity)  # the scale layouts (hf_fp8.recipe.Granularity)
 
 
 def _check_granularity(granularity: str) -> None:
@@ -169,7 +170,7 @@ def _group_sum(x: torch.Tensor, granularity: str, block_size: tuple[int, int]) -
     return _to_blocks(x, bn, bk).sum(dim=(-3, -1))
 
 
-SCALE_METHODS = ("absmax", "mse")
+SCALE_METHODS = values(WeightScaleMethod)
 
 
 def mse_scale(

@@ -11,8 +11,8 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.modules import Fp8Linear
-from hf_fp8.modules.replace import is_conv1d, linear_shape, matches_module
+from hf_fp8.modules import Fp8Linear, convertible_modules, is_conv1d, matches_module
+from hf_fp8.modules.replace import linear_shape
 from hf_fp8.numerics import fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.quantizer.validation import FP8_LINEAR_TENSORS, validate_loaded_model
@@ -123,21 +123,19 @@ class Fp8HfQuantizer(HfQuantizer):
                 model._keep_in_fp32_modules,
                 add_default_skips=True,
             )
-            config.modules_to_not_convert = sorted(skip)
+            config = config.replace(modules_to_not_convert=sorted(skip))  # configs are frozen
+            self.quantization_config = config
         self.modules_to_not_convert = skip
-        modules = dict(model.named_modules())  # one walk: parents are looked up here
-        targets = [
-            (name, module)
-            for name, module in modules.items()
-            if (type(module) is nn.Linear or is_conv1d(module)) and not matches_module(name, skip)
-        ]
         static_pre_quantized = self.pre_quantized and config.activation_scheme == "static"
-        for name, module in targets:
+        swapped: dict[int, Fp8Linear] = {}  # a linear shared by two parents stays shared
+        for name, module, parent in convertible_modules(model, skip=skip):
+            new = swapped.get(id(module))
+            if new is not None:
+                setattr(parent, name.rpartition(".")[2], new)
+                continue
             in_features, out_features = linear_shape(module)
             if is_conv1d(module) and not self.pre_quantized:
                 self.transposed_modules.add(name)
-            kwargs_ = config.linear_kwargs(name)
-            input_scale = kwargs_.pop("input_scale")
             # device="meta" rather than a `torch.device("meta")` block: the loader's meta
             # context is already active, and a nested one adds a second Python mode to every
             # tensor op (this loop runs once per linear layer of every load).
@@ -147,18 +145,19 @@ class Fp8HfQuantizer(HfQuantizer):
                 module.bias is not None,
                 device="meta",
                 dtype=module.weight.dtype,
-                **kwargs_,
+                recipe=config.recipe,
             )
+            swapped[id(module)] = new
             if static_pre_quantized:
                 new.input_scale = nn.Parameter(
                     torch.empty(1, dtype=torch.float32, device="meta"), requires_grad=False
                 )
-            new._hf_fp8_input_scale = input_scale  # applied after loading (on-the-fly)
+            # applied after loading (on-the-fly)
+            new._hf_fp8_input_scale = config.activation_scale_for(name)
             new._is_hf_initialized = (
                 True  # never random-init fp8 storage; missing keys are caught below
             )
-            parent_name, _, child = name.rpartition(".")
-            setattr(modules[parent_name], child, new)
+            setattr(parent, name.rpartition(".")[2], new)
             self.fp8_tensor_names.update(f"{name}.{t}" for t in FP8_LINEAR_TENSORS)
         model.config.quantization_config = config
 
