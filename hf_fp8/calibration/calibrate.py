@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from hf_fp8.calibration.observers import make_observer
+from hf_fp8.calibration.batches import ACCEPTED, as_batches, check_batch
+from hf_fp8.calibration.observers import Observer, make_observer
 from hf_fp8.modules import Fp8Linear
 from hf_fp8.numerics import fp8_dtype
 
@@ -33,10 +35,59 @@ def _run(model: nn.Module, batch: Any) -> None:
         model(batch)
 
 
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _warn_nonfinite(observers: dict[str, Observer]) -> None:
+    hit = [f"{name} ({obs.nonfinite} value(s))" for name, obs in observers.items() if obs.nonfinite]
+    if hit:
+        warnings.warn(
+            f"calibrate: {len(hit)} static layer(s) saw non-finite activations (NaN / inf), "
+            f"left out of their scales: {_names(hit)}. The model overflows on some "
+            "calibration inputs (float16?); it will on the same inputs at inference too",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _fallback(layers: dict[str, Fp8Linear], observers: dict[str, Observer]) -> dict[str, float]:
+    """Scales for layers whose observer has no information, with one warning naming them."""
+    zeros = [n for n, o in observers.items() if o.batches and not o.has_information()]
+    idle = [n for n, o in observers.items() if not o.batches]
+    if not zeros and not idle:
+        return {}
+    calibrated = [float(o.scale()) for o in observers.values() if o.has_information()]
+    if not calibrated:
+        raise ValueError(
+            "calibrate: no static layer saw a nonzero activation "
+            f"({len(zeros)} saw only zeros, {len(idle)} saw no tokens): check the batches"
+        )
+    largest = max(calibrated)
+    scales = {}
+    for name in zeros + idle:
+        current = layers[name].input_scale
+        kept = current is not None and not current.is_meta
+        scales[name] = float(current) if kept else largest
+    parts = [f"saw only zeros: {_names(zeros)}"] if zeros else []
+    parts += [f"saw no tokens: {_names(idle)}"] if idle else []
+    warnings.warn(
+        f"calibrate: {len(zeros) + len(idle)} of {len(layers)} static layers have no usable "
+        f"activations ({'; '.join(parts)}). They keep their input_scale if "
+        f"they had one, else take the largest calibrated scale ({largest:.4g}) instead of a "
+        "tiny scale that would saturate every nonzero input. Calibrate with data that reaches "
+        "them, or set their scales with Fp8Config(activation_scales={...})",
+        UserWarning,
+        stacklevel=3,
+    )
+    return scales
+
+
 @torch.no_grad()
 def calibrate(
     model: nn.Module,
-    batches: Iterable[Any],
+    batches: Any,
     observer: str = "minmax",
     *,
     progress: bool = True,
@@ -44,12 +95,22 @@ def calibrate(
 ) -> dict[str, float]:
     """Set the ``input_scale`` of every static ``Fp8Linear`` from ``batches``.
 
-    ``batches`` yields model inputs: a dict (``model(**batch)``, e.g. a tokenizer's output),
-    a tuple (``model(*batch)``) or a tensor. ``observer``: ``"minmax"``,
-    ``"moving_average"``, ``"percentile"`` (``percentile=99.99``) or ``"mse"``. During
-    calibration the static layers run with high-precision activations. The model's
-    train/eval mode is restored. Returns the scales by module name.
+    ``batches``: one batch (a dict / ``BatchEncoding`` of tensors, e.g. a tokenizer's output
+    with ``return_tensors="pt"``, or a tensor of token ids), a list of batches, or any
+    iterable of batches such as a ``DataLoader``. A batch is a dict (``model(**batch)``), a
+    tuple of tensors (``model(*batch)``) or a tensor. Anything else (e.g. a list of strings)
+    raises ``TypeError`` saying what to pass.
+
+    ``observer``: ``"minmax"``, ``"moving_average"`` (``momentum=0.9``), ``"percentile"``
+    (``percentile=99.99``) or ``"mse"``. During calibration the static layers run with
+    high-precision activations; the model's train/eval mode is restored.
+
+    NaN / inf activations are left out of the scales, with one warning naming the layers.
+    Layers that see only zeros, or no token at all, keep the ``input_scale`` they had, or
+    else take the largest scale calibrated in the model, with one warning naming them.
+    Returns the scales by module name.
     """
+    data = as_batches(batches)
     layers = {
         name: m
         for name, m in model.named_modules()
@@ -72,20 +133,27 @@ def calibrate(
     for m in layers.values():
         m.activation_scheme = "weight_only"  # observe unquantized activations
     device = next(model.parameters()).device
+    seen = 0
     try:
         model.eval()
-        total = len(batches) if hasattr(batches, "__len__") else None
-        for batch in tqdm(batches, total=total, desc="calibrating", disable=not progress):
+        total = len(data) if hasattr(data, "__len__") else None
+        for batch in tqdm(data, total=total, desc="calibrating", disable=not progress):
+            check_batch(seen, batch)
             _run(model, _to_device(batch, device))
+            seen += 1
     finally:
         for h in hooks:
             h.remove()
         for m in layers.values():
             m.activation_scheme = "static"
         model.train(was_training)
-    scales = {}
+    if not seen:
+        raise ValueError(f"calibrate got no batches: pass {ACCEPTED}")
+    _warn_nonfinite(observers)
+    scales = _fallback(layers, observers)
+    for name, obs in observers.items():
+        if name not in scales:
+            scales[name] = float(obs.scale())
     for name, m in layers.items():
-        scale = observers[name].scale()
-        m.set_input_scale(scale)
-        scales[name] = float(scale)
+        m.set_input_scale(scales[name])
     return scales

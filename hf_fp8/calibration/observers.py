@@ -4,21 +4,33 @@ from __future__ import annotations
 
 import torch
 
-from hf_fp8.numerics import amax_to_scale, dequantize, quantize_with_scale
+from hf_fp8.numerics import AMAX_EPS, amax_to_scale, dequantize, quantize_with_scale
 
 OBSERVERS = ("minmax", "moving_average", "percentile", "mse")
 
 
 class Observer:
-    """Base: ``update(x)`` per batch, then ``scale()`` (fp32 ``[1]``) for ``fp8_dtype``."""
+    """Base: ``update(x)`` per batch, then ``scale()`` (fp32 ``[1]``) for ``fp8_dtype``.
+
+    NaN / inf values never enter a scale: they are left out and counted in ``nonfinite``.
+    ``batches`` counts the updates that held at least one finite value.
+    """
 
     def __init__(self, fp8_dtype: torch.dtype) -> None:
         self.fp8_dtype = fp8_dtype
         self.batches = 0
+        self.nonfinite = 0
 
     def update(self, x: torch.Tensor) -> None:
+        x = x.detach()
+        finite = torch.isfinite(x)
+        if not bool(finite.all()):
+            self.nonfinite += int((~finite).sum())
+            x = x[finite]
+        if x.numel() == 0:  # e.g. a layer (an expert) that got no token in this batch
+            return
         self.batches += 1
-        self._update(x.detach().float())
+        self._update(x.float())
 
     def _update(self, x: torch.Tensor) -> None:
         raise NotImplementedError
@@ -26,9 +38,18 @@ class Observer:
     def amax(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def has_information(self) -> bool:
+        """True when the activations seen give a usable scale (an amax above ``AMAX_EPS``)."""
+        return self.batches > 0 and float(self.amax()) > AMAX_EPS
+
     def scale(self) -> torch.Tensor:
         if self.batches == 0:
             raise RuntimeError("this layer saw no input during calibration: check the batches")
+        if not self.has_information():
+            raise RuntimeError(
+                "this layer saw only zeros during calibration: a scale from them would "
+                "saturate any nonzero input"
+            )
         return amax_to_scale(self.amax().reshape(1), self.fp8_dtype)
 
 

@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM
 
 import hf_fp8
 from hf_fp8 import Fp8Config, Fp8Linear
-from hf_fp8.calibration import make_observer
 from tests.tiny_models import model_inputs
 
 BATCHES = [model_inputs("llama", seed=s) for s in range(4)]
@@ -67,22 +66,6 @@ def test_observers_order_and_outputs(tiny_model_dir):
         assert results["mse"][name] <= top * (1 + 1e-6)
 
 
-def test_mse_observer_minimises_error_on_heavy_tails():
-    torch.manual_seed(0)
-    x = torch.distributions.StudentT(2.0).sample((20000,))
-    dtype = torch.float8_e4m3fn
-
-    def error(scale):
-        q = (x / scale).clamp(-448, 448).to(dtype).float() * scale
-        return float((q - x).pow(2).mean())
-
-    minmax, mse = make_observer("minmax", dtype), make_observer("mse", dtype)
-    for obs in (minmax, mse):
-        obs.update(x)
-    assert error(mse.scale()) <= error(minmax.scale())
-    assert float(minmax.scale()) == pytest.approx(float(x.abs().max()) / 448)
-
-
 def test_progress_bar_and_mode_restored(tiny_model_dir, capsys):
     model = _static(tiny_model_dir)
     model.train()
@@ -114,5 +97,120 @@ def test_errors(tiny_model_dir):
         hf_fp8.calibrate(dynamic, BATCHES)
     with pytest.raises(ValueError, match="minmax"):
         hf_fp8.calibrate(_static(tiny_model_dir), BATCHES, observer="histogram")
-    with pytest.raises(RuntimeError, match="saw no input"):
+    with pytest.raises(ValueError, match="got no batches"):
         hf_fp8.calibrate(_static(tiny_model_dir), [], progress=False)
+    with pytest.raises(ValueError, match="got no batches"):
+        hf_fp8.calibrate(_static(tiny_model_dir), iter([]), progress=False)
+
+
+# -- what calibrate accepts (issue 13: one batch, a list of batches, a DataLoader) -------------
+
+
+def _scales(tiny_model_dir, batches, **kwargs):
+    return hf_fp8.calibrate(_static(tiny_model_dir), batches, progress=False, **kwargs)
+
+
+def test_one_batch_dict_batchencoding_or_tensor(tiny_model_dir):
+    from transformers import BatchEncoding
+
+    reference = _scales(tiny_model_dir, [BATCHES[0]])  # a list of one batch
+    assert _scales(tiny_model_dir, BATCHES[0]) == reference  # the batch itself
+    assert _scales(tiny_model_dir, BatchEncoding(BATCHES[0])) == reference  # a tokenizer's output
+    # a tensor of token ids is one batch too (all-ones mask: same activations)
+    assert _scales(tiny_model_dir, BATCHES[0]["input_ids"]) == reference
+
+
+def test_dataloader_equals_the_list_of_its_batches(tiny_model_dir):
+    rows = [
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        for batch in BATCHES
+        for ids in batch["input_ids"]
+    ]
+    loader = torch.utils.data.DataLoader(rows, batch_size=2)
+    assert _scales(tiny_model_dir, loader) == _scales(tiny_model_dir, list(loader))
+    assert _scales(tiny_model_dir, list(loader)) == _scales(tiny_model_dir, BATCHES)
+
+
+@pytest.mark.parametrize(
+    ("batches", "error", "pattern"),
+    [
+        (["a text", "another"], TypeError, r"list of strings.*tokenize"),
+        ("a text", TypeError, r"string.*tokenize"),
+        ([["a text"], ["b"]], TypeError, r"batch 0 .*strings.*tokenize"),
+        ({"input_ids": [[1, 2, 3]]}, TypeError, r"input_ids.*list.*return_tensors='pt'"),
+        (42, TypeError, r"one batch .*list of batches.*DataLoader.*got int"),
+        ([1, 2, 3], TypeError, r"batch 0 is int"),
+    ],
+)
+def test_what_it_cannot_use_is_named(batches, error, pattern, tiny_model_dir):
+    with pytest.raises(error, match=pattern):
+        _scales(tiny_model_dir, batches)
+
+
+# -- layers without usable activations, non-finite activations ---------------------------------
+
+
+class _Branches(torch.nn.Module):
+    """``a`` sees x, ``zero`` sees only zeros, ``idle`` sees no token (or never runs)."""
+
+    def __init__(self, empty_call: bool) -> None:
+        super().__init__()
+        config = Fp8Config("static")
+        torch.manual_seed(0)
+        for name in ("a", "zero", "idle"):
+            linear = torch.nn.Linear(16, 16)
+            setattr(self, name, Fp8Linear.from_linear(linear, config, module_name=name))
+        self.empty_call = empty_call
+
+    def forward(self, x):
+        out = self.a(x) + self.zero(torch.zeros_like(x))
+        if self.empty_call:
+            out = out + self.idle(x[:0]).sum()
+        return out
+
+
+@pytest.mark.parametrize("empty_call", [True, False])
+def test_uninformative_layers_fall_back_with_one_warning(empty_call):
+    model = _Branches(empty_call)
+    x = torch.randn(8, 16) * 3
+    with pytest.warns(UserWarning) as record:
+        scales = hf_fp8.calibrate(model, [x], progress=False)
+    ours = [w for w in record if "calibrat" in str(w.message)]
+    assert len(ours) == 1
+    message = str(ours[0].message)
+    assert "2 of 3" in message and "zero" in message and "idle" in message
+    assert "saw only zeros" in message and "saw no tokens" in message
+    # the fallback is the largest calibrated scale (only `a` was calibrated): x's max / 448
+    expected = float(x.abs().max()) / 448
+    assert scales["a"] == pytest.approx(expected, rel=1e-6)
+    assert scales["zero"] == scales["idle"] == scales["a"]
+    # at inference the fallback layer does not saturate (2.2e-15 did: rel. error 0.93)
+    zero = model.zero
+    reference = torch.nn.functional.linear(x, zero.dequantize_weight(torch.float32), zero.bias)
+    rel = float((zero(x) - reference).norm() / reference.norm())
+    assert rel < 0.05
+
+
+def test_fallback_keeps_a_configured_scale():
+    model = _Branches(empty_call=True)
+    model.idle.set_input_scale(0.125)
+    with pytest.warns(UserWarning, match="idle"):
+        scales = hf_fp8.calibrate(model, [torch.randn(4, 16)], progress=False)
+    assert scales["idle"] == 0.125 and float(model.idle.input_scale) == 0.125
+
+
+def test_no_informative_layer_at_all_is_an_error():
+    model = _Branches(empty_call=True)
+    with pytest.raises(ValueError, match="no static layer saw a nonzero activation"):
+        hf_fp8.calibrate(model, [torch.zeros(4, 16)], progress=False)
+
+
+def test_an_inf_activation_names_the_layer():
+    model = _Branches(empty_call=True)
+    x = torch.randn(8, 16)
+    x[3, 5] = float("inf")
+    with pytest.warns(UserWarning, match=r"non-finite.*\ba\b.*1 value") as record:
+        scales = hf_fp8.calibrate(model, [x], progress=False)
+    assert any("a (1 value" in str(w.message) for w in record)
+    finite = x[torch.isfinite(x)]
+    assert scales["a"] == pytest.approx(float(finite.abs().max()) / 448, rel=1e-6)
