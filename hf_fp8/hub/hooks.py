@@ -98,7 +98,9 @@ def _write_card(model: nn.Module, folder: Path, existing: str | None, **render_k
 def save_pretrained(
     original: Callable, model: nn.Module, save_directory: str | os.PathLike, *args, **kwargs
 ):
-    """``save_pretrained`` of a marked hf_fp8 model: written into a temporary sibling folder
+    """``save_pretrained`` of a marked hf_fp8 model: its quantization metadata first made to
+    match its layers (``hf_fp8.quantizer.state``: a model whose FP8 layers were all merged
+    saves as a plain high-precision checkpoint), then written into a temporary sibling folder
     and renamed into place with its model card, so an interrupted save over an existing
     checkpoint leaves the old one loadable (``hf_fp8.serialization.atomic.atomic_folder``).
 
@@ -106,6 +108,10 @@ def save_pretrained(
     positionally or that run on a non-main process go straight to transformers, with the card
     written after.
     """
+    if _STATE in model.__dict__:
+        from hf_fp8.quantizer.state import sync_quantization_state
+
+        sync_quantization_state(model)  # e.g. after merge_and_unload: save what the model is
     if not _marked(model):
         return original(model, save_directory, *args, **kwargs)
     dest = Path(save_directory)
