@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from hf_fp8.modules import Fp8Linear
+from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.modules.fp8_linear import weight_scale_shape
 from hf_fp8.numerics import fp8_dtype, is_fp8
 from hf_fp8.numerics.checks import (
@@ -53,10 +54,32 @@ def check_fp8_linear(name: str, module: Fp8Linear, *, check_values: bool = True)
         check_scale_tensor(f"{name}.input_scale", module.input_scale, shape=(1,), max_value=bound)
 
 
+def check_fp8_experts(name: str, module: Fp8Experts) -> None:
+    """Check one loaded ``Fp8Experts``: per projection ``[E, out, in]`` fp8 codes, per-expert
+    weight scales and (static) ``[E]`` input scales."""
+    dtype = fp8_dtype(module.fp8_format)
+    bound = max_scale(dtype, module.compute_dtype)
+    for proj in module.layout.projections:
+        e, n, k = module.layout.shape(proj)
+        check_fp8_tensor(f"{name}.{proj}", getattr(module, proj), dtype=dtype, shape=(e, n, k))
+        scale_shape = weight_scale_shape(n, k, module.weight_granularity, module.block_size)
+        check_scale_tensor(
+            f"{name}.{proj}_weight_scale",
+            getattr(module, f"{proj}_weight_scale"),
+            shape=(e, *scale_shape),
+            max_value=bound,
+        )
+        input_scale = getattr(module, f"{proj}_input_scale")
+        if input_scale is not None:
+            check_scale_tensor(
+                f"{name}.{proj}_input_scale", input_scale, shape=(e,), max_value=bound
+            )
+
+
 def check_no_stray_fp8(model: nn.Module, skipped: Iterable[str] = ()) -> None:
     """Raise if a module other than ``Fp8Linear`` holds fp8 codes (read as plain numbers)."""
     for name, module in model.named_modules():
-        if isinstance(module, Fp8Linear):
+        if isinstance(module, (Fp8Linear, Fp8Experts)):
             continue
         for pname, tensor in (
             *module.named_parameters(recurse=False),
@@ -75,7 +98,7 @@ def check_no_stray_fp8(model: nn.Module, skipped: Iterable[str] = ()) -> None:
 
 
 def validate_loaded_model(model: nn.Module, *, skipped: Iterable[str] = ()) -> None:
-    """Check every ``Fp8Linear`` and every stray fp8 tensor of a model after loading.
+    """Check every ``Fp8Linear`` / ``Fp8Experts`` and every stray fp8 tensor after loading.
 
     Disk-offloaded tensors stay on meta: their dtypes and shapes are checked, their values
     are read by accelerate at forward time.
@@ -83,4 +106,6 @@ def validate_loaded_model(model: nn.Module, *, skipped: Iterable[str] = ()) -> N
     for name, module in model.named_modules():
         if isinstance(module, Fp8Linear):
             check_fp8_linear(name, module)
+        elif isinstance(module, Fp8Experts):
+            check_fp8_experts(name, module)
     check_no_stray_fp8(model, skipped)
