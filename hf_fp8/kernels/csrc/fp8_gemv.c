@@ -381,6 +381,50 @@ DEFINE_BTILE(2)
 DEFINE_BTILE(4)
 DEFINE_BTILE(8)
 
+/* Two weight rows x MT tokens: each activation load feeds both rows (half the L1 traffic). */
+#define DEFINE_BTILE2(MT)\
+static void btile2_##MT(const uint16_t *a, int64_t K, const uint8_t *w0r, const uint8_t *w1r,  \
+                     int64_t seg, const float *bs0, const float *bs1, int fmt, float *res0,    \
+                     float *res1) {                                                            \
+    const float *lut = LUT[fmt];                                                               \
+    const float factor = dec_factor(fmt);                                                      \
+    const __m512i hi0 = T_HI[fmt][0], hi1 = T_HI[fmt][1];                                      \
+    const __m512i lo0 = T_LO[fmt][0], lo1 = T_LO[fmt][1], perm = PERM;                         \
+    float tot0[MT], tot1[MT];                                                                  \
+    for (int t = 0; t < MT; ++t) tot0[t] = tot1[t] = 0.0f;                                     \
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += seg, ++b) {                                      \
+        int64_t k1 = k0 + seg < K ? k0 + seg : K, k = k0;                                      \
+        __m512 acc0[MT], acc1[MT];                                                             \
+        for (int t = 0; t < MT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();                  \
+        for (; k + 64 <= k1; k += 64) {                                                        \
+            __m512i u0, u1, v0, v1;                                                            \
+            dec64_bf16(w0r + k, hi0, hi1, lo0, lo1, perm, &u0, &u1);                           \
+            dec64_bf16(w1r + k, hi0, hi1, lo0, lo1, perm, &v0, &v1);                           \
+            for (int t = 0; t < MT; ++t) {                                                     \
+                __m512bh x0 = (__m512bh)_mm512_loadu_si512(a + t * K + k);                     \
+                __m512bh x1 = (__m512bh)_mm512_loadu_si512(a + t * K + k + 32);                \
+                acc0[t] = _mm512_dpbf16_ps(acc0[t], x0, (__m512bh)u0);                         \
+                acc1[t] = _mm512_dpbf16_ps(acc1[t], x0, (__m512bh)v0);                         \
+                acc0[t] = _mm512_dpbf16_ps(acc0[t], x1, (__m512bh)u1);                         \
+                acc1[t] = _mm512_dpbf16_ps(acc1[t], x1, (__m512bh)v1);                         \
+            }                                                                                  \
+        }                                                                                      \
+        for (int t = 0; t < MT; ++t) {                                                         \
+            float p0 = _mm512_reduce_add_ps(acc0[t]), p1 = _mm512_reduce_add_ps(acc1[t]);      \
+            for (int64_t kk = k; kk < k1; ++kk) {                                              \
+                float x = bf16_to_f32(a[t * K + kk]);                                          \
+                p0 += x * (lut[w0r[kk]] * factor);                                             \
+                p1 += x * (lut[w1r[kk]] * factor);                                             \
+            }                                                                                  \
+            tot0[t] = bs0 ? fmaf(p0, bs0[b], tot0[t]) : p0;                                    \
+            tot1[t] = bs1 ? fmaf(p1, bs1[b], tot1[t]) : p1;                                    \
+        }                                                                                      \
+    }                                                                                          \
+    for (int t = 0; t < MT; ++t) res0[t] = tot0[t], res1[t] = tot1[t];                         \
+}
+DEFINE_BTILE2(8)
+DEFINE_BTILE2(4)
+
 static void row_dots_bf16(const gemv_t *g, const uint8_t *wrow, int64_t seg, const float *bs,
                           float *res) {
     int64_t t = 0;
@@ -395,28 +439,84 @@ static void row_dots_bf16(const gemv_t *g, const uint8_t *wrow, int64_t seg, con
 }
 #endif
 
+static void gemv_epilogue(const gemv_t *g, int64_t n, const float *res, float factor) {
+    int block = g->wgran == GRAN_BLOCK;
+    float wsc = g->wgran == GRAN_TENSOR ? g->ws[0] : g->wgran == GRAN_ROW ? g->ws[n] : 1.0f;
+    for (int64_t t = 0; t < g->M; ++t) {
+        float v = res[t] * factor;
+        if (g->agran == ASCALE_TENSOR) v = v * g->as[0];
+        else if (g->agran == ASCALE_TOKEN) v = v * g->as[t];
+        if (!block) v = v * wsc;
+        if (g->bias) v = v + g->bias[n];
+        if (g->out_kind == OUT_BF16) ((uint16_t *)g->out)[t * g->N + n] = f32_to_bf16(v);
+        else ((float *)g->out)[t * g->N + n] = v;
+    }
+}
+
+#if FP8_PATH == 4
+#define CHUNK_MAX 64
+/* Rows [n0, n1) (n1 - n0 <= CHUNK_MAX) for every token, token tile by token tile: a tile's
+ * activations stay in L1 and the chunk's weights in L2 while every tile passes over them. */
+static void gemv_chunk_bf16(const gemv_t *g, int64_t n0, int64_t n1, float res[][16]) {
+    const uint16_t *a = (const uint16_t *)g->a;
+    int64_t kblocks = (g->K + g->bk - 1) / g->bk;
+    int block = g->wgran == GRAN_BLOCK;
+    int64_t seg = block ? g->bk : g->K;
+    for (int64_t t = 0; t < g->M;) {
+        int64_t left = g->M - t, mt = left >= 8 ? 8 : left >= 4 ? 4 : left;
+        const uint16_t *at = a + t * g->K;
+        for (int64_t n = n0; n < n1; n += 2) {
+            const float *bs0 = block ? g->ws + (n / g->bn) * kblocks : NULL;
+            const uint8_t *w0 = g->w + n * g->K;
+            if (n + 1 < n1 && mt >= 4) {
+                const float *bs1 = block ? g->ws + ((n + 1) / g->bn) * kblocks : NULL;
+                const uint8_t *w1 = w0 + g->K;
+                if (mt == 8) btile2_8(at, g->K, w0, w1, seg, bs0, bs1, g->fmt, res[n - n0] + t, res[n + 1 - n0] + t);
+                else btile2_4(at, g->K, w0, w1, seg, bs0, bs1, g->fmt, res[n - n0] + t, res[n + 1 - n0] + t);
+                continue;
+            }
+            gemv_t rest = *g;
+            rest.M = mt;
+            rest.a = (const float *)at;
+            row_dots_bf16(&rest, w0, seg, bs0, res[n - n0] + t);
+            if (n + 1 < n1) {
+                const float *bs1 = block ? g->ws + ((n + 1) / g->bn) * kblocks : NULL;
+                row_dots_bf16(&rest, w0 + g->K, seg, bs1, res[n + 1 - n0] + t);
+            }
+        }
+        t += mt;
+    }
+}
+#endif
+
 static void *gemv_worker(void *arg) {
     const gemv_t *g = (const gemv_t *)arg;
-    float res[16], factor = g->a_bf16 ? 1.0f : dec_factor(g->fmt); /* bf16 tiles: exact */
+    float factor = g->a_bf16 ? 1.0f : dec_factor(g->fmt); /* bf16 products: exact values */
+#if FP8_PATH == 4
+    if (g->a_bf16 && g->M >= 8) {
+        float res[CHUNK_MAX][16];
+        int64_t ch = (128 * 1024) / g->K; /* ~128 KiB of fp8 weight per chunk (L2) */
+        ch = ch < 2 ? 2 : ch > CHUNK_MAX ? CHUNK_MAX : ch;
+        for (int64_t c = g->n0; c < g->n1; c += ch) {
+            int64_t c1 = c + ch < g->n1 ? c + ch : g->n1;
+            gemv_chunk_bf16(g, c, c1, res);
+            for (int64_t n = c; n < c1; ++n) gemv_epilogue(g, n, res[n - c], factor);
+        }
+        return NULL;
+    }
+#endif
+    float res[16];
     int64_t kblocks = (g->K + g->bk - 1) / g->bk;
     for (int64_t n = g->n0; n < g->n1; ++n) {
         int block = g->wgran == GRAN_BLOCK;
         const float *bs = block ? g->ws + (n / g->bn) * kblocks : NULL;
+        int64_t seg = block ? g->bk : g->K;
 #if FP8_PATH == 4
-        if (g->a_bf16) row_dots_bf16(g, g->w + n * g->K, block ? g->bk : g->K, bs, res);
+        if (g->a_bf16) row_dots_bf16(g, g->w + n * g->K, seg, bs, res);
         else
 #endif
-        row_dots(g, g->w + n * g->K, block ? g->bk : g->K, bs, res);
-        float wsc = g->wgran == GRAN_TENSOR ? g->ws[0] : g->wgran == GRAN_ROW ? g->ws[n] : 1.0f;
-        for (int64_t t = 0; t < g->M; ++t) {
-            float v = res[t] * factor;
-            if (g->agran == ASCALE_TENSOR) v = v * g->as[0];
-            else if (g->agran == ASCALE_TOKEN) v = v * g->as[t];
-            if (!block) v = v * wsc;
-            if (g->bias) v = v + g->bias[n];
-            if (g->out_kind == OUT_BF16) ((uint16_t *)g->out)[t * g->N + n] = f32_to_bf16(v);
-            else ((float *)g->out)[t * g->N + n] = v;
-        }
+        row_dots(g, g->w + n * g->K, seg, bs, res);
+        gemv_epilogue(g, n, res, factor);
     }
     return NULL;
 }
