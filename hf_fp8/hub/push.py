@@ -1,21 +1,22 @@
 """Upload a checkpoint folder to the Hub with its model card (``hf-fp8 push``).
 
 Every Hub call goes through ``transformers.utils.hub.hf_api()``, as ``push_to_hub`` does, and
-only when the user asks for an upload. The folder itself is never modified: the card is
-uploaded from memory.
+only when the user asks for an upload; the files go up through ``HfApi.upload_folder``. The
+folder itself is never modified, and nothing outside it is uploaded: symlinks are refused.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import CommitOperationAdd
 from transformers.utils import hub as hf_hub
 
 from hf_fp8.hub.card import merge_card
 from hf_fp8.hub.card_info import info_from_summary
+from hf_fp8.serialization.atomic import UnsafePathError, contained, hub_cache_root
 from hf_fp8.serialization.checkpoint import CARD_NAME, Checkpoint
 from hf_fp8.serialization.summary import summarize
 
@@ -41,17 +42,25 @@ def card_for_folder(
     return merge_card(existing, info)
 
 
-def _operations(folder: Path, card: str) -> list[CommitOperationAdd]:
-    ops = [CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card.encode("utf-8"))]
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder)
-        if (
-            path.is_file()
-            and rel.as_posix() != CARD_NAME
-            and not any(part.startswith(".") for part in rel.parts)
-        ):
-            ops.append(CommitOperationAdd(path_in_repo=rel.as_posix(), path_or_fileobj=str(path)))
-    return ops
+def folder_files(folder: str | os.PathLike) -> list[str]:
+    """Relative paths of the files ``push_folder`` uploads: hidden files and folders left out;
+    every path checked to lie inside ``folder`` (``hf_fp8.serialization.atomic.contained``), so
+    a symlink raises ``UnsafePathError`` (links into the blobs of a Hub cache snapshot are
+    allowed). ``README.md`` is left out: the card is uploaded from memory."""
+    root = Path(folder)
+    blobs = hub_cache_root(root)
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        here = Path(dirpath).relative_to(root)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in [*dirnames, *sorted(filenames)]:
+            rel = (here / name).as_posix()
+            path = contained(root, rel, links_within=blobs)  # refuses symlinks, escapes
+            if name in filenames and not name.startswith(".") and rel != CARD_NAME:
+                if not path.is_file():
+                    raise UnsafePathError(f"{root / rel} is not a regular file")
+                files.append(rel)
+    return files
 
 
 def push_folder(
@@ -65,20 +74,37 @@ def push_folder(
     commit_message: str | None = None,
     base_model: str | None = None,
     fidelity: dict[str, Any] | None = None,
+    allow_patterns: list[str] | str | None = None,
+    ignore_patterns: list[str] | str | None = None,
 ) -> Any:
-    """Create ``repo_id`` if needed and upload every file of ``folder`` (hidden ones left out)
-    plus its model card in one commit; returns the Hub's ``CommitInfo``."""
+    """Create ``repo_id`` if needed and upload ``folder`` with its model card in one commit,
+    through ``HfApi.upload_folder`` (``allow_patterns`` / ``ignore_patterns`` as there);
+    returns the Hub's ``CommitInfo``.
+
+    Hidden files are left out and symlinks refused (:func:`folder_files`). The folder itself is
+    never modified: the upload reads a temporary folder of links to the checked files plus the
+    rendered ``README.md``.
+    """
     folder = Path(folder)
+    files = folder_files(folder)
     card = card_for_folder(folder, repo_id, base_model=base_model, fidelity=fidelity)
     api = hf_hub.hf_api()
     repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
     if revision is not None and not revision.startswith("refs/pr"):
         api.create_branch(repo_id=repo_id, branch=revision, token=token, exist_ok=True)
-    return api.create_commit(
-        repo_id=repo_id,
-        operations=_operations(folder, card),
-        commit_message=commit_message or "Upload FP8 model (hf-fp8)",
-        token=token,
-        revision=revision,
-        create_pr=create_pr,
-    )
+    with tempfile.TemporaryDirectory(prefix="hf_fp8-push-") as stage:
+        for rel in files:
+            link = Path(stage, rel)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink((folder / rel).resolve(), link)
+        Path(stage, CARD_NAME).write_text(card, encoding="utf-8")
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=stage,
+            commit_message=commit_message or "Upload FP8 model (hf-fp8)",
+            token=token,
+            revision=revision,
+            create_pr=create_pr,
+            allow_patterns=allow_patterns,
+            ignore_patterns=ignore_patterns,
+        )

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from huggingface_hub import CommitOperationAdd
+from huggingface_hub.utils import filter_repo_objects
+from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
 
 def repo_folder(cache_dir: Path, repo_id: str) -> Path:
@@ -112,6 +114,45 @@ class FakeHubApi:
         merged = {**snapshot_files(self.cache_dir, repo_id, revision), **files}
         oid = write_snapshot(self.cache_dir, repo_id, merged, revision)
         return SimpleNamespace(oid=oid, commit_url=f"https://huggingface.co/{repo_id}/commit/{oid}")
+
+    def upload_folder(
+        self,
+        *,
+        repo_id: str,
+        folder_path,
+        allow_patterns=None,
+        ignore_patterns=None,
+        commit_message: str | None = None,
+        revision=None,
+        create_pr=False,
+        **kwargs,
+    ) -> SimpleNamespace:
+        """As ``HfApi.upload_folder``: files (symlinks followed), filtered with the same
+        patterns and default ignores, uploaded in one commit."""
+        self.calls.append(("upload_folder", repo_id))
+        root = Path(folder_path)
+        relpaths = [
+            p.relative_to(root).as_posix() for p in sorted(root.glob("**/*")) if p.is_file()
+        ]
+        ignore = (
+            [ignore_patterns] if isinstance(ignore_patterns, str) else list(ignore_patterns or [])
+        )
+        kept = filter_repo_objects(
+            relpaths,
+            allow_patterns=allow_patterns,
+            ignore_patterns=ignore + DEFAULT_IGNORE_PATTERNS,
+        )
+        operations = [
+            CommitOperationAdd(path_in_repo=rel, path_or_fileobj=(root / rel).read_bytes())
+            for rel in kept
+        ]
+        return self.create_commit(
+            repo_id,
+            operations,
+            commit_message=commit_message or "Upload folder using huggingface_hub",
+            revision=revision,
+            create_pr=create_pr,
+        )
 
     def __getattr__(self, name: str):
         raise AssertionError(f"unexpected Hub API call: {name}")

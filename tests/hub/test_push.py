@@ -7,6 +7,7 @@ import gc
 import json
 import weakref
 
+import pytest
 import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load as load_safetensors
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_fp8
 from hf_fp8.hub import push_folder, read_card_info
+from hf_fp8.serialization.atomic import UnsafePathError
 from tests.hub.fake_hub import cache_folder
 from tests.serialization.helpers import quantized
 
@@ -136,3 +138,30 @@ def test_card_on_a_chained_save_and_none_for_plain_models(fake_hub, tiny_model_d
     AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).save_pretrained(tmp_path / "hp")
     assert (tmp_path / "hp" / "config.json").exists()
     assert not (tmp_path / "hp" / "README.md").exists()
+
+
+def test_push_folder_uses_upload_patterns(fake_hub, tiny_model_dir, tmp_path):
+    folder = tmp_path / "fp8"
+    _base_from_cache(fake_hub, tiny_model_dir).save_pretrained(folder)
+    push_folder(folder, REPO, ignore_patterns=["generation_config.json"])
+    assert ("upload_folder", REPO) in fake_hub.calls
+    files = fake_hub.commits[-1].files
+    assert "generation_config.json" not in files and (folder / "generation_config.json").exists()
+    assert files["config.json"] == (folder / "config.json").read_bytes()
+    assert read_card_info(files["README.md"].decode()).base_model == BASE
+
+
+@pytest.mark.parametrize("what", ["file", "folder"])
+def test_push_folder_refuses_symlinks(fake_hub, tiny_model_dir, tmp_path, what):
+    folder = tmp_path / "fp8"
+    _base_from_cache(fake_hub, tiny_model_dir).save_pretrained(folder)
+    secret = tmp_path / "outside"
+    secret.mkdir()
+    (secret / "id_rsa").write_text("private key")
+    if what == "file":
+        (folder / "extra.bin").symlink_to(secret / "id_rsa")
+    else:
+        (folder / "extra").symlink_to(secret, target_is_directory=True)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        push_folder(folder, REPO)
+    assert fake_hub.calls == []  # refused before anything reached the Hub
