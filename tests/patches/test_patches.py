@@ -147,3 +147,22 @@ def test_missing_peft_custom_modules_keep_lora_training():
     (warning,) = patch_warnings(result.stderr)
     assert "_register_custom_module" in warning and "model.dequantize()" in warning
     assert out.strip().startswith("off: ")
+
+
+@pytest.mark.slow
+def test_nothing_is_printed_on_import():
+    """torchao (imported by transformers' quantizer registry) logs CUDA-extension failures and
+    torch logs ``_pytree`` "Enum subclass" deprecations; hf_fp8 mutes both for that import."""
+    result = run_python(
+        """
+        import hf_fp8
+        import transformers.modeling_utils
+        import peft
+        from transformers import Trainer
+        hf_fp8.Fp8Config, hf_fp8.Fp8Linear, hf_fp8.calibrate, hf_fp8.AdamWFp8
+        print(sorted(hf_fp8.patches.status().values()))
+        """,
+        env={"PYTHONWARNINGS": ""},
+    )
+    assert check(result).strip() == "['on', 'on', 'on', 'on']"
+    assert result.stderr == ""
