@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_fp8.kernels.capability import check_kernel
-from hf_fp8.kernels.fp8_linear import _ACT_TO_NUMERICS, ACTIVATION_SCHEMES, fp8_linear
-from hf_fp8.numerics import amax, amax_to_scale, quantize_with_scale
+from hf_fp8.kernels.fp8_linear import fp8_linear
+from hf_fp8.numerics import amax, amax_to_scale, fp8_dtype, quantize_with_scale
+from hf_fp8.recipe import Fp8Recipe, Kernel
 
 # torch._scaled_grouped_mm: GroupedBlas.cpp (CUTLASS grouped kernel) limits
 _GROUPED_CAPABILITIES = ((9, 0), (10, 0))
@@ -218,27 +218,18 @@ def grouped_fp8_linear(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    activation_scheme: str = "dynamic",
-    activation_granularity: str | None = "token",
-    weight_granularity: str = "row",
-    block_size: tuple[int, int] = (128, 128),
+    recipe: Fp8Recipe,
     input_scale: torch.Tensor | None = None,
-    kernel: str = "auto",
 ) -> torch.Tensor:
     """Per-expert FP8 ``linear`` of the rows sorted by :func:`route`: ``[S, N]`` in
     ``x_sorted.dtype``.
 
-    ``w_fp8`` ``[E, N, K]`` (one ``[N, K]`` weight per expert), ``w_scale`` ``[E, 1]``
-    (tensor), ``[E, N, 1]`` (row) or ``[E, N/bn, K/bk]`` (block), ``bias`` ``[E, N]``,
-    ``input_scale`` ``[E]`` (static: one scale per expert). Scheme and granularity
-    arguments as ``fp8_linear``'s; dynamic ``"tensor"`` activations get one scale per expert.
+    ``w_fp8`` ``[E, N, K]`` (one ``[N, K]`` weight per expert, in ``recipe.fp8_format``),
+    ``w_scale`` ``[E, 1]`` (tensor), ``[E, N, 1]`` (row) or ``[E, N/bn, K/bk]`` (block),
+    ``bias`` ``[E, N]``, ``input_scale`` ``[E]`` (static: one scale per expert). Each expert
+    runs ``recipe`` as an ``Fp8Linear`` would; dynamic ``"tensor"`` activations get one scale
+    per expert.
     """
-    check_kernel(kernel)
-    if activation_scheme not in ACTIVATION_SCHEMES:
-        raise ValueError(
-            f"activation_scheme={activation_scheme!r} is not supported; use one of "
-            f"{ACTIVATION_SCHEMES}"
-        )
     if x_sorted.dim() != 2 or x_sorted.shape[0] != len(routing.expert_ids):
         raise ValueError(
             f"x_sorted must be [{len(routing.expert_ids)}, K] (one row per routed pair), got "
@@ -250,42 +241,45 @@ def grouped_fp8_linear(
             f"weight of shape {tuple(w_fp8.shape)} does not fit {routing.num_experts} experts "
             f"and inputs of width {x_sorted.shape[1]}"
         )
-    if activation_scheme == "static" and input_scale is None:
+    if w_fp8.dtype != fp8_dtype(recipe.fp8_format):
+        raise ValueError(
+            f"expert weights are {w_fp8.dtype} but the recipe's format is {recipe.fp8_format!r}"
+        )
+    if recipe.is_static and input_scale is None:
         raise RuntimeError(
             "these static FP8 experts have no input scales: calibrate them with "
             "hf_fp8.calibrate(model, batches), or give Fp8Config('static', activation_scale=...)"
         )
-    if activation_scheme != "static":
+    if not recipe.is_static:
         input_scale = None
     if x_sorted.shape[0] == 0:
         return x_sorted.new_zeros(0, n)
 
-    act_dtype = None if activation_scheme == "weight_only" else w_fp8.dtype
-    a_gran = (
-        "tensor"
-        if activation_scheme == "static"
-        else _ACT_TO_NUMERICS.get(activation_granularity or "", None)
-    )
+    act_dtype = fp8_dtype(recipe.fp8_format) if recipe.quantizes_activations else None
+    a_layout = None if recipe.activation_layout is None else recipe.activation_layout.value
+    w_layout = recipe.weight_granularity.value
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x_sorted, bias)
     )
-    if kernel != "emulated" and not needs_grad:
+    if recipe.kernel != Kernel.EMULATED and not needs_grad:
         reason = grouped_unsupported_reason(
-            x_sorted.device,
-            x_sorted.dtype,
-            act_dtype,
-            w_fp8.dtype,
-            a_gran,
-            weight_granularity,
-            n,
-            k,
+            x_sorted.device, x_sorted.dtype, act_dtype, w_fp8.dtype, a_layout, w_layout, n, k,
             num_experts,
-        )
+        )  # fmt: skip
         if reason is None:
             return _scaled_grouped(
-                x_sorted, routing, w_fp8, w_scale, bias, act_dtype, a_gran, input_scale
+                x_sorted, routing, w_fp8, w_scale, bias, act_dtype, a_layout, input_scale
             )
 
+    words = {
+        "activation_scheme": recipe.activation_scheme.value,
+        "activation_granularity": (
+            None if recipe.activation_granularity is None else recipe.activation_granularity.value
+        ),
+        "weight_granularity": w_layout,
+        "block_size": recipe.block_size,
+        "kernel": recipe.kernel.value,
+    }
     pieces = []
     for expert, start, end in routing.present():
         pieces.append(
@@ -294,12 +288,8 @@ def grouped_fp8_linear(
                 w_fp8[expert],
                 w_scale[expert],
                 None if bias is None else bias[expert].to(x_sorted.dtype),
-                activation_scheme=activation_scheme,
-                activation_granularity=activation_granularity,
-                weight_granularity=weight_granularity,
-                block_size=block_size,
                 input_scale=None if input_scale is None else input_scale[expert : expert + 1],
-                kernel=kernel,
+                **words,
             )
         )
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -433,12 +433,8 @@ class Fp8Experts(nn.Module):
             getattr(self, proj),
             getattr(self, f"{proj}_weight_scale"),
             getattr(self, f"{proj}_bias"),
-            activation_scheme=self.activation_scheme,
-            activation_granularity=self.activation_granularity,
-            weight_granularity=self.weight_granularity,
-            block_size=self.block_size,
+            recipe=self.recipe,
             input_scale=getattr(self, f"{proj}_input_scale"),
-            kernel=self.kernel,
         )
 
     def forward(

@@ -9,6 +9,7 @@ does not repeat, then computed by a reference here.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -16,10 +17,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hf_fp8.numerics import dequantize, quantize_weight, quantize_with_scale
+from hf_fp8.recipe import Fp8Recipe
 from tests.kernels.reference import E4M3, fake_quant
 
 grouped = importlib.import_module("hf_fp8.kernels.grouped")
 E5M2 = torch.float8_e5m2
+FORMATS = {E4M3: "e4m3", E5M2: "e5m2"}
+DYNAMIC = Fp8Recipe.resolve()
 _REAL_SCALED_GROUPED_MM = torch._scaled_grouped_mm
 
 
@@ -101,10 +105,13 @@ def test_per_expert_route_equals_dequantize_then_matmul(gran, act, a_gran, fmt) 
         w_fp8,
         w_scale,
         bias,
-        activation_scheme=act,
-        activation_granularity=a_gran,
-        weight_granularity=gran,
-        block_size=(16, 16),
+        recipe=Fp8Recipe.resolve(
+            act,
+            weight_granularity=gran,
+            activation_granularity=a_gran,
+            fp8_format=FORMATS[fmt],
+            block_size=(16, 16),
+        ),
         input_scale=scales,
     )
     ref = _reference(
@@ -129,7 +136,7 @@ def test_only_routed_experts_are_multiplied(monkeypatch) -> None:
     monkeypatch.setattr(grouped, "fp8_linear", spy)
     index = torch.tensor([[0, 7], [7, 2], [2, 0]])
     routing = grouped.route(index, 8)
-    out = grouped.grouped_fp8_linear(torch.randn(6, 48), routing, w_fp8, w_scale)
+    out = grouped.grouped_fp8_linear(torch.randn(6, 48), routing, w_fp8, w_scale, recipe=DYNAMIC)
     assert sorted(calls) == [(2, (32, 48))] * 3  # experts 0, 2, 7: two rows each, 2-D slices
     assert torch.isfinite(out).all()
 
@@ -137,16 +144,20 @@ def test_only_routed_experts_are_multiplied(monkeypatch) -> None:
 def test_no_tokens_and_shape_errors() -> None:
     w_fp8, w_scale = _experts()
     routing = grouped.route(torch.zeros(0, 2, dtype=torch.long), 5)
-    assert grouped.grouped_fp8_linear(torch.zeros(0, 48), routing, w_fp8, w_scale).shape == (0, 32)
+    out = grouped.grouped_fp8_linear(torch.zeros(0, 48), routing, w_fp8, w_scale, recipe=DYNAMIC)
+    assert out.shape == (0, 32)
     routing = grouped.route(torch.tensor([[0, 1]]), 5)
     with pytest.raises(ValueError, match="one row per routed pair"):
-        grouped.grouped_fp8_linear(torch.zeros(3, 48), routing, w_fp8, w_scale)
+        grouped.grouped_fp8_linear(torch.zeros(3, 48), routing, w_fp8, w_scale, recipe=DYNAMIC)
     with pytest.raises(ValueError, match="does not fit 4 experts"):
         grouped.grouped_fp8_linear(torch.zeros(2, 48), grouped.route(torch.tensor([[0, 1]]), 4),
-                                   w_fp8, w_scale)  # fmt: skip
+                                   w_fp8, w_scale, recipe=DYNAMIC)  # fmt: skip
     with pytest.raises(RuntimeError, match="calibrate"):
         grouped.grouped_fp8_linear(torch.zeros(2, 48), routing, w_fp8, w_scale,
-                                   activation_scheme="static")  # fmt: skip
+                                   recipe=Fp8Recipe.resolve("static"))  # fmt: skip
+    with pytest.raises(ValueError, match="recipe's format is 'e5m2'"):
+        grouped.grouped_fp8_linear(torch.zeros(2, 48), routing, w_fp8, w_scale,
+                                   recipe=Fp8Recipe.resolve(fp8_format="e5m2"))  # fmt: skip
 
 
 def test_gradients_reach_the_input() -> None:
@@ -155,7 +166,7 @@ def test_gradients_reach_the_input() -> None:
     index = torch.tensor([[0, 4], [4, 1]])
     routing = grouped.route(index, 5)
     x = torch.randn(4, 48, requires_grad=True)
-    grouped.grouped_fp8_linear(x, routing, w_fp8, w_scale).sum().backward()
+    grouped.grouped_fp8_linear(x, routing, w_fp8, w_scale, recipe=DYNAMIC).sum().backward()
     w = torch.stack([dequantize(w_fp8[e], w_scale[e]) for e in range(5)])
     expected = w[routing.expert_ids].sum(1)
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-5)
@@ -254,13 +265,13 @@ def test_scaled_grouped_mm_meets_the_cuda_contract(grouped_gpu, act, a_gran, gra
     index = torch.tensor([[0, 5], [5, 1], [1, 0], [0, 5], [5, 0], [1, 5], [0, 1], [2, 5]])
     scales = torch.tensor([0.01, 0.02, 0.03, 0.015, 0.05, 0.02]) if act == "static" else None
     routing = grouped.route(index, 6)
-    kwargs = dict(activation_scheme=act, activation_granularity=a_gran, weight_granularity=gran,
-                  input_scale=scales)  # fmt: skip
+    recipe = Fp8Recipe.resolve(act, weight_granularity=gran, activation_granularity=a_gran)
     got = grouped.grouped_fp8_linear(x[routing.token_index], routing, w_fp8, w_scale, bias,
-                                     **kwargs)  # fmt: skip
+                                     recipe=recipe, input_scale=scales)  # fmt: skip
     assert grouped_gpu == [[5, 9, 10, 10, 10, 16]], "one launch, cumulative row ends per expert"
+    emulated = dataclasses.replace(recipe, kernel="emulated")
     ref = grouped.grouped_fp8_linear(x[routing.token_index], routing, w_fp8, w_scale, bias,
-                                     kernel="emulated", **kwargs)  # fmt: skip
+                                     recipe=emulated, input_scale=scales)  # fmt: skip
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=2**-7)
 
@@ -269,8 +280,9 @@ def test_grouped_path_is_skipped_for_gradients_and_emulated(grouped_gpu) -> None
     w_fp8, w_scale = _experts()
     routing = grouped.route(torch.tensor([[0, 1]]), 5)
     x = torch.randn(2, 48, dtype=torch.bfloat16, requires_grad=True)
-    grouped.grouped_fp8_linear(x, routing, w_fp8, w_scale)
-    grouped.grouped_fp8_linear(x.detach(), routing, w_fp8, w_scale, kernel="emulated")
+    grouped.grouped_fp8_linear(x, routing, w_fp8, w_scale, recipe=DYNAMIC)
+    emulated = Fp8Recipe.resolve(kernel="emulated")
+    grouped.grouped_fp8_linear(x.detach(), routing, w_fp8, w_scale, recipe=emulated)
     assert grouped_gpu == []
 
 
