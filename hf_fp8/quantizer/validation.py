@@ -9,6 +9,7 @@ stored on disk (the loader would otherwise cast them to the meta dtype, hiding a
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 from hf_fp8.modules import Fp8Linear
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.modules.fp8_linear import weight_scale_shape
-from hf_fp8.numerics import fp8_dtype, is_fp8
+from hf_fp8.numerics import AMAX_EPS, fp8_dtype, fp8_max, is_fp8
 from hf_fp8.numerics.checks import (
     CheckpointTensorError,
     check_fp8_tensor,
@@ -97,6 +98,30 @@ def check_no_stray_fp8(model: nn.Module, skipped: Iterable[str] = ()) -> None:
                 )
 
 
+def warn_degenerate_input_scales(model: nn.Module) -> None:
+    """One warning naming static layers whose input scale is that of an all-zero amax.
+
+    ``AMAX_EPS / fp8_max`` is what calibration stored for a layer that saw only zeros
+    (before calibrate learnt to fall back): such a layer saturates every nonzero input.
+    """
+    tiny = []
+    for name, module in model.named_modules():
+        scale = getattr(module, "input_scale", None)
+        if isinstance(module, Fp8Linear) and scale is not None and not scale.is_meta:
+            limit = AMAX_EPS / fp8_max(fp8_dtype(module.fp8_format))
+            if float(scale.max()) <= limit * (1 + 1e-3):
+                tiny.append(name)
+    if tiny:
+        shown = ", ".join(tiny[:8]) + (f" and {len(tiny) - 8} more" if len(tiny) > 8 else "")
+        warnings.warn(
+            f"{len(tiny)} static layer(s) have the input_scale of an all-zero calibration "
+            f"(amax {AMAX_EPS:g}): {shown}. They saturate every nonzero input; re-calibrate "
+            "with hf_fp8.calibrate (which now falls back to a usable scale) and save again",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
 def validate_loaded_model(model: nn.Module, *, skipped: Iterable[str] = ()) -> None:
     """Check every ``Fp8Linear`` / ``Fp8Experts`` and every stray fp8 tensor after loading.
 
@@ -109,3 +134,4 @@ def validate_loaded_model(model: nn.Module, *, skipped: Iterable[str] = ()) -> N
         elif isinstance(module, Fp8Experts):
             check_fp8_experts(name, module)
     check_no_stray_fp8(model, skipped)
+    warn_degenerate_input_scales(model)

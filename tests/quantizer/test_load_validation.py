@@ -202,3 +202,13 @@ def test_load_state_dict_runs_the_same_checks(case, fp8_dirs):
     state[key] = WEIGHT_SCALE_CASES[case][0](state[key])
     with pytest.raises(CheckpointTensorError, match=re.escape(key)):
         model.load_state_dict(state)
+
+
+def test_input_scale_of_an_all_zero_calibration_warns_at_load(fp8_dirs, tmp_path):
+    # hf_fp8 < this fix stored amax_to_scale(0) = 1e-12 / 448 for a layer that saw only
+    # zeros: every nonzero input saturates. Such a checkpoint loads with one warning.
+    key = f"{LAYER}.input_scale"
+    tiny = _set(key, lambda t: torch.full_like(t, 1e-12 / 448))
+    path = _corrupt(fp8_dirs["static"], tmp_path / "ckpt", tiny)
+    with pytest.warns(UserWarning, match=rf"1 static layer.*{re.escape(LAYER)}.*re-calibrate"):
+        AutoModelForCausalLM.from_pretrained(path)
