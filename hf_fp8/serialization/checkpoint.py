@@ -216,6 +216,17 @@ class Checkpoint:
         with _open(self.path(file)) as f:
             return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
+    def get_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors called ``names`` (each file opened once)."""
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        out = {}
+        for file, wanted in by_file.items():
+            with _open(self.path(file)) as f:
+                out.update({name: f.get_tensor(name) for name in wanted})
+        return out
+
     def iter_files(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         for file in self.files:
             yield file, self.load_file(file)

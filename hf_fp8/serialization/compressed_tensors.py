@@ -168,9 +168,17 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
 
 
 def import_tensors(
-    tensors: dict[str, torch.Tensor], plan: LayerPlan, config: Fp8Config
+    tensors: dict[str, torch.Tensor],
+    plan: LayerPlan,
+    config: Fp8Config,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
     """Scales to fp32 in hf_fp8's shapes; symmetric zero points dropped."""
     return to_hf_fp8_tensors(
-        tensors, plan, config, zero_points=("weight_zero_point", "input_zero_point")
+        tensors,
+        plan,
+        config,
+        zero_points=("weight_zero_point", "input_zero_point"),
+        compute_dtype=compute_dtype,
     )

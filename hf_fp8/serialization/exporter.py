@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from hf_fp8.config import Fp8Config
@@ -24,7 +25,7 @@ from hf_fp8.serialization.checkpoint import (
 )
 from hf_fp8.serialization.formats import format_of, get_format
 from hf_fp8.serialization.layers import plan_layers
-from hf_fp8.serialization.tensors import check_complete
+from hf_fp8.serialization.tensors import check_complete, compute_dtype_of, to_hf_fp8_tensors
 
 
 def hf_fp8_config(checkpoint: Checkpoint) -> Fp8Config:
@@ -102,7 +103,13 @@ def exporting(
         plan = plan_layers(src.config, tensors)
         check_complete(plan, tensors, config)
         quantization_config = fmt.export_config(config, plan)
-        rewrite_tensors(src, tmp, lambda t: fmt.export_tensors(t, plan, config))
+        dtype = compute_dtype_of(src.config)
+
+        def convert(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            checked = to_hf_fp8_tensors(shard, plan, config, compute_dtype=dtype)
+            return fmt.export_tensors(checked, plan, config)
+
+        rewrite_tensors(src, tmp, convert)
         if src.root != tmp.resolve():
             copy_other_files(src, tmp)
         write_config(tmp, {**src.config, "quantization_config": quantization_config})

@@ -27,7 +27,7 @@ class Format:
     export_config: Callable[[Fp8Config, LayerPlan], dict[str, Any]]
     export_tensors: TensorConvert
     import_kwargs: Callable[[dict[str, Any]], dict[str, Any]]
-    import_tensors: TensorConvert
+    import_tensors: Callable[..., dict[str, torch.Tensor]]  # TensorConvert + compute_dtype=
     import_renames: dict[str, str]  # tensor leaf names → hf_fp8's
 
 

@@ -17,7 +17,7 @@ from hf_fp8.serialization.checkpoint import (
 )
 from hf_fp8.serialization.formats import EXPORT_FORMATS, FORMATS, format_of
 from hf_fp8.serialization.layers import plan_layers
-from hf_fp8.serialization.tensors import check_complete
+from hf_fp8.serialization.tensors import check_complete, compute_dtype_of
 
 
 def _renamed(names, renames: dict[str, str]) -> list[str]:
@@ -59,7 +59,9 @@ def import_checkpoint(
     """Convert an FP8 compressed-tensors (``float-quantized``) or vLLM ``fp8`` checkpoint
     (folder or Hub repo id) into an hf_fp8 checkpoint in ``out_dir``.
 
-    fp8 weights are copied bit for bit; scales become fp32 (exact) in hf_fp8's shapes. Then
+    fp8 weights are copied bit for bit; scales become fp32 (exact) in hf_fp8's shapes. Every
+    fp8 weight and scale is checked first (dtype, shape, finite, > 0): a bad one raises
+    ``CheckpointTensorError`` naming it, and nothing is written. Then
     ``import hf_fp8; AutoModel…from_pretrained(out_dir)`` gives ``Fp8Linear`` layers with the
     same numbers. Unsupported variants (int8, fp4, asymmetric, KV-cache scales …) raise
     ``ValueError`` naming what is unsupported. Returns ``out_dir``.
@@ -79,7 +81,10 @@ def import_checkpoint(
     check_complete(plan, _renamed(tensors, fmt.import_renames), config)
     out = check_out_dir(out_dir, source=src.root, overwrite=overwrite)
     with output_folder(out) as tmp:
-        rewrite_tensors(src, tmp, lambda t: fmt.import_tensors(t, plan, config))
+        dtype = compute_dtype_of(src.config)
+        rewrite_tensors(
+            src, tmp, lambda t: fmt.import_tensors(t, plan, config, compute_dtype=dtype)
+        )
         copy_other_files(src, tmp)
         write_config(tmp, {**src.config, "quantization_config": config.to_dict()})
     return out

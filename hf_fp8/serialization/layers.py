@@ -12,7 +12,11 @@ from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from hf_fp8.modules.replace import is_conv1d
+from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.serialization.checkpoint import FP8_DTYPE_NAMES, TensorInfo, module_of
+
+# Tensor leaves that only an FP8 layer has (hf_fp8's, compressed-tensors' and vLLM's names).
+_SCALE_NAMES = frozenset({"weight_scale", "weight_scale_inv", "input_scale", "activation_scale"})
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,16 @@ def plan_layers(config: dict[str, Any], tensors: dict[str, TensorInfo]) -> Layer
         if len(info.shape) != 2:
             raise ValueError(f"fp8 weight {name} must be 2-D, got shape {info.shape}")
         fp8[module] = (info.shape[0], info.shape[1])
+    for name in tensors:
+        module, leaf = module_of(name)
+        if leaf in _SCALE_NAMES and module not in fp8:
+            weight = tensors.get(f"{module}.weight")
+            found = f"stored as {weight.dtype}" if weight is not None else "missing"
+            raise CheckpointTensorError(
+                f"{module}.weight: {found}, but the layer has a scale ({name}): a high-"
+                "precision tensor cannot stand in for FP8 codes; the checkpoint is damaged or "
+                "was written by another tool: re-export it"
+            )
     if not fp8:
         raise ValueError("the checkpoint holds no fp8 weights: quantize it first (hf-fp8 quantize)")
     high = sorted(n for n, kind in stock.items() if kind == "linear" and n not in fp8)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hf_fp8.config import Fp8Config
+from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.serialization.checkpoint import (
     FP8_DTYPE_NAMES,
     Checkpoint,
@@ -17,7 +18,8 @@ from hf_fp8.serialization.checkpoint import (
     resolve_checkpoint,
 )
 from hf_fp8.serialization.formats import FORMATS, format_of
-from hf_fp8.serialization.layers import plan_layers
+from hf_fp8.serialization.layers import LayerPlan, plan_layers
+from hf_fp8.serialization.tensors import compute_dtype_of, to_hf_fp8_tensors
 
 if TYPE_CHECKING:
     from hf_fp8.serialization.remote import HubHeaders
@@ -103,21 +105,50 @@ class CheckpointSummary:
         }
 
 
-def _scheme(checkpoint: Checkpoint, fmt: str) -> tuple[dict[str, Any] | None, str | None]:
+def _config(checkpoint: Checkpoint | HubHeaders, fmt: str) -> tuple[Fp8Config | None, str | None]:
     qc = checkpoint.quantization_config
     try:
         if fmt == "hf_fp8":
-            config = Fp8Config.from_dict(qc)
-        elif fmt in FORMATS:
-            config = Fp8Config(**FORMATS[fmt].import_kwargs(qc))
-        else:
-            return None, f"{fmt}: not an FP8 format hf_fp8 reads"
+            return Fp8Config.from_dict(qc), None
+        if fmt in FORMATS:
+            return Fp8Config(**FORMATS[fmt].import_kwargs(qc)), None
+        return None, f"{fmt}: not an FP8 format hf_fp8 reads"
     except ValueError as err:
         return None, str(err)
+
+
+def _scheme(config: Fp8Config) -> dict[str, Any]:
     keys = ("activation_scheme", "weight_granularity", "activation_granularity", "block_size")
     scheme = {k: getattr(config, k) for k in keys}
     scheme["fp8_format"] = config.fp8_format
-    return scheme, None
+    return scheme
+
+
+_FP8_NAME = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}
+
+
+def check_stored_tensors(
+    checkpoint: Checkpoint, fmt: str, plan: LayerPlan, config: Fp8Config
+) -> None:
+    """The checks import runs, on what inspect can afford: the fp8 weights' dtypes (headers)
+    and every scale's values (small tensors). Raises ``CheckpointTensorError`` naming the
+    tensor."""
+    tensors = checkpoint.tensors()
+    wanted = _FP8_NAME[str(config.fp8_format)]
+    for module in plan.fp8:
+        info = tensors[f"{module}.weight"]
+        if info.dtype != wanted:
+            raise CheckpointTensorError(
+                f"{module}.weight: stored as {info.dtype}, but the config says "
+                f"fp8_format={config.fp8_format!r}: the config and the stored bytes disagree"
+            )
+    names = [n for n in tensors if module_of(n)[0] in plan.fp8 and module_of(n)[1] in _SCALE_LEAVES]
+    scales = checkpoint.get_tensors(names)
+    dtype = compute_dtype_of(checkpoint.config)
+    if fmt in FORMATS:
+        FORMATS[fmt].import_tensors(scales, plan, config, compute_dtype=dtype)
+    else:
+        to_hf_fp8_tensors(scales, plan, config, compute_dtype=dtype)
 
 
 def _compute_dtype(config: dict[str, Any], tensors: dict[str, TensorInfo]) -> str | None:
@@ -134,7 +165,7 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
     """Summary of an opened checkpoint (a folder, or a Hub repo's headers)."""
     tensors = checkpoint.tensors()
     fmt = format_of(checkpoint.quantization_config)
-    scheme, note = _scheme(checkpoint, fmt) if fmt != "unquantized" else (None, None)
+    config, note = _config(checkpoint, fmt) if fmt != "unquantized" else (None, None)
     fp8_modules = {
         module_of(n)[0]
         for n, i in tensors.items()
@@ -145,15 +176,21 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
         format=fmt,
         architecture=(checkpoint.config.get("architectures") or [None])[0],
         compute_dtype=_compute_dtype(checkpoint.config, tensors),
-        scheme=scheme,
+        scheme=None if config is None else _scheme(config),
         fp8_layers=sorted(fp8_modules),
         note=note,
     )
     if fp8_modules:
         try:
-            summary.high_precision_layers = plan_layers(checkpoint.config, tensors).high_precision
+            plan = plan_layers(checkpoint.config, tensors)
+        except CheckpointTensorError:
+            raise
         except ValueError as err:
             summary.note = summary.note or str(err)
+        else:
+            summary.high_precision_layers = plan.high_precision
+            if config is not None and isinstance(checkpoint, Checkpoint):
+                check_stored_tensors(checkpoint, fmt, plan, config)
     for name, info in tensors.items():
         module, leaf = module_of(name)
         if module in fp8_modules and leaf == "weight":

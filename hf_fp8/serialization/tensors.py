@@ -14,6 +14,13 @@ import torch
 
 from hf_fp8.config import Fp8Config
 from hf_fp8.modules.fp8_linear import weight_scale_shape
+from hf_fp8.numerics.checks import (
+    CheckpointTensorError,
+    check_fp8_tensor,
+    check_scale_tensor,
+    max_scale,
+)
+from hf_fp8.numerics.formats import FP8_DTYPES
 from hf_fp8.serialization.checkpoint import module_of
 from hf_fp8.serialization.layers import LayerPlan
 
@@ -25,18 +32,35 @@ def expected_weight_scale_shape(config: Fp8Config, out_in: tuple[int, int]) -> t
     )
 
 
-def _fit(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def compute_dtype_of(config: Mapping[str, object]) -> torch.dtype:
+    """The dtype a checkpoint computes in (``config.json``'s ``dtype``), for scale bounds."""
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(str(dtype), torch.float32)
+
+
+def _fit(
+    name: str,
+    value: torch.Tensor,
+    shape: tuple[int, ...],
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``value`` as fp32 of ``shape`` when it holds the same numbers (``[]`` → ``[1]``,
-    ``[out]`` → ``[out, 1]``); raise naming the tensor otherwise."""
+    ``[out]`` → ``[out, 1]``), checked finite, > 0 and bounded (``numerics.checks``); raises
+    ``CheckpointTensorError`` naming the tensor otherwise."""
     flat_ok = value.dim() <= 1 and (len(shape) == 1 or shape[-1] == 1)
     if tuple(value.shape) != shape and not (flat_ok and value.numel() == math.prod(shape)):
-        raise ValueError(
-            f"{name} has shape {tuple(value.shape)}, expected {shape} for this scheme: the "
+        raise CheckpointTensorError(
+            f"{name}: has shape {tuple(value.shape)}, expected {shape} for this scheme: the "
             "checkpoint's config and its tensors disagree"
         )
     if not value.is_floating_point():
-        raise ValueError(f"{name} is {value.dtype}, expected a floating-point scale")
-    return value.to(torch.float32).reshape(shape)
+        raise CheckpointTensorError(f"{name}: is {value.dtype}, expected a floating-point scale")
+    fitted = value.to(torch.float32).reshape(shape)
+    return check_scale_tensor(
+        name, fitted, shape=shape, max_value=max_scale(fp8_dtype, compute_dtype)
+    )
 
 
 def to_hf_fp8_tensors(
@@ -46,12 +70,16 @@ def to_hf_fp8_tensors(
     *,
     renames: Mapping[str, str] | None = None,
     zero_points: Iterable[str] = (),
+    compute_dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
     """Tensors of one shard in hf_fp8's layout: scales renamed (``renames``: leaf → leaf),
     cast to fp32 and reshaped; all-zero symmetric ``zero_points`` dropped; anything else on
-    an fp8 layer is an error."""
+    an fp8 layer is an error. Every fp8 weight and scale is checked (dtype, shape, finite,
+    scales > 0 and bounded): a bad one raises ``CheckpointTensorError`` naming it."""
     zero_points = set(zero_points)
     renames = renames or {}
+    fp8_dtype = FP8_DTYPES[config.fp8_format]
+    fit = {"fp8_dtype": fp8_dtype, "compute_dtype": compute_dtype}
     out: dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
         module, leaf = module_of(name)
@@ -61,19 +89,17 @@ def to_hf_fp8_tensors(
         leaf = renames.get(leaf, leaf)
         target = f"{module}.{leaf}"
         if leaf == "weight":
-            if value.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{name} is {value.dtype}; FP8 checkpoints store float8_e4m3fn")
-            out[target] = value
+            out[target] = check_fp8_tensor(name, value, dtype=fp8_dtype, shape=plan.fp8[module])
         elif leaf == "weight_scale":
             shape = expected_weight_scale_shape(config, plan.fp8[module])
-            out[target] = _fit(name, value, shape)
+            out[target] = _fit(name, value, shape, **fit)
         elif leaf == "input_scale":
             if config.activation_scheme != "static":
                 raise ValueError(
                     f"{name} is a static activation scale, but the config says "
                     f"{config.activation_scheme!r} activations"
                 )
-            out[target] = _fit(name, value, (1,))
+            out[target] = _fit(name, value, (1,), **fit)
         elif leaf in zero_points:
             if bool(value.ne(0).any()):
                 raise ValueError(

@@ -54,6 +54,15 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
                 "vLLM's block fp8 format needs dynamic activations; use "
                 "format='compressed-tensors' for static activations with block weights"
             )
+        bn, bk = config.block_size
+        for name, (rows, cols) in plan.fp8.items():
+            if rows % bn or cols % bk:
+                raise ValueError(
+                    f"vLLM's block fp8 format needs every FP8 layer divisible by the block: "
+                    f"{name} is {rows}×{cols}, the block {bn}×{bk} (vLLM and transformers "
+                    "cannot load it): export with format='compressed-tensors', or quantize "
+                    "with a block_size that divides every layer"
+                )
         qc["weight_block_size"] = list(config.block_size)
     return qc
 
@@ -110,8 +119,14 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
 
 
 def import_tensors(
-    tensors: dict[str, torch.Tensor], plan: LayerPlan, config: Fp8Config
+    tensors: dict[str, torch.Tensor],
+    plan: LayerPlan,
+    config: Fp8Config,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
     """``weight_scale_inv`` / ``activation_scale`` (transformers' names) renamed, scalars
     reshaped to ``[1]``, all scales fp32."""
-    return to_hf_fp8_tensors(tensors, plan, config, renames=IMPORT_RENAMES)
+    return to_hf_fp8_tensors(
+        tensors, plan, config, renames=IMPORT_RENAMES, compute_dtype=compute_dtype
+    )

@@ -183,11 +183,12 @@ _CHILD = textwrap.dedent(
 
     real = atomic._exchange
 
-    def exchange(a, b):
-        if stage == "before-exchange":
+    def exchange(a, b):  # only the final swap into dest (save_pretrained may nest one)
+        final = Path(b).resolve() == Path(dest).resolve()
+        if final and stage == "before-exchange":
             hang(stage)
         done = real(a, b)
-        if stage == "after-exchange":
+        if final and stage == "after-exchange":
             hang(stage)
         return done
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_fp8.serialization import export_checkpoint, import_checkpoint, inspect_checkpoint
@@ -139,15 +139,24 @@ def test_registered_architecture_is_used(fp8_dir):
     assert summary.high_precision_layers == ["lm_head"]
 
 
+def _sharded_and_single(model, path):
+    """``path`` with both layouts of ``model``: model.safetensors and a sharded copy + index."""
+    model.save_pretrained(path / "single")
+    model.save_pretrained(path / "sharded", max_shard_size="20KB")
+    shutil.copytree(path / "sharded", path / "m")
+    shutil.copy(path / "single" / "model.safetensors", path / "m")
+    return path / "m"
+
+
 def test_stale_index_next_to_model_safetensors(tiny_model_dir, tmp_path):
-    """transformers leaves the index when a sharded folder is re-saved unsharded, and loads
-    model.safetensors; hf_fp8 reads what transformers reads."""
-    path = tmp_path / "m"
+    """transformers 5.24 re-saving a sharded folder unsharded deletes the shards and keeps the
+    index (its cleanup only matches shard names); it then loads model.safetensors. hf_fp8
+    reads what transformers reads."""
     model = quantized(tiny_model_dir("llama"), "dynamic-row-token")
-    model.save_pretrained(path, max_shard_size="20KB")
-    model.save_pretrained(path)  # deletes the shards, keeps the index
+    path = _sharded_and_single(model, tmp_path)
+    for shard in path.glob("model-0*.safetensors"):
+        shard.unlink()
     assert (path / "model.safetensors.index.json").is_file()
-    assert not list(path.glob("model-0*.safetensors"))
     AutoModelForCausalLM.from_pretrained(path)  # transformers loads it
     assert len(inspect_checkpoint(path).fp8_layers) == 14
     out = export_checkpoint(path, tmp_path / "ct")
@@ -158,13 +167,12 @@ def test_stale_index_next_to_model_safetensors(tiny_model_dir, tmp_path):
 
 
 def test_stale_model_safetensors_next_to_index(tiny_model_dir, tmp_path):
-    """The other way round: transformers keeps loading model.safetensors; so does hf_fp8."""
-    path = tmp_path / "m"
+    """The other way round (an unsharded folder re-saved sharded keeps model.safetensors):
+    transformers keeps loading model.safetensors; so does hf_fp8, even with broken shards."""
     model = quantized(tiny_model_dir("llama"), "dynamic-row-token")
-    model.save_pretrained(path)
-    save_file({"junk": load_file(path / "model.safetensors")["lm_head.weight"]}, path / "x.st")
-    model.save_pretrained(path, max_shard_size="20KB")
-    assert (path / "model.safetensors").is_file() and list(path.glob("model-0*.safetensors"))
-    summary = inspect_checkpoint(path)
-    assert len(summary.fp8_layers) == 14
+    path = _sharded_and_single(model, tmp_path)
+    for shard in path.glob("model-0*.safetensors"):
+        shard.write_bytes(b"not safetensors")
+    AutoModelForCausalLM.from_pretrained(path)
+    assert len(inspect_checkpoint(path).fp8_layers) == 14
     export_checkpoint(path, tmp_path / "ct")
