@@ -336,3 +336,60 @@ def test_bytes_per_expert_parameter_with_row_scales() -> None:
     with torch.device("meta"):
         fp8 = Fp8Experts(wide)
     assert bytes_per_parameter(fp8) <= 1.01
+
+
+_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4,
+                                                            num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2,
+                                                      eos_token_id=1)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                     layer_types=["full_attention"] * 2)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                         n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=16)),
+}  # fmt: skip
+
+
+def _swap(model: nn.Module, make) -> int:
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Fp8Experts) or experts_layout(module) is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, make(module, name))
+            swapped += 1
+    return swapped
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_whole_model_with_fp8_experts(family) -> None:
+    """The model's own routing calls the swapped experts (default experts implementation):
+    logits equal the dequantized model's (weight-only) and stay close with dynamic FP8."""
+    import transformers
+
+    config_name, model_name, extra = MODELS[family]
+    config = getattr(transformers, config_name)(**{**_DECODER, **extra})
+    model = getattr(transformers, model_name)(config).eval()
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = model(ids).logits
+    layers = _swap(model, lambda m, n: Fp8Experts.from_experts(m, Fp8Config("weight_only"),
+                                                               module_name=n))  # fmt: skip
+    assert layers >= 1
+    with torch.no_grad():
+        got = model(ids).logits
+    _swap(model, lambda m, n: m.dequantize())
+    with torch.no_grad():
+        reference = model(ids).logits
+    assert _rel(got, reference) < 1e-5
+    _swap(model, lambda m, n: Fp8Experts.from_experts(m, Fp8Config("dynamic"), module_name=n))
+    with torch.no_grad():
+        dynamic = model(ids).logits
+    assert _rel(dynamic, exact) < 0.1
