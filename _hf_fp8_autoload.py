@@ -16,12 +16,16 @@ A top-level module on purpose: importing anything inside the ``hf_fp8`` package 
 
 from __future__ import annotations
 
+import _thread
 import os
 import sys
-import threading
-from collections.abc import Callable
-from importlib.abc import Loader, MetaPathFinder
-from types import ModuleType
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+
+if TYPE_CHECKING:  # only builtins are imported at start-up (no typing, importlib.abc, threading)
+    from collections.abc import Callable
+    from importlib.abc import Loader
+    from types import ModuleType
 
 # module name -> callbacks run (in order) after the module has executed successfully
 _AFTER: dict[str, list[Callable[[ModuleType], None]]] = {}
@@ -31,10 +35,10 @@ _AROUND: dict[str, list[Callable[[], object]]] = {}
 # callbacks run at the first import (of anything) or check_pending() after they finish
 _PENDING: set[str] = set()
 _EXECUTED: set[str] = set()  # watched modules whose code has run to the end
-_LOCK = threading.RLock()
+_LOCK = _thread.RLock()
 
 
-class _HookedLoader(Loader):
+class _HookedLoader:  # an importlib.abc.Loader
     """Delegates to the module's real loader, then runs the callbacks for its name."""
 
     def __init__(self, loader: Loader) -> None:
@@ -60,10 +64,10 @@ class _HookedLoader(Loader):
         _run_callbacks(name, module)
 
 
-class _PostImportFinder(MetaPathFinder):
+class _PostImportFinder:  # an importlib.abc.MetaPathFinder
     """First on ``sys.meta_path``; answers only for watched names not yet imported."""
 
-    _busy = threading.local()
+    _busy = _thread._local()
 
     def find_spec(self, fullname, path=None, target=None):
         if _PENDING:
