@@ -9,6 +9,7 @@ stored on disk (the loader would otherwise cast them to the meta dtype, hiding a
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable
 
@@ -55,14 +56,20 @@ def check_fp8_linear(name: str, module: Fp8Linear, *, check_values: bool = True)
         check_scale_tensor(f"{name}.input_scale", module.input_scale, shape=(1,), max_value=bound)
 
 
-def check_fp8_experts(name: str, module: Fp8Experts) -> None:
+def check_fp8_experts(name: str, module: Fp8Experts, *, check_values: bool = True) -> None:
     """Check one loaded ``Fp8Experts``: per projection ``[E, out, in]`` fp8 codes, per-expert
     weight scales and (static) ``[E]`` input scales."""
     dtype = fp8_dtype(module.fp8_format)
     bound = max_scale(dtype, module.compute_dtype)
     for proj in module.layout.projections:
         e, n, k = module.layout.shape(proj)
-        check_fp8_tensor(f"{name}.{proj}", getattr(module, proj), dtype=dtype, shape=(e, n, k))
+        check_fp8_tensor(
+            f"{name}.{proj}",
+            getattr(module, proj),
+            dtype=dtype,
+            shape=(e, n, k),
+            check_values=check_values,
+        )
         scale_shape = weight_scale_shape(n, k, module.weight_granularity, module.block_size)
         check_scale_tensor(
             f"{name}.{proj}_weight_scale",
@@ -122,16 +129,28 @@ def warn_degenerate_input_scales(model: nn.Module) -> None:
         )
 
 
-def validate_loaded_model(model: nn.Module, *, skipped: Iterable[str] = ()) -> None:
+def check_codes_default() -> bool:
+    """``HF_FP8_CHECK_CODES=1``: also scan every fp8 weight byte for NaN / inf codes at load."""
+    return os.environ.get("HF_FP8_CHECK_CODES", "0").strip().lower() in ("1", "true", "yes")
+
+
+def validate_loaded_model(
+    model: nn.Module, *, skipped: Iterable[str] = (), check_codes: bool | None = None
+) -> None:
     """Check every ``Fp8Linear`` / ``Fp8Experts`` and every stray fp8 tensor after loading.
 
+    Dtypes, shapes and every scale value are always checked. ``check_codes`` (default:
+    :func:`check_codes_default`) also scans the fp8 weight bytes for NaN / inf codes: a
+    full pass over every weight, which turns safetensors' lazy mapping into a read (about
+    the cost of copying the weights once), for corruption hf_fp8 itself never writes.
     Disk-offloaded tensors stay on meta: their dtypes and shapes are checked, their values
     are read by accelerate at forward time.
     """
+    codes = check_codes_default() if check_codes is None else check_codes
     for name, module in model.named_modules():
         if isinstance(module, Fp8Linear):
-            check_fp8_linear(name, module)
+            check_fp8_linear(name, module, check_values=codes)
         elif isinstance(module, Fp8Experts):
-            check_fp8_experts(name, module)
+            check_fp8_experts(name, module, check_values=codes)
     check_no_stray_fp8(model, skipped)
     warn_degenerate_input_scales(model)

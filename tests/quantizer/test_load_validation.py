@@ -162,7 +162,8 @@ def test_wrong_weight_scale_shape_names_the_key(shape, fp8_dirs, tmp_path):
         AutoModelForCausalLM.from_pretrained(path, ignore_mismatched_sizes=True)
 
 
-def test_nan_fp8_codes_are_refused(fp8_dirs, tmp_path):
+def test_nan_fp8_codes_are_refused_when_codes_are_checked(fp8_dirs, tmp_path, monkeypatch):
+    # scanning every weight byte costs a full read of the weights: on with HF_FP8_CHECK_CODES=1
     key = f"{LAYER}.weight"
 
     def nan_code(t):
@@ -171,6 +172,8 @@ def test_nan_fp8_codes_are_refused(fp8_dirs, tmp_path):
         return raw.view(torch.float8_e4m3fn)
 
     path = _corrupt(fp8_dirs["dynamic"], tmp_path / "ckpt", _set(key, nan_code))
+    AutoModelForCausalLM.from_pretrained(path)  # default: dtypes, shapes and scales only
+    monkeypatch.setenv("HF_FP8_CHECK_CODES", "1")
     _expect_error(path, key, ": holds 1 NaN/inf")
 
 
