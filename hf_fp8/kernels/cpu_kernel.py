@@ -105,6 +105,26 @@ def requested_path() -> str | None:
     return value
 
 
+def _torch_openmp() -> int | None:
+    """Address of ``GOMP_parallel`` in the OpenMP runtime torch has loaded (libgomp, or
+    libiomp5's GNU entry points), so that the kernels share torch's intra-op threads;
+    ``None`` (the kernels start POSIX threads) when torch runs no OpenMP runtime here."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            mapped = {line.split()[-1] for line in f if "omp" in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return None
+    for lib_path in sorted(p for p in mapped if ".so" in p):
+        try:
+            fn = ctypes.CDLL(lib_path).GOMP_parallel  # already loaded: the same instance
+        except (OSError, AttributeError):
+            continue
+        return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
 def _build(path: str) -> ctypes.CDLL:
     from hf_fp8.utils.native import load_library
 
@@ -132,6 +152,11 @@ def _build(path: str) -> ctypes.CDLL:
         lib.fp8_cpu_ok,
     ):
         fn.restype = ctypes.c_int
+    lib.fp8_set_openmp.argtypes = [ptr]
+    lib.fp8_set_openmp.restype = None
+    gomp = _torch_openmp()
+    if gomp is not None:
+        lib.fp8_set_openmp(gomp)
     if lib.fp8_kernel_path() != _PATH_ID[path]:
         raise RuntimeError(f"the {path} CPU kernel library reports another path")
     if not lib.fp8_cpu_ok():
@@ -371,14 +396,19 @@ def _fp8_mm_impl(
     n, k = w.shape
     _check(a.dim() == 2 and a.shape[1] == k, f"activation {tuple(a.shape)} vs K={k}")
     rows = max(16, min(n, TILE_BYTES // (k * a.element_size()) // 16 * 16))
-    out = torch.empty(a.shape[0], n, dtype=a.dtype)
+    # out.T tile by tile: each tile's product lands in contiguous rows, with no copy (every
+    # parallel region costs a barrier, and a stall when another process holds a core)
+    out_t = torch.empty(n, a.shape[0], dtype=a.dtype)
     buf = torch.empty(rows * k, dtype=a.dtype)
+    a_t = a.t()
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         tile = decode(w, w_scale, w_gran, (bn, bk), a.dtype, rows=(r0, r1), out=buf, path=path)
-        b = None if bias is None else bias[r0:r1]
-        out[:, r0:r1] = torch.nn.functional.linear(a, tile, b)
-    return out
+        if bias is None:
+            torch.mm(tile, a_t, out=out_t[r0:r1])
+        else:
+            torch.addmm(bias[r0:r1, None], tile, a_t, out=out_t[r0:r1])
+    return out_t.t().contiguous()
 
 
 @torch.library.custom_op("hf_fp8::cpu_gemv", mutates_args=())

@@ -300,3 +300,33 @@ def test_activation_quantization_is_bit_identical_to_the_numerics(path, fmt, gra
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
             if post:
                 torch.testing.assert_close(got_s, want_s.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("threads", ["openmp", "pthreads"])
+def test_threads_split_rows_without_changing_a_bit(path, threads) -> None:
+    """Rows over 2 threads (torch's OpenMP team, or POSIX threads when torch has none):
+    every output bit equals the one-thread run (each row is one thread's sum)."""
+    w8 = _all_codes_weight(515, 640, torch.float8_e4m3fn)
+    ws = _weight_scale(515, 640, "row")
+    lib = cpu_kernel.library(path)
+    saved = torch.get_num_threads()
+    try:
+        if threads == "pthreads":
+            lib.fp8_set_openmp(None)
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for m in (1, 16, 40):
+                x = torch.randn(m, 640, generator=torch.Generator().manual_seed(m))
+                outs.append(
+                    emulated.emulated_linear(x.to(torch.bfloat16), w8, ws, None, "row", BLOCK)
+                )
+                outs.append(
+                    cpu_kernel.decode(w8, ws.reshape(-1), "row", BLOCK, torch.float32, path=path)
+                )
+        half = len(outs) // 2
+        for one, two in zip(outs[:half], outs[half:], strict=True):
+            assert torch.equal(one, two)
+    finally:
+        torch.set_num_threads(saved)
+        lib.fp8_set_openmp(cpu_kernel._torch_openmp())

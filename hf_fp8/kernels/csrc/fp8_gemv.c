@@ -521,7 +521,27 @@ static void *gemv_worker(void *arg) {
     return NULL;
 }
 
-/* Split rows [0, n) over nthreads (the calling thread takes the first share). */
+/* torch's own OpenMP runtime, when the loader hands it over (fp8_set_openmp): the work runs
+ * on torch's intra-op threads instead of new ones that would fight them for the cores. */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn GOMP_PARALLEL = NULL;
+
+void fp8_set_openmp(void *gomp_parallel) { GOMP_PARALLEL = (gomp_parallel_fn)gomp_parallel; }
+
+typedef struct {
+    void *(*fn)(void *);
+    char (*bufs)[256];
+    int64_t nt, next;
+} team_t;
+
+static void team_body(void *p) { /* any team size: threads take shares until none is left */
+    team_t *team = (team_t *)p;
+    int64_t i;
+    while ((i = __atomic_fetch_add(&team->next, 1, __ATOMIC_RELAXED)) < team->nt)
+        team->fn(team->bufs[i]);
+}
+
+/* Split rows [0, n) over nthreads (the calling thread takes a share). */
 static int run_split(void *(*fn)(void *), void *args, size_t size, int64_t n, int64_t nthreads,
                      void (*set_range)(void *, int64_t, int64_t)) {
     char buf[MAX_THREADS][256];
@@ -533,6 +553,15 @@ static int run_split(void *(*fn)(void *), void *args, size_t size, int64_t n, in
     for (int64_t i = 0; i < nt; ++i) {
         memcpy(buf[i], args, size);
         set_range(buf[i], n * i / nt, n * (i + 1) / nt);
+    }
+    if (nt == 1) {
+        fn(buf[0]);
+        return 0;
+    }
+    if (GOMP_PARALLEL) {
+        team_t team = {fn, buf, nt, 0};
+        GOMP_PARALLEL(team_body, &team, (unsigned)nt, 0);
+        return 0;
     }
     for (int64_t i = 1; i < nt; ++i) started[i] = pthread_create(&th[i], NULL, fn, buf[i]) == 0;
     fn(buf[0]);
