@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -11,6 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hf_fp8.calibration.batches import ACCEPTED, as_batches, check_batch
+from hf_fp8.calibration.experts import ExpertsObservation, is_static_experts
 from hf_fp8.calibration.observers import Observer, make_observer
 from hf_fp8.modules import Fp8Linear
 from hf_fp8.numerics import fp8_dtype
@@ -52,8 +54,11 @@ def _warn_nonfinite(observers: dict[str, Observer]) -> None:
         )
 
 
-def _fallback(layers: dict[str, Fp8Linear], observers: dict[str, Observer]) -> dict[str, float]:
-    """Scales for layers whose observer has no information, with one warning naming them."""
+def _fallback(observers: dict[str, Observer], current: dict[str, float | None]) -> dict[str, float]:
+    """Scales for layers whose observer has no information, with one warning naming them.
+
+    ``current``: the scale each layer had before calibration (``None``: none).
+    """
     zeros = [n for n, o in observers.items() if o.batches and not o.has_information()]
     idle = [n for n, o in observers.items() if not o.batches]
     if not zeros and not idle:
@@ -67,13 +72,11 @@ def _fallback(layers: dict[str, Fp8Linear], observers: dict[str, Observer]) -> d
     largest = max(calibrated)
     scales = {}
     for name in zeros + idle:
-        current = layers[name].input_scale
-        kept = current is not None and not current.is_meta
-        scales[name] = float(current) if kept else largest
+        scales[name] = largest if current.get(name) is None else current[name]
     parts = [f"saw only zeros: {_names(zeros)}"] if zeros else []
     parts += [f"saw no tokens: {_names(idle)}"] if idle else []
     warnings.warn(
-        f"calibrate: {len(zeros) + len(idle)} of {len(layers)} static layers have no usable "
+        f"calibrate: {len(zeros) + len(idle)} of {len(observers)} static layers have no usable "
         f"activations ({'; '.join(parts)}). They keep their input_scale if "
         f"they had one, else take the largest calibrated scale ({largest:.4g}) instead of a "
         "tiny scale that would saturate every nonzero input. Calibrate with data that reaches "
@@ -93,7 +96,7 @@ def calibrate(
     progress: bool = True,
     **observer_kwargs: Any,
 ) -> dict[str, float]:
-    """Set the ``input_scale`` of every static ``Fp8Linear`` from ``batches``.
+    """Set the ``input_scale`` of every static ``Fp8Linear`` and ``Fp8Experts`` from ``batches``.
 
     ``batches``: one batch (a dict / ``BatchEncoding`` of tensors, e.g. a tokenizer's output
     with ``return_tensors="pt"``, or a tensor of token ids), a list of batches, or any
@@ -108,23 +111,37 @@ def calibrate(
     NaN / inf activations are left out of the scales, with one warning naming the layers.
     Layers that see only zeros, or no token at all, keep the ``input_scale`` they had, or
     else take the largest scale calibrated in the model, with one warning naming them.
-    Returns the scales by module name.
+    Static ``Fp8Experts`` get one scale per expert and projection, from the rows routed to
+    that expert (an expert no token reached falls back as above).
+    Returns the scales by module name (``"<experts>.<proj>[<expert>]"`` for experts).
     """
     data = as_batches(batches)
+    make = functools.partial(make_observer, observer, **observer_kwargs)
     layers = {
         name: m
         for name, m in model.named_modules()
         if isinstance(m, Fp8Linear) and m.activation_scheme == "static"
     }
-    if not layers:
+    experts = {
+        name: ExpertsObservation(m, functools.partial(make, fp8_dtype(m.fp8_format)))
+        for name, m in model.named_modules()
+        if is_static_experts(m)
+    }
+    if not layers and not experts:
         raise ValueError(
             "the model has no static FP8 layers to calibrate: load or quantize it with "
             "Fp8Config('static')"
         )
-    observers = {
-        name: make_observer(observer, fp8_dtype(m.fp8_format), **observer_kwargs)
+    observers = {name: make(fp8_dtype(m.fp8_format)) for name, m in layers.items()}
+    current: dict[str, float | None] = {
+        name: None if m.input_scale is None or m.input_scale.is_meta else float(m.input_scale)
         for name, m in layers.items()
     }
+    for name, obs in experts.items():
+        for key, expert_observer in obs.names(name).items():
+            observers[key] = expert_observer
+            proj, _, expert = key[len(name) + 1 : -1].partition("[")
+            current[key] = obs.current_scale(proj, int(expert))
     hooks = [
         m.register_forward_pre_hook(lambda _m, args, obs=observers[name]: obs.update(args[0]))
         for name, m in layers.items()
@@ -132,6 +149,8 @@ def calibrate(
     was_training = model.training
     for m in layers.values():
         m.activation_scheme = "weight_only"  # observe unquantized activations
+    for obs in experts.values():
+        obs.install()
     device = next(model.parameters()).device
     seen = 0
     try:
@@ -146,14 +165,18 @@ def calibrate(
             h.remove()
         for m in layers.values():
             m.activation_scheme = "static"
+        for obs in experts.values():
+            obs.remove()
         model.train(was_training)
     if not seen:
         raise ValueError(f"calibrate got no batches: pass {ACCEPTED}")
     _warn_nonfinite(observers)
-    scales = _fallback(layers, observers)
+    scales = _fallback(observers, current)
     for name, obs in observers.items():
         if name not in scales:
             scales[name] = float(obs.scale())
     for name, m in layers.items():
         m.set_input_scale(scales[name])
+    for name, obs in experts.items():
+        obs.apply(name, scales)
     return scales

@@ -1,0 +1,70 @@
+"""Calibration of static ``Fp8Experts``: one observer per (projection, expert).
+
+While observing, each experts module runs weight-only (high-precision activations) and its
+``_project`` is wrapped on the instance: every projection's input rows arrive sorted by
+expert (``Routing.present()``), so each expert's observer sees exactly the rows routed to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hf_fp8.calibration.observers import Observer
+from hf_fp8.modules.fp8_experts import Fp8Experts
+
+
+class ExpertsObservation:
+    """Observers of one static ``Fp8Experts`` module; ``install`` / ``remove`` the wrapper."""
+
+    def __init__(self, module: Fp8Experts, make: Callable[[], Observer]) -> None:
+        self.module = module
+        self.observers = {
+            proj: [make() for _ in range(module.num_experts)] for proj in module.layout.projections
+        }
+        self._recipe = module.recipe
+
+    def install(self) -> None:
+        module, method = self.module, type(self.module)._project
+
+        def observed(proj: str, x: torch.Tensor, routing: Any) -> torch.Tensor:
+            for expert, start, end in routing.present():
+                self.observers[proj][expert].update(x[start:end])
+            return method(module, proj, x, routing)
+
+        module._project = observed  # instance attribute: shadows the method while observing
+        module.recipe = dataclasses.replace(
+            self._recipe, activation_scheme="weight_only", activation_granularity=None
+        )
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("_project", None)
+        self.module.recipe = self._recipe
+
+    def names(self, name: str) -> dict[str, Observer]:
+        """``{"<module>.<proj>[<expert>]": observer}``, the keys ``calibrate`` reports."""
+        return {
+            f"{name}.{proj}[{expert}]": obs
+            for proj, observers in self.observers.items()
+            for expert, obs in enumerate(observers)
+        }
+
+    def current_scale(self, proj: str, expert: int) -> float | None:
+        """The input scale this expert had before calibration, if any."""
+        scale = getattr(self.module, f"{proj}_input_scale")
+        if scale is None or scale.is_meta:
+            return None
+        return float(scale[expert])
+
+    def apply(self, name: str, scales: dict[str, float]) -> None:
+        """Write ``scales`` (keyed as :meth:`names`) into the module, one ``[E]`` per proj."""
+        for proj, observers in self.observers.items():
+            values = [scales[f"{name}.{proj}[{e}]"] for e in range(len(observers))]
+            self.module.set_input_scale(proj, torch.tensor(values, dtype=torch.float32))
+
+
+def is_static_experts(module: Any) -> bool:
+    return isinstance(module, Fp8Experts) and module.recipe.is_static
