@@ -103,14 +103,21 @@ def combine(
     top_k_weights: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``[tokens, H]``: the sorted expert outputs weighted by their routing weight and summed
-    per token in fp32 (deterministic: no ``index_add_``), rounded once to ``out_dtype``."""
+    """``[tokens, H]``: each sorted expert output times its routing weight (rounded to the
+    expert output's dtype, as transformers' ``grouped_mm`` does), put back in (token, k)
+    order and summed over k (torch accumulates the sum in fp32), then cast to ``out_dtype``.
+    Deterministic: a gather and a sum, no ``index_add_``. Dropped (sentinel) pairs add zero.
+    """
     num_pairs = routing.num_tokens * routing.top_k
-    weights = top_k_weights.reshape(-1)[routing.pair_index].float().unsqueeze(-1)
-    weighted = expert_out.float() * weights
-    full = weighted.new_zeros(num_pairs, expert_out.shape[-1])
-    full = full.index_copy(0, routing.pair_index, weighted)
-    return full.view(routing.num_tokens, routing.top_k, -1).sum(dim=1).to(out_dtype)
+    routed = expert_out.shape[0]
+    weights = top_k_weights.reshape(-1)[routing.pair_index].unsqueeze(-1)
+    weighted = expert_out * weights.to(expert_out.dtype)
+    if routed < num_pairs:  # dropped pairs read this zero row
+        weighted = torch.cat([weighted, weighted.new_zeros(1, weighted.shape[-1])])
+    inverse = torch.full((num_pairs,), routed, dtype=torch.long, device=weighted.device)
+    inverse[routing.pair_index] = torch.arange(routed, device=weighted.device)
+    per_pair = weighted.index_select(0, inverse)
+    return per_pair.view(routing.num_tokens, routing.top_k, -1).sum(dim=1).to(out_dtype)
 
 
 @torch.compiler.assume_constant_result

@@ -84,6 +84,10 @@ def test_combine_weights_and_sums_per_token() -> None:
     # sorted pairs: (t0, e0)=0, (t1, e1)=1, (t0, e2)=2, (t1, e2)=3
     expected = torch.tensor([[0.25 * 2 + 0.75 * 0] * 2, [0.5 * 1 + 0.5 * 3] * 2])
     assert torch.equal(got, expected)
+    # a dropped (sentinel) pair adds nothing
+    routing = grouped.route(torch.tensor([[2, 3], [1, 2]]), 3)
+    got = grouped.combine(torch.arange(3.0).unsqueeze(-1), routing, weights, torch.float32)
+    assert got.squeeze(-1).tolist() == [0.25 * 1, 0.5 * 0 + 0.5 * 2]
 
 
 @pytest.mark.parametrize("gran", ["row", "tensor", "block"])
