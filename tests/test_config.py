@@ -146,8 +146,6 @@ def test_quantize_model_uses_the_same_config_and_skips_modules(monkeypatch) -> N
     assert model.encoder[0].activation_scheme == "weight_only"
     out = model(torch.randn(3, 16))
     assert out.shape == (3, 8) and bool(torch.isfinite(out).all())
-    quantize_model(model, Fp8Config(), skip=["lm_head2"])  # idempotent on converted layers
-    assert type(model.lm_head2) is Fp8Linear and model.lm_head2.activation_scheme == "weight_only"
 
 
 def test_weight_scale_method_is_validated_and_round_trips() -> None:

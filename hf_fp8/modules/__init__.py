@@ -1,4 +1,4 @@
-"""Modules: ``Fp8Linear`` and the helpers that swap it in."""
+"""Modules: ``Fp8Linear`` and the one rule for which layers convert (``is_convertible``)."""
 
 from hf_fp8.modules.fp8_linear import (
     ACTIVATION_GRANULARITIES,
@@ -6,7 +6,6 @@ from hf_fp8.modules.fp8_linear import (
     default_activation_granularity,
     validate_scheme,
 )
-from hf_fp8.modules.replace import quantize_model
 from hf_fp8.modules.selection import (
     convertible_modules,
     is_conv1d,
@@ -14,7 +13,9 @@ from hf_fp8.modules.selection import (
     is_router,
     keep_reason,
     matches_module,
+    unconverted_linears,
     unmatched_patterns,
+    warn_unmatched,
 )
 
 __all__ = [
@@ -27,7 +28,8 @@ __all__ = [
     "is_router",
     "keep_reason",
     "matches_module",
-    "quantize_model",
+    "unconverted_linears",
     "unmatched_patterns",
     "validate_scheme",
+    "warn_unmatched",
 ]

@@ -1,4 +1,5 @@
-"""Swap ``nn.Linear`` layers of a loaded model for ``Fp8Linear``."""
+"""The swap of ``nn.Linear`` (and GPT-2 ``Conv1D``) layers for ``Fp8Linear`` (private helpers of
+``hf_fp8.quantize_model``; which layers convert is ``hf_fp8.modules.selection``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from hf_fp8.modules.fp8_linear import Fp8Linear
-from hf_fp8.modules.selection import is_conv1d, matches_module
+from hf_fp8.modules.selection import is_conv1d, matches_module  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from hf_fp8.config import Fp8Config
@@ -34,21 +35,18 @@ def as_linear(module: nn.Module) -> nn.Linear:
     return linear
 
 
-def quantize_model(
-    model: nn.Module, config: Fp8Config, *, skip: list[str] | None = None
-) -> nn.Module:
-    """Replace every ``nn.Linear`` (and GPT-2 ``Conv1D``) of ``model`` (in place) by an ``Fp8Linear``; return it.
+def _swap_linears(config: Fp8Config, targets: list[tuple[str, nn.Module, nn.Module]]) -> list[str]:
+    """Replace each ``(name, module, parent)`` of ``targets`` (``convertible_modules``) by an
+    ``Fp8Linear`` quantized with ``config``, in place; return the converted names.
 
-    Layers named in ``config.modules_to_not_convert`` or ``skip`` stay in high precision.
+    A layer shared by several parents is quantized once and stays shared. The public entry
+    point is ``hf_fp8.quantize_model`` (``hf_fp8.quantizer.convert``).
     """
-    patterns = list(config.modules_to_not_convert or []) + list(skip or [])
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if (type(module) is nn.Linear or is_conv1d(module)) and not matches_module(name, patterns)
-    ]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear.from_linear(as_linear(linear), config, module_name=name))
-    return model
+    done: dict[int, Fp8Linear] = {}
+    for name, module, parent in targets:
+        new = done.get(id(module))
+        if new is None:
+            new = Fp8Linear.from_linear(as_linear(module), config, module_name=name)
+            done[id(module)] = new
+        setattr(parent, name.rpartition(".")[2], new)
+    return [name for name, _, _ in targets]

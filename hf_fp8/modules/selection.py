@@ -31,6 +31,7 @@ or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 from torch import nn
@@ -166,3 +167,28 @@ def unmatched_patterns(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     ``modules_to_not_convert``)."""
     names = [name for name, _ in model.named_modules()]
     return [p for p in patterns if not any(matches_module(n, [p]) for n in names)]
+
+
+def warn_unmatched(model: nn.Module, patterns: Sequence[str], what: str) -> list[str]:
+    """Warn (once, naming them) about ``patterns`` that match no module of ``model``; return
+    them. ``what`` names the option the patterns came from (``"modules_to_not_convert"``)."""
+    missing = unmatched_patterns(model, patterns)
+    if missing:
+        warnings.warn(
+            f"hf_fp8: {what} {missing} match(es) no module name of {type(model).__name__}, so "
+            "it keeps nothing in high precision (a typo?)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return missing
+
+
+def unconverted_linears(model: nn.Module) -> list[str]:
+    """Sorted names of the linear layers of ``model`` (``nn.Linear`` and subclasses, GPT-2
+    ``Conv1D``) that are not FP8: what a saved config lists in ``modules_to_not_convert``."""
+    return sorted(
+        name
+        for name, module in model.named_modules()
+        if (isinstance(module, nn.Linear) or is_conv1d(module))
+        and not isinstance(module, Fp8Linear)
+    )

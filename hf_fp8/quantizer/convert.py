@@ -1,33 +1,92 @@
-"""``quantize_model`` for models that are already loaded."""
+"""``quantize_model``: the one way to quantize a model that is already loaded."""
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
 
 from torch import nn
 from transformers import PreTrainedModel
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.modules import replace
+from hf_fp8.modules import Fp8Linear, convertible_modules, unconverted_linears, warn_unmatched
+from hf_fp8.modules.replace import _swap_linears
+from hf_fp8.modules.selection import ModuleFilter
 from hf_fp8.quantizer.hf_quantizer import POST_LOAD_HOOKS, Fp8HfQuantizer
+from hf_fp8.recipe import Fp8Recipe
+
+
+class AlreadyQuantizedError(ValueError):
+    """``quantize_model`` was given a model that already holds FP8 layers."""
+
+
+def _layout(recipe: Fp8Recipe) -> tuple:
+    """What must agree between layers saved under one config (not the kernel choice nor how
+    the weight scales were searched)."""
+    return (
+        recipe.activation_scheme,
+        recipe.weight_granularity,
+        recipe.activation_granularity,
+        recipe.fp8_format,
+        recipe.block_size,
+    )
+
+
+def _check_existing_fp8(model: nn.Module, config: Fp8Config) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear) and _layout(module.recipe) != _layout(config.recipe):
+            theirs = module.recipe.to_strings()
+            ours = config.recipe.to_strings()
+            diff = {k: (theirs[k], ours[k]) for k in theirs if theirs[k] != ours[k]}
+            raise AlreadyQuantizedError(
+                f"the model already has FP8 layers with another scheme (e.g. {name!r}: "
+                + ", ".join(f"{k}={a!r} there, {b!r} asked" for k, (a, b) in diff.items())
+                + "). One saved config must describe every layer: quantize with the same "
+                "scheme, load the high-precision checkpoint, or dequantize first "
+                "(model.dequantize() on a transformers model)."
+            )
 
 
 def quantize_model(
-    model: nn.Module, config: Fp8Config, *, skip: list[str] | None = None
+    model: nn.Module,
+    config: Fp8Config,
+    *,
+    skip: Sequence[str] | None = None,
+    module_filter_fn: ModuleFilter | None = None,
 ) -> nn.Module:
-    """Replace the ``nn.Linear`` (and GPT-2 ``Conv1D``) layers of ``model`` in place; return it.
+    """Quantize the linear layers of a high-precision ``model`` in place; return it.
 
-    Layers named in ``config.modules_to_not_convert`` or ``skip`` stay in high precision (no
-    default skips here: name ``lm_head`` to keep it). A transformers ``PreTrainedModel`` is
-    then marked quantized like a ``from_pretrained`` load, so ``save_pretrained`` writes an
-    hf_fp8 checkpoint that reloads pre-quantized.
+    Which layers convert is ``hf_fp8.modules.is_convertible``: ``nn.Linear`` (and plain
+    subclasses) and GPT-2 ``Conv1D``, never MoE routers. Layers named in
+    ``config.modules_to_not_convert`` or ``skip`` stay in high precision (no default skips
+    here: name ``lm_head`` to keep it); a name that matches no module is warned about (a typo
+    would otherwise quantize the layer it meant to keep). ``module_filter_fn(module, fqn)``
+    returning ``False`` keeps a layer too (as torchao's).
+
+    A model that already holds ``Fp8Linear`` layers (a LoRA ``merge_and_unload`` leaves the
+    merged layers in high precision and the others in FP8) gets its high-precision layers
+    converted only when the FP8 ones use the same scheme (format, granularities, block size,
+    activation scheme); one saved config must describe every layer. Another scheme is refused
+    (``AlreadyQuantizedError``): load the high-precision checkpoint, or dequantize first
+    (``model.dequantize()`` on a transformers model). With nothing left to convert, it warns.
+
+    A transformers ``PreTrainedModel`` is then marked quantized like a ``from_pretrained``
+    load, so ``save_pretrained`` writes an hf_fp8 checkpoint that reloads pre-quantized.
     """
-    replace.quantize_model(model, config, skip=skip)
-    if isinstance(model, PreTrainedModel):
-        kept = sorted(
-            name
-            for name, m in model.named_modules()
-            if type(m) is nn.Linear or replace.is_conv1d(m)
+    _check_existing_fp8(model, config)
+    patterns = [*(config.modules_to_not_convert or []), *(skip or [])]
+    warn_unmatched(model, patterns, "modules_to_not_convert / skip")
+    targets = convertible_modules(model, skip=patterns, module_filter_fn=module_filter_fn)
+    if not targets and any(isinstance(m, Fp8Linear) for m in model.modules()):
+        warnings.warn(
+            "hf_fp8.quantize_model: every convertible layer is already FP8; nothing to do",
+            UserWarning,
+            stacklevel=2,
         )
-        saved = Fp8Config.from_dict({**config.to_dict(), "modules_to_not_convert": kept})
+    _swap_linears(config, targets)
+    if isinstance(model, PreTrainedModel):
+        kept = unconverted_linears(model)
+        saved = config.replace(modules_to_not_convert=kept)
         quantizer = Fp8HfQuantizer(saved, pre_quantized=True)
         quantizer.modules_to_not_convert = kept
         model.config.quantization_config = saved

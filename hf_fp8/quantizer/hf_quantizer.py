@@ -11,7 +11,13 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.modules import Fp8Linear, convertible_modules, is_conv1d, matches_module
+from hf_fp8.modules import (
+    Fp8Linear,
+    convertible_modules,
+    is_conv1d,
+    matches_module,
+    warn_unmatched,
+)
 from hf_fp8.modules.replace import linear_shape
 from hf_fp8.numerics import fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.checks import CheckpointTensorError
@@ -117,6 +123,7 @@ class Fp8HfQuantizer(HfQuantizer):
         if self.pre_quantized and config.modules_to_not_convert is not None:
             skip = list(config.modules_to_not_convert)  # what the saved model actually kept
         else:
+            warn_unmatched(model, config.modules_to_not_convert or [], "modules_to_not_convert")
             skip = self.get_modules_to_not_convert(
                 model,
                 config.modules_to_not_convert,

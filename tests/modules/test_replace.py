@@ -94,3 +94,54 @@ def test_conv1d_is_swapped_with_a_contiguous_out_by_in_weight(monkeypatch) -> No
     with torch.no_grad():
         rel = ((model(x) - ref).norm() / ref.norm()).item()
     assert rel < 0.05
+
+
+def test_an_fp8_model_with_another_scheme_is_refused() -> None:
+    """Issue 12 §7: quantizing an FP8 model silently did nothing (or mixed two recipes
+    under one saved config)."""
+    from hf_fp8.quantizer.convert import AlreadyQuantizedError
+
+    model = nn.Sequential(Block())
+    quantize_model(model, Fp8Config("weight_only"), skip=["mlp"])
+    with pytest.raises(
+        AlreadyQuantizedError,
+        match=r"'0\.q_proj': activation_scheme='weight_only' there, 'dynamic' asked",
+    ):
+        quantize_model(model, Fp8Config("dynamic"))
+    assert type(model[0].mlp[0]) is nn.Linear  # nothing was converted by the refused call
+
+
+def test_the_same_scheme_completes_a_partly_fp8_model_and_warns_when_nothing_is_left() -> None:
+    """A LoRA merge leaves merged layers in high precision: quantize_model re-quantizes them."""
+    model = nn.Sequential(Block())
+    quantize_model(model, Fp8Config("weight_only"), skip=["mlp"])
+    first = model[0].q_proj
+    quantize_model(model, Fp8Config("weight_only", kernel="emulated"))
+    assert model[0].q_proj is first and isinstance(model[0].mlp[0], Fp8Linear)
+    with pytest.warns(UserWarning, match="already FP8; nothing to do"):
+        quantize_model(model, Fp8Config("weight_only"))
+
+
+def test_skip_names_that_match_nothing_are_warned_about() -> None:
+    """Issue 13 / 12 §6: a typo in modules_to_not_convert / skip was silently ignored."""
+    model = nn.Sequential(Block())
+    with pytest.warns(UserWarning, match=r"\['lm_haed', 'mlp\.3'\] match\(es\) no module"):
+        quantize_model(model, Fp8Config(modules_to_not_convert=["lm_haed"]), skip=["mlp", "mlp.3"])
+    assert type(model[0].mlp[0]) is nn.Linear and isinstance(model[0].q_proj, Fp8Linear)
+
+
+def test_module_filter_fn_and_shared_layers() -> None:
+    shared = nn.Linear(32, 32)
+    model = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(shared),
+                           "c": nn.Linear(32, 8)})  # fmt: skip
+    quantize_model(model, Fp8Config(), module_filter_fn=lambda m, fqn: m.out_features == 32)
+    assert isinstance(model.a[0], Fp8Linear) and model.a[0] is model.b[0]  # still one layer
+    assert type(model.c) is nn.Linear
+
+
+def test_there_is_one_quantize_model() -> None:
+    import hf_fp8.modules
+    import hf_fp8.modules.replace
+
+    assert not hasattr(hf_fp8.modules, "quantize_model")
+    assert not hasattr(hf_fp8.modules.replace, "quantize_model")
