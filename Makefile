@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: demo test bench lint format clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch from local disk; pinned here only, the package itself takes a range.
@@ -32,4 +32,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

@@ -142,6 +142,12 @@ def _trigger(name: str, step: str):
     return lambda module: apply(name, step=step)
 
 
+def _quiet_import():
+    from hf_fp8._quiet import quiet_import  # logging + contextlib: only when needed
+
+    return quiet_import()
+
+
 _INSTALLED = False
 
 
@@ -152,9 +158,7 @@ def install() -> None:
         if _INSTALLED:
             return
         _INSTALLED = True
-    from hf_fp8._quiet import quiet_import
-
-    _hf_fp8_autoload.around_import("transformers.quantizers.auto", quiet_import)
+    _hf_fp8_autoload.around_import("transformers.quantizers.auto", _quiet_import)
     for name, patch in PATCHES.items():
         for step in patch.triggers:
             _hf_fp8_autoload.when_imported(step, _trigger(name, step))
