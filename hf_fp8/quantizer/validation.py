@@ -99,9 +99,9 @@ def check_no_stray_fp8(model: nn.Module, skipped: Iterable[str] = ()) -> None:
                 raise CheckpointTensorError(
                     f"{key}: is FP8 on disk ({tensor.dtype}), but {name or 'the model'} loads "
                     f"as {type(module).__name__}, which would read the fp8 codes as plain "
-                    f"numbers without their scales (modules_to_not_convert={skip}). Remove it "
-                    "from quantization_config.modules_to_not_convert, or load the checkpoint "
-                    "with Fp8Config(dequantize=True) for a high-precision model"
+                    "numbers without their scales. The checkpoint's config.json lists it in "
+                    f"quantization_config.modules_to_not_convert ({skip}): that list must name "
+                    "only layers stored in high precision; remove this one from it"
                 )
 
 
