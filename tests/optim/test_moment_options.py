@@ -137,3 +137,30 @@ def test_stochastic_rounding_is_unbiased_on_the_fp8_grid():
     assert z.abs().max() < 5  # the mean of 2000 draws is a, up to sampling noise
     nearest = (a[0].to(torch.float8_e4m3fn).double() / a[0].double() - 1).abs()
     assert nearest.max() > 0.03  # round-to-nearest errs by up to half a step
+
+
+@pytest.mark.slow
+def test_compiled_step_draws_the_reference_bits():
+    """The torch.compile path hashes exactly like the eager reference (and so like C)."""
+    key = torch.tensor(0xDEADBEEF, dtype=torch.int64)
+    eager = coat.random_bits(key, torch.Size([64, 128]))
+    compiled = torch.compile(coat.random_bits, fullgraph=True)(key, torch.Size([64, 128]))
+    assert torch.equal(eager, compiled)
+    assert int(eager.min()) >= 0 and int(eager.max()) < 2**32
+
+    def run(implementation: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64, 256) * 0.1)
+        opt = AdamWFp8(
+            [p],
+            lr=1e-2,
+            stochastic_rounding=True,
+            sqrt_second_moment=True,
+            implementation=implementation,
+        )
+        for step in range(3):
+            p.grad = torch.randn(64, 256, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        return p.detach()
+
+    assert torch.allclose(run("compile"), run("reference"), rtol=1e-5, atol=1e-6)
