@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--model", default=None, help="model folder (default: built-in MiniLM)")
     parser.add_argument("--batches", type=int, default=4, help="calibration batches of 16")
     parser.add_argument("--sentences", type=int, default=128, help="evaluation sentences")
+    parser.add_argument(
+        "--out", default=None, help="keep the calibrated model here (default: temporary, removed)"
+    )
     args = parser.parse_args(argv)
 
     path = args.model or default_model_path()
@@ -52,15 +55,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         hf_fp8.calibrate(model, batches, observer=observer)
         results[f"calibrated: {observer}"] = cosine(model)
 
-    out = tempfile.mkdtemp(prefix="hf_fp8_static_")
-    model.save_pretrained(out)
-    reloaded = AutoModel.from_pretrained(out)  # scales come back from the checkpoint
-    assert cosine(reloaded) == results["calibrated: mse"]
+    with tempfile.TemporaryDirectory(prefix="hf_fp8_static_") as tmp:
+        out = args.out or tmp
+        model.save_pretrained(out)
+        reloaded = AutoModel.from_pretrained(out)  # scales come back from the checkpoint
+        assert cosine(reloaded) == results["calibrated: mse"]
+    where = args.out or "a temporary folder (removed; pass --out DIR to keep it)"
 
     print("\n| static activation scales | mean cosine vs fp32 |\n|---|---|")
     for name, value in results.items():
         print(f"| {name} | {value:.5f} |")
-    print(f"\nsaved the mse-calibrated model to {out} and reloaded it with identical outputs")
+    print(f"\nsaved the mse-calibrated model to {where} and reloaded it with identical outputs")
     return results
 
 

@@ -50,7 +50,7 @@ def rows(text: str, n: int, seq_len: int, seed: int) -> list[dict[str, torch.Ten
 def trainer_for(model, args: argparse.Namespace, steps: int, lr: float, train: list) -> Trainer:
     """A stock ``Trainer`` with this script's schedule."""
     training_args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="lora_on_fp8_"),
+        output_dir=tempfile.mkdtemp(prefix="trainer_", dir=args.workdir),
         optim=args.optim,
         max_steps=steps,
         per_device_train_batch_size=args.batch,
@@ -75,7 +75,7 @@ def pretrain_base(args: argparse.Namespace) -> str:
     train = rows(code, args.base_steps * args.batch, args.seq_len, args.seed)
     print(f"== pre-training the base model ({args.base_steps} steps on stdlib source)")
     trainer_for(model, args, args.base_steps, args.base_lr, train).train()
-    path = tempfile.mkdtemp(prefix="lora_on_fp8_base_")
+    path = os.path.join(args.workdir, "base")
     model.to(torch.bfloat16).save_pretrained(path)
     return path
 
@@ -130,12 +130,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    base = pretrain_base(args)
-    prose = "\n".join(stdlib_sentences(2000, seed=args.seed))
-    data = rows(prose, args.steps * args.batch + args.eval_sequences, args.seq_len, args.seed)
-    train, evaluation = data[: -args.eval_sequences], data[-args.eval_sequences :]
-    bf16 = lora_run(base, False, args, train, evaluation)
-    fp8 = lora_run(base, True, args, train, evaluation)
+    # Everything this script writes (trainer folders, the base model) lives in one temporary
+    # folder, removed at the end.
+    with tempfile.TemporaryDirectory(prefix="lora_on_fp8_") as workdir:
+        args.workdir = workdir
+        base = pretrain_base(args)
+        prose = "\n".join(stdlib_sentences(2000, seed=args.seed))
+        data = rows(prose, args.steps * args.batch + args.eval_sequences, args.seq_len, args.seed)
+        train, evaluation = data[: -args.eval_sequences], data[-args.eval_sequences :]
+        bf16 = lora_run(base, False, args, train, evaluation)
+        fp8 = lora_run(base, True, args, train, evaluation)
 
     # merge_and_unload() of the FP8 run: high-precision layers, same function
     model = fp8["model"].eval()

@@ -9,6 +9,7 @@ time ratio vs fp32, and whether the saved checkpoint reloads bit-identically.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -45,15 +46,9 @@ def _identical(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model folder (default: built-in MiniLM)")
-    parser.add_argument("--out", default=None, help="where to save the FP8 checkpoints")
-    parser.add_argument("--sentences", type=int, default=64)
-    args = parser.parse_args(argv)
-
+def _run(args: argparse.Namespace, out_root: str) -> list[tuple]:
+    """Every scheme: quantize, measure, save into ``out_root`` and reload."""
     path = args.model or default_model_path()
-    out_root = args.out or tempfile.mkdtemp(prefix="hf_fp8_demo_")
     sentences = stdlib_sentences(args.sentences + 64, seed=0)
     evaluation, calibration = sentences[: args.sentences], sentences[args.sentences :]
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -81,7 +76,27 @@ def main(argv: list[str] | None = None) -> dict:
             (name, nbytes / n, cosine, t / t_ref, "yes" if _identical(model, reloaded) else "NO")
         )
 
-    print(f"\nall-MiniLM-L6-v2, {len(evaluation)} sentences, checkpoints in {out_root}\n")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model folder (default: built-in MiniLM)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="keep the FP8 checkpoints here (default: a temporary folder, removed)",
+    )
+    parser.add_argument("--sentences", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    with contextlib.ExitStack() as stack:
+        out_root = args.out or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="hf_fp8_demo_")
+        )
+        rows = _run(args, out_root)
+    where = args.out or "a temporary folder (removed; pass --out DIR to keep them)"
+    print(f"\nall-MiniLM-L6-v2, {args.sentences} sentences, checkpoints in {where}\n")
     print("| scheme | linear bytes/param | mean cosine vs fp32 | time vs fp32 | reload identical |")
     print("|---|---|---|---|---|")
     for name, bpp, cos, ratio, same in rows:

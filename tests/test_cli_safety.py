@@ -77,6 +77,14 @@ def test_out_that_is_the_source_is_refused(command, spelling, src, tmp_path, cap
     assert _digest(src) == before
 
 
+def test_out_inside_the_source_is_refused(src, capsys):
+    before = _digest(src)
+    code, _, err = _run(capsys, "quantize", str(src), "--out", str(src / "fp8"))
+    assert code == 1
+    _one_error_line(err, "inside the source folder")
+    assert _digest(src) == before and not (src / "fp8").exists()
+
+
 def test_overwrite_replaces_only_what_it_writes(llama_dir, tmp_path, capsys):
     out = tmp_path / "out"
     old = AutoModelForCausalLM.from_pretrained(llama_dir)

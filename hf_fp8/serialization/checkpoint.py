@@ -316,7 +316,10 @@ def check_out_dir(
                 "(the source is read while the output is written)"
             )
         if real.is_relative_to(src):
-            raise ValueError(f"the output folder {out} is inside the source folder {src}")
+            raise ValueError(
+                f"the output folder {out} is inside the source folder {src}: choose a folder "
+                "outside it (the source's files would otherwise be copied into themselves)"
+            )
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file: the output must be a folder")
     if not overwrite and out.is_dir() and any(out.iterdir()):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hf_fp8.config import Fp8Config
+from hf_fp8.recipe import Granularity
 from hf_fp8.serialization.layers import LayerPlan
 from hf_fp8.serialization.tensors import to_hf_fp8_tensors
 
@@ -28,7 +29,15 @@ QUANT_METHOD = "compressed-tensors"
 FORMAT = "float-quantized"
 _READ_FORMATS = ("float-quantized", "naive-quantized")
 IMPORT_RENAMES: dict[str, str] = {}
-_WEIGHT_STRATEGY = {"tensor": "tensor", "row": "channel", "block": "block"}
+# hf_fp8's weight granularities (hf_fp8.recipe) -> compressed-tensors' strategy words; every
+# granularity must have one (checked at import), so a new one cannot be forgotten here.
+_WEIGHT_STRATEGY = {
+    Granularity.TENSOR: "tensor",
+    Granularity.ROW: "channel",
+    Granularity.BLOCK: "block",
+}
+if set(_WEIGHT_STRATEGY) != set(Granularity):
+    raise RuntimeError("compressed_tensors._WEIGHT_STRATEGY misses a recipe.Granularity")
 
 
 def _fp8_args(strategy: str, dynamic: bool, **extra: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from hf_fp8.config import Fp8Config
 from hf_fp8.numerics.checks import CheckpointTensorError
+from hf_fp8.recipe import ActivationGranularity, Granularity
 from hf_fp8.serialization.checkpoint import (
     FP8_DTYPE_NAMES,
     Checkpoint,
@@ -34,8 +35,19 @@ _SCALE_LEAVES = (
 )
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-_WEIGHT_WORDS = {"tensor": "per tensor", "row": "per output channel", "block": "per block"}
-_ACT_WORDS = {"tensor": "per tensor", "token": "per token", "block": "per 1×{k} group"}
+# Words for every granularity of hf_fp8.recipe (checked complete at import).
+_WEIGHT_WORDS = {
+    Granularity.TENSOR: "per tensor",
+    Granularity.ROW: "per output channel",
+    Granularity.BLOCK: "per block",
+}
+_ACT_WORDS = {
+    ActivationGranularity.TENSOR: "per tensor",
+    ActivationGranularity.TOKEN: "per token",
+    ActivationGranularity.BLOCK: "per 1×{k} group",
+}
+if set(_WEIGHT_WORDS) != set(Granularity) or set(_ACT_WORDS) != set(ActivationGranularity):
+    raise RuntimeError("summary's scheme words miss a hf_fp8.recipe granularity")
 
 
 def weight_words(scheme: dict[str, Any]) -> str:
