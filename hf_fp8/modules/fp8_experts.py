@@ -401,6 +401,37 @@ class Fp8Experts(nn.Module):
         new._carry_over(module)
         return new
 
+    @classmethod
+    def empty_like(
+        cls,
+        module: nn.Module,
+        config: Fp8Config | None = None,
+        *,
+        module_name: str = "",
+        device: torch.device | str | None = None,
+    ) -> Fp8Experts:
+        """Storage for ``module``'s layout and ``config``'s recipe, to be filled by a
+        checkpoint (the quantizer's swap before loading), on ``module``'s device unless
+        ``device`` is given (meta stays meta). Carries
+        the non-weight parts over as ``from_experts`` does; static input scales from the
+        config are set, others come from the checkpoint."""
+        reason = unsupported_reason(module)
+        if reason is not None:
+            raise ValueError(f"cannot convert {module_name or type(module).__name__}: {reason}")
+        layout = experts_layout(module)
+        recipe = config_recipe(config)
+        source_weight = getattr(module, layout.up_name)
+        device = device if device is not None else source_weight.device
+        new = cls(layout, recipe, dtype=source_weight.dtype, device=device)
+        prefix = f"{module_name}." if module_name else ""
+        if config is not None and recipe.is_static:
+            for proj in layout.projections:
+                scale = config.linear_kwargs(f"{prefix}{proj}")["input_scale"]
+                if scale is not None:
+                    new.set_input_scale(proj, scale)
+        new._carry_over(module)
+        return new
+
     def _carry_over(self, module: nn.Module) -> None:
         """Take the source's plain attributes and parameter-free (or norm) children."""
         attributes = _plain_attributes(module)
@@ -530,6 +561,27 @@ class Fp8Experts(nn.Module):
 
         self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
         return super()._apply(keep_storage_dtype, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Refuse high-precision expert weights (quantize them with ``from_experts``), and
+        make room for static input scales when a module built without them loads some."""
+        for proj in self.layout.projections:
+            weight = state_dict.get(prefix + proj)
+            if weight is not None and not is_fp8(weight.dtype):
+                raise ValueError(
+                    f"{prefix}{proj} is {weight.dtype}, not fp8: this is a high-precision state "
+                    "dict; quantize the experts with Fp8Experts.from_experts instead"
+                )
+            key = f"{proj}_input_scale"
+            if (
+                state_dict.get(prefix + key) is not None
+                and getattr(self, key) is None
+                and self.recipe.is_static
+            ):
+                device = getattr(self, proj).device
+                empty = torch.empty(self.num_experts, dtype=torch.float32, device=device)
+                setattr(self, key, nn.Parameter(empty, requires_grad=False))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         layout = self.layout

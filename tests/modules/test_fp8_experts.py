@@ -298,18 +298,42 @@ def test_recipe_is_the_configs() -> None:
 
 
 def test_meta_construction_matches_from_experts() -> None:
+    """What the quantizer builds before loading has the storage ``from_experts`` fills."""
     source = build_tiny(FAMILIES["GptOssExperts"])
+    with torch.device("meta"):
+        meta_source = type(source)(source.config)
     for scheme, gran in [("dynamic", "row"), ("static", "tensor"), ("weight_only", "block")]:
         config = Fp8Config(scheme, weight_granularity=gran, block_size=(16, 16),
                            activation_scale=1.0 if scheme == "static" else None)  # fmt: skip
-        real = Fp8Experts.from_experts(source, config)
-        with torch.device("meta"):
-            meta = Fp8Experts(experts_layout(source), config_recipe(config), dtype=torch.float32,
-                              input_scale=config.activation_scale)  # fmt: skip
+        real = Fp8Experts.from_experts(source, config, module_name="m.experts")
+        meta = Fp8Experts.empty_like(meta_source, config, module_name="m.experts")
+        assert meta.gate_up_proj.is_meta
         assert {n: (p.shape, p.dtype) for n, p in meta.named_parameters()} == {
-            n: (p.shape, p.dtype) for n, p in real.named_parameters() if "post_expert" not in n
+            n: (p.shape, p.dtype) for n, p in real.named_parameters()
         }
+        assert meta.alpha == real.alpha == source.alpha  # what _apply_gate reads
         assert all(not p.requires_grad for n, p in real.named_parameters() if "bias" not in n)
+        direct = Fp8Experts(experts_layout(source), config_recipe(config), device="meta")
+        assert {n for n, _ in direct.named_parameters()} <= {n for n, _ in real.named_parameters()}
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_state_dict_round_trip_is_bit_exact(scheme) -> None:
+    source = build_tiny(FAMILIES["GptOssExperts"])
+    config = Fp8Config(scheme, activation_scale=0.05 if scheme == "static" else None)
+    fp8 = Fp8Experts.from_experts(source, config)
+    if scheme == "static":
+        fp8.set_input_scale("down_proj", torch.arange(1.0, 7.0))
+    state = fp8.state_dict()
+    fresh = Fp8Experts.empty_like(source, Fp8Config(scheme))  # no input scales yet
+    fresh.load_state_dict(state, strict=True)
+    for key, tensor in state.items():
+        assert torch.equal(fresh.state_dict()[key].view(torch.uint8), tensor.view(torch.uint8))
+    x, index, weights = routed_inputs(32, 6)
+    assert torch.equal(fresh(x, index, weights), fp8(x, index, weights))
+    high = {**state, "down_proj": source.down_proj.detach()}
+    with pytest.raises(ValueError, match=r"down_proj is torch\.float32, not fp8.*from_experts"):
+        fresh.load_state_dict(high)
 
 
 def test_gradients_reach_the_hidden_states() -> None:
