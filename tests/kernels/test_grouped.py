@@ -313,3 +313,38 @@ def test_grouped_unsupported_reasons(monkeypatch) -> None:
     )
     monkeypatch.setattr(torch.version, "hip", "6.4")
     assert "ROCm" in reason()
+
+
+@pytest.mark.parametrize(("act", "a_gran", "gran"), [("dynamic", "token", "row"),
+                                                     ("static", "tensor", "tensor")])  # fmt: skip
+def test_per_expert_scaled_mm_meets_the_cuda_contract(monkeypatch, act, a_gran, gran) -> None:
+    """Where the grouped kernel cannot run (here: an sm89-like FP8 GPU), each expert present
+    gets one ``torch._scaled_mm``, every call checked against the CUDA contract."""
+    from tests.kernels.test_scaled_mm_contract import check_cuda_contract
+
+    scaled_mm_module = importlib.import_module("hf_fp8.kernels.scaled_mm")
+    monkeypatch.setattr(scaled_mm_module, "has_fp8_gemm", lambda device: True)
+    real = torch._scaled_mm
+    calls = []
+
+    def spy(*args, **kwargs):
+        check_cuda_contract(*args, **kwargs)
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    w_fp8, w_scale = _experts(num_experts=6, n=40, k=24, gran=gran)  # N, K not multiples of 16
+    bias = torch.randn(6, 40).to(torch.bfloat16)
+    x = torch.randn(5, 24).to(torch.bfloat16)
+    index = torch.tensor([[0, 5], [5, 1], [1, 0], [0, 5], [5, 0]])
+    scales = torch.tensor([0.01, 0.02, 0.03, 0.015, 0.05, 0.02]) if act == "static" else None
+    routing = grouped.route(index, 6)
+    recipe = Fp8Recipe.resolve(act, weight_granularity=gran, activation_granularity=a_gran)
+    rows = x[routing.token_index]
+    got = grouped.grouped_fp8_linear(rows, routing, w_fp8, w_scale, bias, recipe=recipe,
+                                     input_scale=scales)  # fmt: skip
+    assert sorted(calls) == [2, 4, 4]  # experts 1, 0 and 5
+    emulated = dataclasses.replace(recipe, kernel="emulated")
+    ref = grouped.grouped_fp8_linear(rows, routing, w_fp8, w_scale, bias, recipe=emulated,
+                                     input_scale=scales)  # fmt: skip
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=2**-7)
