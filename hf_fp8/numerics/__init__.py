@@ -7,6 +7,7 @@ from hf_fp8.numerics.formats import (
     fp8_format_of,
     fp8_max,
     is_fp8,
+    min_scale,
 )
 from hf_fp8.numerics.quantize import (
     GRANULARITIES,
@@ -38,6 +39,7 @@ __all__ = [
     "fp8_format_of",
     "fp8_max",
     "is_fp8",
+    "min_scale",
     "mse_scale",
     "quantize",
     "quantize_weight",

@@ -19,8 +19,8 @@ FP8_DTYPES: dict[Fp8Format, torch.dtype] = {
 }
 _FORMATS = {dtype: fmt for fmt, dtype in FP8_DTYPES.items()}
 
-# Smallest amax used to build a scale: an all-zero tensor gets a tiny, finite scale
-# (its fp8 values are all zero, so the dequantized tensor is exactly zero).
+# An amax at or below this carries no usable information (calibration: a layer that saw only
+# zeros). It is NOT a floor of the scales: see ``min_scale``.
 AMAX_EPS = 1e-12
 
 
@@ -47,3 +47,14 @@ def fp8_max(dtype: torch.dtype) -> float:
 def is_fp8(dtype: torch.dtype) -> bool:
     """True for the fp8 dtypes hf_fp8 stores (``float8_e4m3fn``, ``float8_e5m2``)."""
     return dtype in FP8_DTYPES.values()
+
+
+def min_scale() -> float:
+    """Smallest scale hf_fp8 builds: the smallest normal float32 (1.2e-38).
+
+    Tensors with amax down to ``min_scale() * fp8_max`` (5.3e-36 for e4m3) keep their full
+    fp8 resolution, so activations of 1e-20 are not flushed to zero; an all-zero tensor gets
+    this scale (its fp8 codes are zero, the dequantized tensor exactly zero). A normal, not a
+    subnormal number: GPUs that flush subnormals to zero never see a zero scale.
+    """
+    return float(torch.finfo(torch.float32).tiny)

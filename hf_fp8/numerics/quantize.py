@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_fp8.numerics.formats import AMAX_EPS, fp8_max
+from hf_fp8.numerics.formats import fp8_max, min_scale
 from hf_fp8.recipe import Granularity, WeightScaleMethod, values
 
 GRANULARITIES = values(Granularity)  # the scale layouts (hf_fp8.recipe.Granularity)
@@ -32,8 +32,9 @@ def _check_granularity(granularity: str) -> None:
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """fp32 scale such that ``amax`` maps onto the largest fp8 value (never zero)."""
-    return amax.float().clamp(min=AMAX_EPS) / fp8_max(fp8_dtype)
+    """fp32 scale such that ``amax`` maps onto the largest fp8 value, never below
+    ``min_scale()`` (so never zero, and tiny tensors keep their resolution)."""
+    return (amax.float() / fp8_max(fp8_dtype)).clamp(min=min_scale())
 
 
 def saturated_cast(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

@@ -3,13 +3,18 @@
 import pytest
 import torch
 
-from hf_fp8.numerics import AMAX_EPS, FP8_DTYPES, fp8_dtype, fp8_max, is_fp8
+from hf_fp8.numerics import FP8_DTYPES, fp8_dtype, fp8_format_of, fp8_max, is_fp8, min_scale
+from hf_fp8.recipe import Fp8Format
 
 
 def test_format_names_map_to_torch_dtypes() -> None:
     assert fp8_dtype("e4m3") is torch.float8_e4m3fn
     assert fp8_dtype("e5m2") is torch.float8_e5m2
-    assert set(FP8_DTYPES) == {"e4m3", "e5m2"}
+    # every format word of the recipe has a dtype, and the map inverts
+    assert set(FP8_DTYPES) == set(Fp8Format)
+    assert all(fp8_format_of(fp8_dtype(f)) is f for f in Fp8Format)
+    with pytest.raises(ValueError, match="not an fp8 dtype"):
+        fp8_format_of(torch.bfloat16)
 
 
 @pytest.mark.parametrize("bad", ["e4m3fnuz", "fp8", "", None])
@@ -31,8 +36,7 @@ def test_is_fp8() -> None:
     assert not any(is_fp8(d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.uint8))
 
 
-def test_amax_eps_scale_is_finite_and_positive() -> None:
-    for dtype in FP8_DTYPES.values():
-        scale = AMAX_EPS / fp8_max(dtype)
-        assert 0.0 < scale < 1e-12
-        assert torch.isfinite(torch.tensor(1.0) / torch.tensor(scale))
+def test_the_smallest_scale_is_a_normal_float32_with_a_finite_inverse() -> None:
+    tiny = torch.tensor(min_scale(), dtype=torch.float32)
+    assert tiny.item() > 0 and tiny.item() == torch.finfo(torch.float32).tiny
+    assert bool(torch.isfinite(1 / tiny)) and (tiny / 2).item() < tiny.item()  # not the floor

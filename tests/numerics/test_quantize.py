@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from hf_fp8.numerics import (
-    AMAX_EPS,
     amax,
     amax_to_scale,
     block_scale_shape,
     check_finite,
     dequantize,
     fp8_max,
+    min_scale,
     quantize,
     quantize_weight,
     quantize_with_scale,
@@ -95,7 +95,7 @@ def test_roundtrip_error_is_at_most_half_an_fp8_ulp(dtype, granularity, x, block
     _assert_within_half_ulp(x, deq, _expand(scale, x.shape, granularity, block), dtype)
     # the largest magnitude of each scale group lands on (or next to) fp8_max: full range used
     top = amax(x_fp8.float(), granularity, block)
-    nonzero = amax(x, granularity, block) > AMAX_EPS
+    nonzero = amax(x, granularity, block) >= min_scale() * fp8_max(dtype)
     assert bool((top[nonzero] >= fp8_max(dtype) * (1 - 2 * torch.finfo(dtype).eps)).all())
 
 
@@ -154,7 +154,7 @@ def test_one_zero_row_does_not_disturb_the_others() -> None:
     x = torch.randn(4, 64)
     x[2] = 0
     x_fp8, scale = quantize(x, torch.float8_e4m3fn, "row")
-    assert scale[2].item() == pytest.approx(AMAX_EPS / 448)
+    assert scale[2].item() == min_scale()  # the smallest normal fp32, never zero
     deq = dequantize(x_fp8, scale, torch.float32, "row")
     assert bool((deq[2] == 0).all())
     assert sqnr_db(x[[0, 1, 3]], deq[[0, 1, 3]]) > 25
@@ -185,11 +185,25 @@ def test_subnormals_are_kept_and_ties_round_to_even(dtype, smallest) -> None:
     assert x_fp8.float().abs().max().item() == fp8_max(dtype)
 
 
-def test_inputs_below_amax_eps_quantize_to_zero_without_nan() -> None:
-    x = torch.tensor([[1e-40, -1e-42, 0.0, 1e-20]])
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("magnitude", [1e-20, 1e-30])
+def test_tiny_tensors_keep_their_resolution(dtype, magnitude) -> None:
+    """Issue 12 §7: activations <= 1e-20 were flushed to zero (the amax was clamped at 1e-12).
+    Reference: fp64 fake-quant with scale = amax / fp8_max."""
+    x = torch.randn(4, 64) * magnitude
+    x_fp8, scale = quantize(x, dtype, "row")
+    ref_scale = x.double().abs().amax(-1, keepdim=True) / fp8_max(dtype)
+    torch.testing.assert_close(scale.double(), ref_scale, rtol=1e-6, atol=0)
+    deq = dequantize(x_fp8, scale)
+    assert sqnr_db(x, deq) > 25  # as at unit scale: the fp8 grid, not a flush to zero
+
+
+def test_inputs_below_the_smallest_scale_quantize_without_nan() -> None:
+    x = torch.tensor([[1e-40, -1e-42, 0.0, 1e-39]])
     x_fp8, scale = quantize(x, torch.float8_e4m3fn, "row")
     deq = dequantize(x_fp8, scale)
-    assert not bool(deq.isnan().any()) and bool((deq.abs() <= 1e-20).all())
+    assert scale.item() == min_scale()
+    assert not bool(deq.isnan().any()) and bool((deq.abs() <= 2e-39).all())
 
 
 @pytest.mark.parametrize("dtype", FP8)
