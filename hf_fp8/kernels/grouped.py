@@ -26,17 +26,21 @@ Two ways to run one grouped projection (:func:`grouped_fp8_linear`):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from hf_fp8.kernels.fp8_linear import fp8_linear
+from hf_fp8.kernels.fp8_linear import LinearPlan, fp8_linear
 from hf_fp8.numerics import amax, amax_to_scale, fp8_dtype, quantize_with_scale
 from hf_fp8.recipe import Fp8Recipe, Kernel
 
 # torch._scaled_grouped_mm: GroupedBlas.cpp (CUTLASS grouped kernel) limits
 _GROUPED_CAPABILITIES = ((9, 0), (10, 0))
 _MAX_GROUPS = 1024
+
+
+_plan = functools.lru_cache(maxsize=64)(LinearPlan.from_recipe)  # recipes are frozen
 
 
 @dataclass(frozen=True)
@@ -278,15 +282,7 @@ def grouped_fp8_linear(
                 x_sorted, routing, w_fp8, w_scale, bias, act_dtype, a_layout, input_scale
             )
 
-    words = {
-        "activation_scheme": recipe.activation_scheme.value,
-        "activation_granularity": (
-            None if recipe.activation_granularity is None else recipe.activation_granularity.value
-        ),
-        "weight_granularity": w_layout,
-        "block_size": recipe.block_size,
-        "kernel": recipe.kernel.value,
-    }
+    plan = _plan(recipe)
     pieces = []
     for expert, start, end in routing.present():
         pieces.append(
@@ -295,8 +291,8 @@ def grouped_fp8_linear(
                 w_fp8[expert],
                 w_scale[expert],
                 None if bias is None else bias[expert].to(x_sorted.dtype),
+                plan=plan,
                 input_scale=None if input_scale is None else input_scale[expert : expert + 1],
-                **words,
             )
         )
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

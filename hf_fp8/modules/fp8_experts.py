@@ -212,22 +212,8 @@ def _plain_attributes(module: nn.Module) -> dict[str, Any]:
 
 
 def config_recipe(config: Fp8Config | None) -> Fp8Recipe:
-    """The ``Fp8Recipe`` of ``config`` (``config.recipe``, or resolved from its words);
-    the default recipe without a config."""
-    if config is None:
-        return Fp8Recipe.resolve()
-    recipe = getattr(config, "recipe", None)
-    if isinstance(recipe, Fp8Recipe):
-        return recipe
-    return Fp8Recipe.resolve(
-        config.activation_scheme,
-        weight_granularity=config.weight_granularity,
-        activation_granularity=config.activation_granularity,
-        fp8_format=config.fp8_format,
-        block_size=config.block_size,
-        kernel=config.kernel,
-        weight_scale_method=config.weight_scale_method,
-    )
+    """``config.recipe``, or the default recipe without a config."""
+    return Fp8Recipe.resolve() if config is None else config.recipe
 
 
 def _scale_shape(granularity: str, n: int, k: int, block_size: tuple[int, int]) -> tuple:
@@ -395,7 +381,7 @@ class Fp8Experts(nn.Module):
                     nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad),
                 )
             if config is not None and recipe.is_static:
-                scale = config.linear_kwargs(f"{prefix}{proj}")["input_scale"]
+                scale = config.activation_scale_for(f"{prefix}{proj}")
                 if scale is not None:
                     new.set_input_scale(proj, scale)
         new._carry_over(module)
@@ -426,7 +412,7 @@ class Fp8Experts(nn.Module):
         prefix = f"{module_name}." if module_name else ""
         if config is not None and recipe.is_static:
             for proj in layout.projections:
-                scale = config.linear_kwargs(f"{prefix}{proj}")["input_scale"]
+                scale = config.activation_scale_for(f"{prefix}{proj}")
                 if scale is not None:
                     new.set_input_scale(proj, scale)
         new._carry_over(module)
