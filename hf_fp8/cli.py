@@ -255,7 +255,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import hf_fp8
+    from hf_fp8.calibration import OBSERVERS
 
+    if args.observer not in OBSERVERS:  # before anything is loaded
+        raise ValueError(f"--observer {args.observer}: use one of {', '.join(OBSERVERS)}")
     samples = _read_samples(args.data, args.max_samples)
     model_id = _model_path(args.model)
     out = _out_dir(args, model_id)

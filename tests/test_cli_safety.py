@@ -178,6 +178,15 @@ def test_skip_that_matches_nothing_is_an_error(llama_dir, tmp_path, capsys):
     assert _run(capsys, "quantize", llama_dir, "--out", str(out), "--skip", "lm_head")[0] == 0
 
 
+def test_unknown_observer_is_refused_before_loading(tmp_path, capsys):
+    data = tmp_path / "d.txt"
+    data.write_text("the a\n")
+    argv = ["calibrate", "no/such-model", "--data", str(data), "--out", str(tmp_path / "o")]
+    code, _, err = _run(capsys, *argv, "--observer", "minmx")
+    assert code == 1
+    _one_error_line(err, "--observer minmx", "minmax")
+
+
 def test_messages_use_option_names(fp8_dir, tmp_path, capsys):
     busy = tmp_path / "busy"
     busy.mkdir()
