@@ -336,16 +336,24 @@ def test_state_dict_round_trip_is_bit_exact(scheme) -> None:
         fresh.load_state_dict(high)
 
 
-def test_gradients_reach_the_hidden_states() -> None:
-    """Straight-through: the input gradient of the dequantized source module."""
-    source = build_tiny(FAMILIES["Qwen3MoeExperts"])
+@pytest.mark.parametrize("name", ["Qwen3MoeExperts", "GptOssExperts"])
+def test_gradients_reach_the_hidden_states_and_biases(name) -> None:
+    """Straight-through: the input (and bias) gradients of the dequantized source module."""
+    source = build_tiny(FAMILIES[name])
     fp8 = Fp8Experts.from_experts(source, Fp8Config("weight_only"))
-    back = fp8.dequantize().requires_grad_(False)
+    back = fp8.dequantize()
+    for proj in fp8.layout.projections:
+        getattr(back, proj).requires_grad_(False)
     x, index, weights = routed_inputs(32, 6)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     fp8(x1, index, weights).square().sum().backward()
     back(x2, index, weights).square().sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-5)
+    assert not any(p.requires_grad for p in fp8._frozen())
+    if fp8.layout.has_bias:
+        for proj in fp8.layout.projections:
+            got, expected = getattr(fp8, f"{proj}_bias").grad, getattr(back, f"{proj}_bias").grad
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_bytes_per_expert_parameter_with_row_scales() -> None:
