@@ -50,7 +50,7 @@ def _warn_nonfinite(observers: dict[str, Observer]) -> None:
             f"left out of their scales: {_names(hit)}. The model overflows on some "
             "calibration inputs (float16?); it will on the same inputs at inference too",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -82,12 +82,11 @@ def _fallback(observers: dict[str, Observer], current: dict[str, float | None]) 
         "tiny scale that would saturate every nonzero input. Calibrate with data that reaches "
         "them, or set their scales with Fp8Config(activation_scales={...})",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return scales
 
 
-@torch.no_grad()
 def calibrate(
     model: nn.Module,
     batches: Any,
@@ -115,6 +114,13 @@ def calibrate(
     that expert (an expert no token reached falls back as above).
     Returns the scales by module name (``"<experts>.<proj>[<expert>]"`` for experts).
     """
+    with torch.no_grad():
+        return _calibrate(model, batches, observer, progress, observer_kwargs)
+
+
+def _calibrate(
+    model: nn.Module, batches: Any, observer: str, progress: bool, observer_kwargs: dict
+) -> dict[str, float]:
     data = as_batches(batches)
     make = functools.partial(make_observer, observer, **observer_kwargs)
     layers = {

@@ -187,7 +187,8 @@ def test_uninformative_layers_fall_back_with_one_warning(empty_call):
     # at inference the fallback layer does not saturate (2.2e-15 did: rel. error 0.93)
     zero = model.zero
     reference = torch.nn.functional.linear(x, zero.dequantize_weight(torch.float32), zero.bias)
-    rel = float((zero(x) - reference).norm() / reference.norm())
+    with torch.no_grad():
+        rel = float((zero(x) - reference).norm() / reference.norm())
     assert rel < 0.05
 
 
@@ -209,8 +210,11 @@ def test_an_inf_activation_names_the_layer():
     model = _Branches(empty_call=True)
     x = torch.randn(8, 16)
     x[3, 5] = float("inf")
-    with pytest.warns(UserWarning, match=r"non-finite.*\ba\b.*1 value") as record:
+    with pytest.warns(UserWarning) as record:  # this one, and the fallback of zero / idle
         scales = hf_fp8.calibrate(model, [x], progress=False)
-    assert any("a (1 value" in str(w.message) for w in record)
+    nonfinite = [str(w.message) for w in record if "non-finite" in str(w.message)]
+    assert len(nonfinite) == 1 and "1 static layer(s)" in nonfinite[0]
+    assert ": a (1 value(s))" in nonfinite[0]
+    assert all(w.filename == __file__ for w in record)  # points at the caller
     finite = x[torch.isfinite(x)]
     assert scales["a"] == pytest.approx(float(finite.abs().max()) / 448, rel=1e-6)
