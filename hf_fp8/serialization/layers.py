@@ -11,7 +11,7 @@ import transformers
 from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from hf_fp8.modules.replace import is_conv1d
+from hf_fp8.modules import is_conv1d
 from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.serialization.checkpoint import FP8_DTYPE_NAMES, TensorInfo, module_of
 
@@ -72,7 +72,11 @@ def build_meta_model(config: dict[str, Any]) -> nn.Module:
 
 
 def stock_linear_layers(config: dict[str, Any]) -> dict[str, str]:
-    """``{module name: "linear" | "conv1d"}`` of the model ``config`` describes."""
+    """``{module name: "linear" | "conv1d"}`` of the model ``config`` describes.
+
+    Every ``nn.Linear`` (subclasses included), on purpose not ``modules.is_convertible``:
+    the foreign formats' loaders quantize every linear that the ``ignore`` list does not name,
+    so the high-precision list must also hold the linears hf_fp8 keeps by rule (routers …)."""
     model = build_meta_model(config)
     return {
         name: "conv1d" if is_conv1d(module) else "linear"
