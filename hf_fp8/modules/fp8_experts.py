@@ -27,24 +27,46 @@ precision. transformers' experts implementation choice (``eager``, ``grouped_mm`
 ``batched_mm``: one math) all map onto that path; others (``deepgemm``, ``sonicmoe``, custom
 registrations) cannot take these weights and raise.
 
+Status (this file, ``hf_fp8/kernels/grouped.py``): all 68 experts classes of transformers
+5.24 (discovered by ``tests/modules/moe_zoo.py``) convert and equal their own eager forward
+on the dequantized weights; not decorated experts (``Llama4TextExperts``, ``DbrxExperts``,
+``JetMoeParallelExperts``, ``Step3p7Experts``, ``LongcatFlashExperts``) and transformers' own
+``FP8Experts`` are refused with a reason. CPU, one thread, Qwen3-MoE-shaped block (64
+experts, top-8, H 2048, I 768; ``benchmarks/bench_moe_block.py --clock thread``): decode
+0.41x (weight-only) / 0.45x (dynamic) the time of bf16 ``grouped_mm``, prefill (512 tokens)
+1.40x / 1.75x (target 1.3x); 1.003 bytes per expert parameter with row scales.
+
 Next session (not done here):
 
-* quantizer: swap ``Fp8Experts`` in at ``_process_model_before_weight_loading`` (on meta,
-  ``Fp8Experts(layout, ...)``), and a quantize op on the *merged* expert keys
-  (``conversion_mapping`` ``MergeModulelist`` / ``Concatenate`` run first; the op receives
-  ``[E, ...]``, transposes when ``layout.is_transposed``, returns weight + ``_weight_scale``);
-  ``update_weight_conversions`` for the scale names; the routers stay high precision
-  (``is_convertible``: a named rule).
-* serialization: save/reload this layout bit-exact (the reverse of the merge, transformers
-  #44222), compressed-tensors export per expert (``experts.{e}.gate_proj.weight`` … split
-  of ``gate_up`` by ``is_concatenated``), import of ``fp8`` block checkpoints
-  (``weight_scale_inv`` ``[128, 128]`` blocks: ``weight_granularity="block"`` here keeps the
-  codes bit-identical).
-* calibration: observe each expert's routed rows only (``Routing`` of
-  ``hf_fp8.kernels.grouped``), fallback + warning for unseen experts, write
-  ``{proj}_input_scale``.
+* quantizer: in ``_process_model_before_weight_loading`` swap every module with
+  ``experts_layout(m) is not None`` for ``Fp8Experts.empty_like(m, config, module_name=name)``
+  (meta stays meta; ``unsupported_reason`` gives the keep reason to log / put on the card;
+  ``hf_fp8.modules.selection`` should name the rule next to the router rule). On-the-fly
+  quantization: a quantize op on the *merged* expert keys (``conversion_mapping``
+  ``MergeModulelist`` / ``Concatenate`` run first, so the op receives ``[E, ...]`` in the
+  source layout) calls :func:`quantize_projection` and returns ``{proj}`` +
+  ``{proj}_weight_scale``; ``update_weight_conversions`` clones the merge for the scale names.
+  ``hf_fp8.quantizer.validation.check_fp8_experts`` already checks loaded experts.
+* serialization: save/reload this layout bit-exact (the reverse of the merge is
+  transformers #44222: save the merged names as they are), compressed-tensors export per
+  expert (``experts.{e}.gate_proj.weight`` …: split ``gate_up`` rows in halves when
+  ``is_concatenated``, even/odd rows when interleaved; transpose back for ``is_transposed``
+  sources only if the target layout wants it), import of ``fp8`` block checkpoints (their
+  ``weight_scale_inv`` is a multiplier on ``[128, 128]`` blocks: with
+  ``weight_granularity="block"`` it is this module's ``{proj}_weight_scale`` bit for bit;
+  transformers' ``FP8Experts`` names it ``{proj}_scale_inv``).
+* calibration: observe each expert's routed rows only (``route`` of
+  ``hf_fp8.kernels.grouped`` gives ``expert_ids`` / ``counts``; run the experts weight-only
+  while observing, as ``Fp8Linear.set_recipe`` does), fallback + a warning naming the number
+  of unseen experts, then ``set_input_scale(proj, scales[E])``.
 * peft ``target_parameters`` on the fp8 3-D parameters (refuse with a message), AdamWFp8 /
-  FSDP2 on 3-D parameters, a bench of the Qwen3-MoE-shaped block in ``make bench``.
+  FSDP2 on 3-D parameters; ``bench_moe_block`` in ``make bench``.
+* speed: the prefill gap is inside the per-expert ``fp8_linear`` (weight decode + matmul,
+  and ~1 ms to quantize 64 x 2048 activation rows). The up projection re-quantizes each token
+  once per routed expert (top-k times): an ``fp8_linear`` that takes a pre-quantized
+  ``(a_fp8, a_scale)`` would let the grouped path quantize the T tokens once.
+  ``route`` syncs the host once (``counts``): ``torch.compile(fullgraph=True)`` and CUDA graphs
+  break there.
 """
 
 from __future__ import annotations
@@ -216,6 +238,35 @@ def config_recipe(config: Fp8Config | None) -> Fp8Recipe:
     return Fp8Recipe.resolve() if config is None else config.recipe
 
 
+def quantize_projection(
+    weight_hp: torch.Tensor, layout: ExpertsLayout, recipe: Fp8Recipe, *, name: str = "weight"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes ``[E, out, in]`` and per-expert scales of one projection given in the
+    *source* layout (``[E, in, out]`` when ``layout.is_transposed``), e.g. a merged
+    checkpoint tensor. Each expert is quantized alone (``quantize_weight``: finite check
+    naming ``name[expert e]``, absmax or MSE scales)."""
+    if weight_hp.dim() != 3 or weight_hp.shape[0] != layout.num_experts:
+        raise ValueError(
+            f"{name} must be [{layout.num_experts}, ...] (one matrix per expert), got "
+            f"{tuple(weight_hp.shape)}"
+        )
+    if layout.is_transposed:
+        weight_hp = weight_hp.transpose(-2, -1)
+    dtype = fp8_dtype(recipe.fp8_format)
+    pairs = [
+        quantize_weight(
+            weight_hp[e],
+            dtype,
+            recipe.weight_granularity.value,
+            recipe.block_size,
+            name=f"{name}[expert {e}]",
+            scale_method=recipe.weight_scale_method.value,
+        )
+        for e in range(weight_hp.shape[0])
+    ]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
 def _scale_shape(granularity: str, n: int, k: int, block_size: tuple[int, int]) -> tuple:
     if granularity == "tensor":
         return (1,)
@@ -348,31 +399,13 @@ class Fp8Experts(nn.Module):
         source_dtype = getattr(module, layout.up_name).dtype
         with torch.device("meta"):
             new = cls(layout, recipe, dtype=source_dtype)
-        w_dtype = fp8_dtype(recipe.fp8_format)
-        method = recipe.weight_scale_method.value
         prefix = f"{module_name}." if module_name else ""
         for proj in layout.projections:
-            weight_hp = getattr(module, proj).detach()
-            if layout.is_transposed:
-                weight_hp = weight_hp.transpose(-2, -1)
-            codes, scales = zip(
-                *(
-                    quantize_weight(
-                        weight_hp[e],
-                        w_dtype,
-                        new.weight_granularity,
-                        new.block_size,
-                        name=f"{prefix}{proj}[expert {e}]",
-                        scale_method=method,
-                    )
-                    for e in range(layout.num_experts)
-                ),
-                strict=True,
+            codes, scales = quantize_projection(
+                getattr(module, proj).detach(), layout, recipe, name=f"{prefix}{proj}"
             )
-            setattr(new, proj, nn.Parameter(torch.stack(codes), requires_grad=False))
-            setattr(
-                new, f"{proj}_weight_scale", nn.Parameter(torch.stack(scales), requires_grad=False)
-            )
+            setattr(new, proj, nn.Parameter(codes, requires_grad=False))
+            setattr(new, f"{proj}_weight_scale", nn.Parameter(scales, requires_grad=False))
             if layout.has_bias:
                 bias = getattr(module, f"{proj}_bias")
                 setattr(

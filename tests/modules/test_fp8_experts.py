@@ -19,6 +19,7 @@ from hf_fp8.modules.fp8_experts import (
     bytes_per_parameter,
     config_recipe,
     experts_layout,
+    quantize_projection,
     unsupported_reason,
 )
 from hf_fp8.numerics import dequantize, quantize_weight, quantize_with_scale
@@ -161,6 +162,22 @@ def test_each_expert_has_its_own_scales() -> None:
             32,
             24,
         )  # [E, out, in] (source: [E, in, out])
+
+
+def test_quantize_projection_names_the_expert() -> None:
+    """The load-time entry (a merged ``[E, ...]`` checkpoint tensor in the source layout)."""
+    source = build_tiny(FAMILIES["GptOssExperts"])
+    layout, recipe = experts_layout(source), Fp8Recipe.resolve()
+    codes, scales = quantize_projection(source.down_proj.detach(), layout, recipe)
+    fp8 = Fp8Experts.from_experts(source)
+    assert torch.equal(codes.view(torch.uint8), fp8.down_proj.view(torch.uint8))
+    assert torch.equal(scales, fp8.down_proj_weight_scale)
+    bad = source.down_proj.detach().clone()
+    bad[3, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.down_proj\[expert 3\]"):
+        quantize_projection(bad, layout, recipe, name="layers.1.mlp.experts.down_proj")
+    with pytest.raises(ValueError, match=r"must be \[6, \.\.\.\]"):
+        quantize_projection(bad[:2], layout, recipe)
 
 
 def test_only_routed_experts_compute(monkeypatch) -> None:
