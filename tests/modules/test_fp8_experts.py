@@ -8,6 +8,7 @@ numerics functions before multiplying by the dequantized weight.
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
@@ -258,6 +259,31 @@ def test_refusals_name_what_is_missing() -> None:
     source = build_tiny(FAMILIES["Qwen3MoeExperts"])
     source._is_expert_parallel = True
     assert "expert parallelism" in unsupported_reason(source)
+
+
+@pytest.mark.parametrize(
+    ("family", "cls_name", "config_name"),
+    [
+        ("dbrx", "DbrxExperts", "DbrxFFNConfig"),
+        ("longcat_flash", "LongcatFlashExperts", "LongcatFlashConfig"),
+    ],
+)
+def test_experts_outside_the_interface_are_refused(family, cls_name, config_name) -> None:
+    """Experts classes of 5.24 not built on use_experts_implementation (built on meta)."""
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    configuration = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
+    with torch.device("meta"):
+        module = getattr(modeling, cls_name)(getattr(configuration, config_name)())
+    assert experts_layout(module) is None
+    assert "not built on transformers.integrations.moe" in unsupported_reason(module)
+    with torch.device("meta"):
+        jetmoe = importlib.import_module("transformers.models.jetmoe.modeling_jetmoe")
+        assert "lacks the layout flags" in unsupported_reason(jetmoe.JetMoeParallelExperts(4, 8, 8))
+        step = importlib.import_module("transformers.models.step3p7.modeling_step3p7")
+        config = types.SimpleNamespace(
+            num_local_experts=4, hidden_size=8, moe_intermediate_size=4, hidden_act="silu"
+        )
+        assert "lacks the layout flags" in unsupported_reason(step.Step3p7Experts(config))
 
 
 def test_transformers_own_fp8_experts_are_refused() -> None:
