@@ -87,8 +87,11 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     # invalid ids sort past every real expert and are cut off below
     keys = torch.where(valid, flat, torch.full_like(flat, num_experts))
     sorted_ids, pair_index = torch.sort(keys, stable=True)
-    counts = torch.bincount(sorted_ids, minlength=num_experts + 1)[:num_experts]
-    counts_host = tuple(int(c) for c in counts.tolist())  # the one host sync
+    # row ranges from the sorted ids (bincount has no deterministic CUDA kernel)
+    bounds = torch.searchsorted(
+        sorted_ids, torch.arange(num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    )
+    counts_host = tuple(int(c) for c in bounds.diff().tolist())  # the one host sync
     routed = sum(counts_host)
     pair_index = pair_index[:routed]
     return Routing(

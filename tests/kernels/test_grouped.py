@@ -348,3 +348,12 @@ def test_per_expert_scaled_mm_meets_the_cuda_contract(monkeypatch, act, a_gran, 
     ref = grouped.grouped_fp8_linear(rows, routing, w_fp8, w_scale, bias, recipe=emulated,
                                      input_scale=scales)  # fmt: skip
     torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=2**-7)
+
+
+def test_route_under_deterministic_algorithms() -> None:
+    torch.use_deterministic_algorithms(True)
+    try:
+        routing = grouped.route(torch.tensor([[3, 0], [3, 5], [1, 3]]), 5)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert routing.counts == (1, 1, 0, 3, 0)
