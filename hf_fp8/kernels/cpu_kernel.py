@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from hf_fp8.numerics.formats import min_scale
+
 logger = logging.getLogger("hf_fp8")
 
 SOURCE = Path(__file__).parent / "csrc" / "fp8_gemv.c"
@@ -143,7 +145,7 @@ def _build(path: str) -> ctypes.CDLL:
     lib.fp8_gemv.argtypes += [i64, i64, i64, i64]
     lib.fp8_decode.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64]
     lib.fp8_quant_act.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, i64]
-    lib.fp8_quant_act.argtypes += [i64]
+    lib.fp8_quant_act.argtypes += [ctypes.c_float, i64]
     for fn in (
         lib.fp8_gemv,
         lib.fp8_decode,
@@ -152,6 +154,8 @@ def _build(path: str) -> ctypes.CDLL:
         lib.fp8_cpu_ok,
     ):
         fn.restype = ctypes.c_int
+    lib.fp8_epilogue.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64]
+    lib.fp8_epilogue.restype = ctypes.c_int
     lib.fp8_set_openmp.argtypes = [ptr]
     lib.fp8_set_openmp.restype = None
     gomp = _torch_openmp()
@@ -376,7 +380,7 @@ def quantize_activation(
     rc = lib.fp8_quant_act(
         x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, GRANULARITIES[gran], bk,
         FORMATS[act_dtype], scale.data_ptr(), int(input_scale is not None), out.data_ptr(),
-        _OUT[out_dtype], int(post), torch.get_num_threads(),
+        _OUT[out_dtype], int(post), min_scale(), torch.get_num_threads(),
     )  # fmt: skip
     _check(rc == 0, f"fp8_quant_act failed with code {rc}")
     return out, (scale if post else None)
@@ -385,16 +389,22 @@ def quantize_activation(
 def _fp8_mm_impl(
     a: torch.Tensor,
     w: torch.Tensor,
-    w_scale: torch.Tensor | None,
+    w_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     w_gran: str,
     bn: int,
     bk: int,
+    w_post: bool,
     path: str,
 ) -> torch.Tensor:
-    """``F.linear(a, decode(w, w_scale), bias)`` in ``a.dtype``, decoded tile by tile."""
+    """The emulation's decode + matmul, tile by tile: ``F.linear(a, decode(w, w_scale),
+    bias)`` (scales folded), or with ``w_post`` and/or ``a_scale`` the unscaled product in
+    ``a.dtype`` followed by the emulation's epilogue (scales and bias in fp32, one rounding)."""
     n, k = w.shape
     _check(a.dim() == 2 and a.shape[1] == k, f"activation {tuple(a.shape)} vs K={k}")
+    epilogue = w_post or a_scale is not None
+    _check(not epilogue or a.dtype == torch.bfloat16, "scales after the matmul need bf16")
     rows = max(16, min(n, TILE_BYTES // (k * a.element_size()) // 16 * 16))
     # out.T tile by tile: each tile's product lands in contiguous rows, with no copy (every
     # parallel region costs a barrier, and a stall when another process holds a core)
@@ -403,12 +413,38 @@ def _fp8_mm_impl(
     a_t = a.t()
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        tile = decode(w, w_scale, w_gran, (bn, bk), a.dtype, rows=(r0, r1), out=buf, path=path)
-        if bias is None:
+        scale = None if w_post else w_scale
+        tile = decode(w, scale, w_gran, (bn, bk), a.dtype, rows=(r0, r1), out=buf, path=path)
+        if bias is None or epilogue:
             torch.mm(tile, a_t, out=out_t[r0:r1])
         else:
             torch.addmm(bias[r0:r1, None], tile, a_t, out=out_t[r0:r1])
-    return out_t.t().contiguous()
+    if a.dtype != torch.bfloat16:
+        return out_t.t().contiguous()
+    # the epilogue (or a plain transpose) in C: one pass instead of five eager ones
+    lib = library(path)
+    _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
+    ws = w_scale if w_post else None
+    b = bias if epilogue else None
+    for t, name, want in (
+        (a_scale, "activation scale", (1, a.shape[0])),
+        (ws, "weight scale", (1, n)),
+    ):
+        _check(
+            t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.numel() in want),
+            f"{name} must be float32 with {want} values",
+        )
+    _check(
+        b is None or (b.dtype == torch.bfloat16 and b.is_contiguous() and b.numel() == n),
+        f"bias must be {n} contiguous bf16 values",
+    )
+    out = torch.empty(a.shape[0], n, dtype=torch.bfloat16)
+    rc = lib.fp8_epilogue(
+        out_t.data_ptr(), a.shape[0], n, _ptr(a_scale), 0 if a_scale is None else a_scale.numel(),
+        _ptr(ws), 0 if ws is None else ws.numel(), _ptr(b), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    _check(rc == 0, f"fp8_epilogue failed with code {rc}")
+    return out
 
 
 @torch.library.custom_op("hf_fp8::cpu_gemv", mutates_args=())
@@ -438,17 +474,19 @@ def _(a, w, w_scale, a_scale, bias, w_gran, bn, bk, a_gran, out_dtype, path):
 def cpu_fp8_mm(
     a: torch.Tensor,
     w: torch.Tensor,
-    w_scale: torch.Tensor | None,
+    w_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     w_gran: str,
     bn: int,
     bk: int,
+    w_post: bool,
     path: str,
 ) -> torch.Tensor:
-    """``F.linear(a, decode(w, w_scale), bias)``; ``w_scale=None``: unscaled fp8 values."""
-    return _fp8_mm_impl(a, w, w_scale, bias, w_gran, bn, bk, path)
+    """The emulation's decode + matmul (+ epilogue) for many tokens (see ``_fp8_mm_impl``)."""
+    return _fp8_mm_impl(a, w, w_scale, a_scale, bias, w_gran, bn, bk, w_post, path)
 
 
 @cpu_fp8_mm.register_fake
-def _(a, w, w_scale, bias, w_gran, bn, bk, path):
+def _(a, w, w_scale, a_scale, bias, w_gran, bn, bk, w_post, path):
     return a.new_empty(a.shape[0], w.shape[0])

@@ -71,10 +71,11 @@ def linear(
         a, a_scale = _quantize_act(x, input_scale, act_dtype, a_gran, bk, dtype, a_post, path)
         a = a.contiguous()
     b = None if bias is None else bias.detach().contiguous()
-    if not (w_post or a_post):
-        return cpu_kernel.cpu_fp8_mm(a, w_fp8, w_scale, b, w_gran, bn, bk, path)
-    acc = cpu_kernel.cpu_fp8_mm(a, w_fp8, None if w_post else w_scale, None, w_gran, bn, bk, path)
-    return _emu._epilogue(acc.float(), a_scale, w_scale if w_post else None, b, dtype)
+    if a_scale is not None:
+        a_scale = a_scale.float().reshape(-1).contiguous()
+    return cpu_kernel.cpu_fp8_mm(
+        a, w_fp8, w_scale, a_scale if a_post else None, b, w_gran, bn, bk, w_post, path
+    )
 
 
 def _quantize_act(

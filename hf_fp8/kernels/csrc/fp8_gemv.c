@@ -683,7 +683,8 @@ int fp8_decode(const uint8_t *w, int64_t rows, int64_t K, int64_t row0, const fl
 
 /* ---------------------------------------------------------------- activation quantization */
 /* hf_fp8.numerics, operation by operation: amax of the finite |x| (per tensor, token or
- * 1 x bk block), scale = max(amax, 1e-12f) / fp8_max, q = RNE_fp8(clamp(x / scale, +-max))
+ * 1 x bk block), scale = max(amax / fp8_max, floor) (floor: numerics.min_scale()),
+ * q = RNE_fp8(clamp(x / scale, +-max))
  * (NaN for a non-finite x); out = q (post) or q * scale rounded once (block: folded). */
 typedef struct {
     const void *x;       /* [M, K] fp32 or bf16 */
@@ -691,6 +692,7 @@ typedef struct {
     void *out;           /* [M, K] fp32 or bf16 */
     int64_t M, K, bk, n0, n1;
     int x_bf16, gran, fmt, out_kind, post, phase, given;
+    float floor;
 } quant_t;
 
 AI float load_x(const quant_t *q, int64_t i) {
@@ -730,7 +732,7 @@ static void *quant_worker(void *arg) {
                     amax = (v <= FLT_MAX && v > amax) ? v : amax; /* skips NaN and inf */
                 }
                 if (q->gran == GRAN_TENSOR) ((float *)q->out)[m] = amax;
-                else *sp = (amax > 1e-12f ? amax : 1e-12f) / fmax;
+                else *sp = amax / fmax < q->floor ? q->floor : amax / fmax;
                 continue;
             }
             float scale = *sp;
@@ -756,11 +758,11 @@ static void quant_range(void *p, int64_t n0, int64_t n1) {
  * `out` (>= M floats of scratch) before the second pass overwrites it. */
 int fp8_quant_act(const void *x, int64_t x_bf16, int64_t M, int64_t K, int64_t gran,
                   int64_t bk, int64_t fmt, float *scale, int64_t given, void *out,
-                  int64_t out_kind, int64_t post, int64_t nthreads) {
+                  int64_t out_kind, int64_t post, float floor, int64_t nthreads) {
     if (M < 1 || K < 1 || bk < 1 || (fmt != 0 && fmt != 1) || gran < 0 || gran > 2) return -1;
     if (gran == GRAN_TENSOR && !given && out_kind != OUT_F32 && K < 2) return -1;
     quant_t q = {x, scale, out, M, K, bk, 0, M, (int)x_bf16, (int)gran, (int)fmt,
-                 (int)out_kind, (int)post, 0, (int)given};
+                 (int)out_kind, (int)post, 0, (int)given, floor};
     int64_t useful = (M * K) / 65536;
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
     if (!given) {
@@ -770,11 +772,57 @@ int fp8_quant_act(const void *x, int64_t x_bf16, int64_t M, int64_t K, int64_t g
         if (gran == GRAN_TENSOR) {
             float amax = 0.0f;
             for (int64_t m = 0; m < M; ++m) amax = rowmax[m] > amax ? rowmax[m] : amax;
-            scale[0] = (amax > 1e-12f ? amax : 1e-12f) / (fmt == FMT_E4M3 ? 448.0f : 57344.0f);
+            float s = amax / (fmt == FMT_E4M3 ? 448.0f : 57344.0f);
+            scale[0] = s < floor ? floor : s;
         }
     }
     q.phase = 1;
     return run_split(quant_worker, &q, sizeof q, M, nthreads, quant_range);
+}
+
+/* ---------------------------------------------------------------- matmul epilogue */
+/* The emulation's epilogue on a transposed bf16 product acc_t [N, M]:
+ *   out[m, n] = bf16(((float(acc_t[n, m]) * a_scale[m]) * w_scale[n]) + float(bias[n]))
+ * (a_scale / w_scale / bias optional; a_scale [1] or [M], w_scale [1] or [N]). */
+typedef struct {
+    const uint16_t *acc_t, *bias;
+    const float *as, *ws;
+    uint16_t *out;
+    int64_t M, N, n0, n1, as_n, ws_n;
+} epi_t;
+
+static void *epi_worker(void *arg) {
+    const epi_t *e = (const epi_t *)arg;
+    for (int64_t b0 = e->n0 * 32; b0 < e->n1 * 32 && b0 < e->N; b0 += 32) {
+        int64_t b1 = b0 + 32 < e->N ? b0 + 32 : e->N;
+        for (int64_t m = 0; m < e->M; ++m) {
+            float am = e->as ? e->as[e->as_n == 1 ? 0 : m] : 1.0f;
+            for (int64_t n = b0; n < b1; ++n) {
+                float v = bf16_bits_to_f32(e->acc_t[n * e->M + m]);
+                if (e->as) v = v * am;
+                if (e->ws) v = v * e->ws[e->ws_n == 1 ? 0 : n];
+                if (e->bias) v = v + bf16_bits_to_f32(e->bias[n]);
+                e->out[m * e->N + n] = f32_to_bf16(v);
+            }
+        }
+    }
+    return NULL;
+}
+
+static void epi_range(void *p, int64_t n0, int64_t n1) {
+    ((epi_t *)p)->n0 = n0;
+    ((epi_t *)p)->n1 = n1;
+}
+
+int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, int64_t as_n,
+                 const float *ws, int64_t ws_n, const uint16_t *bias, uint16_t *out,
+                 int64_t nthreads) {
+    if (M < 1 || N < 1 || (as && as_n != 1 && as_n != M) || (ws && ws_n != 1 && ws_n != N))
+        return -1;
+    epi_t e = {acc_t, bias, as, ws, out, M, N, 0, 0, as_n, ws_n};
+    int64_t blocks = (N + 31) / 32, useful = (M * N) / 65536;
+    if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
+    return run_split(epi_worker, &e, sizeof e, blocks, nthreads, epi_range);
 }
 
 /* The path this library was built for (checked by the loader). */
