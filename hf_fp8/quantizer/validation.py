@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
+from typing import Any
 
+import torch
 from torch import nn
 
 from hf_fp8.modules import Fp8Linear
@@ -28,6 +30,49 @@ from hf_fp8.numerics.checks import (
 
 # Tensors of an Fp8Linear that a checkpoint stores in fp8 / fp32 and that must arrive uncast.
 FP8_LINEAR_TENSORS = ("weight", "weight_scale", "input_scale")
+
+_SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def check_stored_tensor(key: str, stored: Any, *, fp8_dtype: torch.dtype) -> None:
+    """Check one checkpoint tensor of an ``Fp8Linear`` before the loader reads it.
+
+    ``stored`` is what transformers' loader holds: a lazy safetensors slice (``get_dtype``,
+    ``get_shape``) or a tensor. The fp8 weight's dtype is checked from the header (its bytes
+    are not read); a scale (a few bytes) is read and checked for dtype and values, against
+    the widest compute dtype's bound. This also covers disk-offloaded layers, whose tensors
+    never reach the module; everything that does is checked again, exactly, after loading.
+    """
+    if hasattr(stored, "get_dtype"):
+        name = str(stored.get_dtype())
+        dtype = _SAFETENSORS_DTYPES.get(name)
+        if dtype is None:
+            raise CheckpointTensorError(
+                f"{key}: stored as {name}, a dtype hf_fp8 never writes; re-export the "
+                "checkpoint with hf_fp8 (save_pretrained)"
+            )
+        shape = tuple(stored.get_shape())
+    else:
+        dtype, shape = stored.dtype, tuple(stored.shape)
+    if key.rpartition(".")[2] == "weight":
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        check_fp8_tensor(key, meta, dtype=fp8_dtype, shape=None)
+        return
+    value = stored[...] if hasattr(stored, "get_dtype") else stored
+    check_scale_tensor(key, value, max_value=max_scale(fp8_dtype, torch.float32))
 
 
 def check_fp8_linear(name: str, module: Fp8Linear, *, check_values: bool = True) -> None:
