@@ -21,7 +21,11 @@ from hf_fp8.modules import (
 from hf_fp8.modules.replace import linear_shape
 from hf_fp8.numerics import fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.checks import CheckpointTensorError
-from hf_fp8.quantizer.validation import FP8_LINEAR_TENSORS, validate_loaded_model
+from hf_fp8.quantizer.validation import (
+    FP8_LINEAR_TENSORS,
+    check_stored_tensor,
+    validate_loaded_model,
+)
 
 _FP8_PARAMS = ("weight", "weight_scale")
 
@@ -155,6 +159,7 @@ class Fp8HfQuantizer(HfQuantizer):
                 recipe=config.recipe,
             )
             swapped[id(module)] = new
+            new.__dict__["fp8_name"] = name  # named in warnings
             if static_pre_quantized:
                 new.input_scale = nn.Parameter(
                     torch.empty(1, dtype=torch.float32, device="meta"), requires_grad=False
@@ -206,8 +211,13 @@ class Fp8HfQuantizer(HfQuantizer):
         weight into fp8 codes, an fp16 scale into fp32, fp8 codes into an ``nn.Linear``.
         Uncast, each is caught by the checks after loading, with its name.
         """
-        targets = getattr(converter, "target_patterns", None) or ()
-        if _is_fp8_on_disk(param) or any(t in self.fp8_tensor_names for t in targets):
+        targets = [t for t in getattr(converter, "target_patterns", None) or () if t]
+        ours = [t for t in targets if t in self.fp8_tensor_names]
+        for key in ours:  # before anything is read or offloaded to disk
+            check_stored_tensor(
+                key, param, fp8_dtype=fp8_dtype(self.quantization_config.fp8_format)
+            )
+        if ours or _is_fp8_on_disk(param):
             return None
         return super().get_new_dtype(converter, param, dtype)
 

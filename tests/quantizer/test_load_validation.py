@@ -215,3 +215,32 @@ def test_input_scale_of_an_all_zero_calibration_warns_at_load(fp8_dirs, tmp_path
     path = _corrupt(fp8_dirs["static"], tmp_path / "ckpt", tiny)
     with pytest.warns(UserWarning, match=rf"1 static layer.*{re.escape(LAYER)}.*re-calibrate"):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "fn", "pattern"),
+    [
+        ("weight_scale", _first_row(float("nan")), "non-finite"),
+        ("weight_scale", lambda t: t.to(torch.float16), "must be float32"),
+        ("weight", lambda t: t.float().to(torch.float8_e5m2), "stored as fp8 e5m2"),
+    ],
+)
+def test_disk_offloaded_layers_are_checked_too(tensor, fn, pattern, fp8_dirs, tmp_path):
+    # offloaded tensors never reach the module (they stay on meta until a forward reads them)
+    layer = "model.layers.1.self_attn.q_proj"
+    path = _corrupt(fp8_dirs["dynamic"], tmp_path / "ckpt", _set(f"{layer}.{tensor}", fn))
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    _expect_error(
+        path,
+        f"{layer}.{tensor}",
+        f": .*{pattern}",
+        device_map=device_map,
+        offload_folder=str(tmp_path / "offload"),
+    )
