@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_fp8.recipe import (
+    DEFAULT_BLOCK_SIZE,
     ActivationGranularity,
     ActivationScheme,
     Fp8Format,
@@ -402,9 +403,10 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         "--block-size",
         type=int,
         nargs=2,
-        default=[128, 128],
+        default=list(DEFAULT_BLOCK_SIZE),
         metavar=("ROWS", "COLS"),
-        help="block shape for --weight-granularity block / --activation-granularity block",
+        help="block shape for --weight-granularity block / --activation-granularity block "
+        f"(default {DEFAULT_BLOCK_SIZE[0]} {DEFAULT_BLOCK_SIZE[1]})",
     )
     p.add_argument(
         "--skip",
