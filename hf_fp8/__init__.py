@@ -24,7 +24,7 @@ _LAZY = {
     "Fp8HfQuantizer": "hf_fp8.quantizer",
     "Fp8Linear": "hf_fp8.modules",
     "calibrate": "hf_fp8.calibration",
-    "export": "hf_fp8.hub",
+    "export": "hf_fp8.serialization",
     "import_checkpoint": "hf_fp8.serialization",
     "inspect_checkpoint": "hf_fp8.serialization",
     "quantize_model": "hf_fp8.quantizer",
@@ -53,11 +53,11 @@ __all__ = [
 if TYPE_CHECKING:
     from hf_fp8.calibration import calibrate
     from hf_fp8.config import Fp8Config
-    from hf_fp8.hub import export, set_card_info
+    from hf_fp8.hub import set_card_info
     from hf_fp8.modules import Fp8Linear
     from hf_fp8.optim import AdamWFp8
     from hf_fp8.quantizer import Fp8HfQuantizer, quantize_model
-    from hf_fp8.serialization import import_checkpoint, inspect_checkpoint
+    from hf_fp8.serialization import export, import_checkpoint, inspect_checkpoint
 
 
 def __getattr__(name: str) -> Any:

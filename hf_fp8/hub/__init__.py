@@ -1,16 +1,14 @@
-"""Sharing: model cards (``hub/templates/``), uploads, export with a card."""
+"""Sharing: model cards (``hub/templates/``) and uploads. Export lives in ``hf_fp8.serialization``."""
 
 from hf_fp8.hub.card import read_card_info, render_model_card, write_model_card
 from hf_fp8.hub.card_info import CardInfo, info_from_model, info_from_summary
 from hf_fp8.hub.hooks import attach_card_hooks, set_card_info
 from hf_fp8.hub.push import card_for_folder, push_folder
-from hf_fp8.hub.sharing import export
 
 __all__ = [
     "CardInfo",
     "attach_card_hooks",
     "card_for_folder",
-    "export",
     "info_from_model",
     "info_from_summary",
     "push_folder",
