@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from hf_fp8.kernels import LinearPlan, fp8_linear
-from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
+from hf_fp8.modules.saturation import SaturationCounter
+from hf_fp8.numerics import dequantize, fp8_dtype, fp8_max, is_fp8, quantize_weight
+from hf_fp8.numerics.checks import check_fp8_tensor, check_scale_tensor, max_scale
 from hf_fp8.recipe import ActivationGranularity, Fp8Recipe, Granularity, values
 
 if TYPE_CHECKING:
@@ -235,9 +237,14 @@ class Fp8Linear(nn.Linear):
             )
         if input_scale is not None:
             new.set_input_scale(input_scale)
+        if module_name:
+            new.__dict__["fp8_name"] = module_name  # named in warnings
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        scale = self.input_scale
+        if scale is not None and self._plan.static and not torch.compiler.is_compiling():
+            self._count_saturation(input, scale)
         bias = self.bias
         if bias is not None and bias.dtype != input.dtype and input.is_floating_point():
             bias = bias.to(input.dtype)
@@ -245,6 +252,20 @@ class Fp8Linear(nn.Linear):
             input, self.weight, self.weight_scale, bias, plan=self._plan,
             input_scale=self.input_scale,
         )  # fmt: skip
+
+    def _count_saturation(self, x: torch.Tensor, scale: torch.Tensor) -> None:
+        """Eager only: count the activations the static scale clips (one warning when often)."""
+        counter = self.__dict__.get("_saturation")
+        if counter is None:
+            counter = self.__dict__["_saturation"] = SaturationCounter()
+        if not (x.is_floating_point() and x.shape[-1:] == self.weight.shape[-1:]):
+            return  # fp8_linear raises its own error for these
+        counter.update(x, scale, fp8_max(self.weight.dtype), self.__dict__.get("fp8_name", ""))
+
+    def saturation_fraction(self) -> float:
+        """Fraction of the activations this static layer clipped so far (eager calls)."""
+        counter = self.__dict__.get("_saturation")
+        return 0.0 if counter is None else counter.fraction()
 
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(
@@ -278,6 +299,28 @@ class Fp8Linear(nn.Linear):
         self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
         return super()._apply(keep_storage_dtype, recurse)
 
+    def _check_state(self, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
+        """The checks of a checkpoint load (hf_fp8.numerics.checks), on ``load_state_dict``
+        too: fp8 dtype and shape of the weight, float32 / finite / positive / bounded scales
+        of the right shape. The weight's codes are not scanned here (one pass per byte)."""
+        dtype = fp8_dtype(self.fp8_format)
+        bound = max_scale(dtype, self.compute_dtype)
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None:
+            shape = (self.out_features, self.in_features)
+            check_fp8_tensor(
+                prefix + "weight", weight, dtype=dtype, shape=shape, check_values=False
+            )
+        scale = state_dict.get(prefix + "weight_scale")
+        if scale is not None:
+            shape = weight_scale_shape(
+                self.out_features, self.in_features, self.weight_granularity, self.block_size
+            )
+            check_scale_tensor(prefix + "weight_scale", scale, shape=shape, max_value=bound)
+        scale = state_dict.get(prefix + "input_scale")
+        if scale is not None:
+            check_scale_tensor(prefix + "input_scale", scale, shape=(1,), max_value=bound)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         weight = state_dict.get(prefix + "weight")
         if weight is not None and not is_fp8(weight.dtype):
@@ -285,6 +328,7 @@ class Fp8Linear(nn.Linear):
                 f"{prefix}weight is {weight.dtype}, not fp8: this is a high-precision state "
                 "dict; quantize it with Fp8Linear.from_linear or hf_fp8.quantize_model instead"
             )
+        self._check_state(state_dict, prefix)
         for name in ("weight_scale", "input_scale"):
             scale = state_dict.get(prefix + name)
             if scale is not None and scale.dim() == 0:  # AutoFP8 / vLLM "fp8" scalar scales

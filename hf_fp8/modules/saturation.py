@@ -1,0 +1,61 @@
+"""A cheap saturation counter for static FP8 layers (issue 12 §6).
+
+A static ``input_scale`` that is too small clips every activation above
+``input_scale * fp8_max`` to ±max without a word. Each eager forward of a static layer adds
+the number of clipped elements to a device tensor (no host sync); every
+``SaturationCounter.check_every`` calls one sync reads it, and when more than
+``SaturationCounter.warn_fraction`` of the activations seen were clipped, one warning per
+layer names it. Under ``torch.compile`` nothing is counted (no graph break, no extra work).
+Set ``SaturationCounter.check_every = 0`` to switch it off.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+class SaturationCounter:
+    """Counts the activations a static layer clips; warns once when they are too many."""
+
+    check_every = 64  # calls between two host reads of the counter (0: counting off)
+    warn_fraction = 1e-3  # a percentile calibration clips ~1e-4 on purpose
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.elements = 0
+        self.clipped: torch.Tensor | None = None  # int64 on the activations' device
+        self.warned = False
+
+    def update(self, x: torch.Tensor, input_scale: torch.Tensor, fp8_max: float, name: str) -> None:
+        if self.warned or not self.check_every or x.numel() == 0:
+            return
+        limit = input_scale.detach().float() * fp8_max
+        clipped = (x.detach().float().abs() > limit).sum()
+        if self.clipped is None or self.clipped.device != clipped.device:
+            self.clipped = torch.zeros((), dtype=torch.int64, device=clipped.device)
+        self.clipped += clipped
+        self.elements += x.numel()
+        self.calls += 1
+        if self.calls % self.check_every == 0:
+            self.check(name, float(input_scale.detach().float().max()))
+
+    def fraction(self) -> float:
+        """Fraction of the activations seen that were clipped (one host sync)."""
+        if self.clipped is None or not self.elements:
+            return 0.0
+        return int(self.clipped) / self.elements
+
+    def check(self, name: str, scale: float) -> None:
+        fraction = self.fraction()
+        if fraction > self.warn_fraction:
+            self.warned = True
+            warnings.warn(
+                f"hf_fp8: static FP8 layer {name or '(unnamed)'} clipped {fraction:.2%} of its "
+                f"activations over {self.calls} calls (input_scale={scale:.3g} is too small "
+                "for the data): re-calibrate with hf_fp8.calibrate on representative batches, "
+                "or use activation_scheme='dynamic'",
+                RuntimeWarning,
+                stacklevel=4,
+            )
