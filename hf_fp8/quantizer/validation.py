@@ -48,7 +48,10 @@ _SAFETENSORS_DTYPES = {
 
 
 def check_stored_tensor(key: str, stored: Any, *, fp8_dtype: torch.dtype) -> None:
-    """Check one checkpoint tensor of an ``Fp8Linear`` before the loader reads it.
+    """Check one checkpoint tensor of an FP8 module before the loader reads it.
+
+    ``key`` ends with ``_scale`` for a scale (``weight_scale``, ``input_scale``,
+    ``<proj>_weight_scale``); anything else holds fp8 codes.
 
     ``stored`` is what transformers' loader holds: a lazy safetensors slice (``get_dtype``,
     ``get_shape``) or a tensor. The fp8 weight's dtype is checked from the header (its bytes
@@ -67,7 +70,7 @@ def check_stored_tensor(key: str, stored: Any, *, fp8_dtype: torch.dtype) -> Non
         shape = tuple(stored.get_shape())
     else:
         dtype, shape = stored.dtype, tuple(stored.shape)
-    if key.rpartition(".")[2] == "weight":
+    if not key.endswith("_scale"):  # fp8 codes: Fp8Linear "weight", Fp8Experts "<proj>"
         meta = torch.empty(shape, dtype=dtype, device="meta")
         check_fp8_tensor(key, meta, dtype=fp8_dtype, shape=None)
         return

@@ -193,10 +193,6 @@ def test_valid_checkpoints_still_load_exactly(scheme, dtype, fp8_dirs):
     assert torch.isfinite(model_output(model, model_inputs("llama"))).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs Fp8Linear._load_from_state_dict to call hf_fp8.numerics.checks (HB report)",
-)
 @pytest.mark.parametrize("case", ["nan", "x1e30", "int32"])
 def test_load_state_dict_runs_the_same_checks(case, fp8_dirs):
     model = AutoModelForCausalLM.from_pretrained(fp8_dirs["dynamic"])

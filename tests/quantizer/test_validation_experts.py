@@ -51,3 +51,15 @@ def test_static_expert_input_scale_is_checked():
     model.experts.down_proj_input_scale.data[1] = 0.0
     with pytest.raises(CheckpointTensorError, match=r"experts\.down_proj_input_scale: .*> 0"):
         validate_loaded_model(model)
+
+
+def test_stored_expert_tensors_are_checked_before_loading():
+    from hf_fp8.quantizer.validation import check_stored_tensor
+
+    e4m3 = torch.float8_e4m3fn
+    check_stored_tensor("experts.down_proj", torch.zeros(2, 4, 4, dtype=e4m3), fp8_dtype=e4m3)
+    check_stored_tensor("experts.down_proj_weight_scale", torch.ones(2, 4, 1), fp8_dtype=e4m3)
+    with pytest.raises(CheckpointTensorError, match=r"experts\.down_proj: expected fp8 e4m3"):
+        check_stored_tensor("experts.down_proj", torch.zeros(2, 4, 4), fp8_dtype=e4m3)
+    with pytest.raises(CheckpointTensorError, match=r"down_proj_input_scale: .*> 0"):
+        check_stored_tensor("experts.down_proj_input_scale", torch.zeros(2), fp8_dtype=e4m3)
