@@ -144,6 +144,6 @@ def check_scale_tensor(
             raise CheckpointTensorError(
                 f"{name}: scale {high:g} exceeds the sane bound {max_value:g}: it dequantizes "
                 "to magnitudes past min(the compute dtype's max, 2**64), which overflow in the "
-                f"matmul; {_FIX}"
+                f"matmul; {_FIX} (with a float16 compute dtype, load with dtype=torch.bfloat16)"
             )
     return t

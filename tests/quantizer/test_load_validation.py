@@ -240,3 +240,13 @@ def test_disk_offloaded_layers_are_checked_too(tensor, fn, pattern, fp8_dirs, tm
         device_map=device_map,
         offload_folder=str(tmp_path / "offload"),
     )
+
+
+def test_float16_compute_dtype_bounds_the_scales(fp8_dirs, tmp_path):
+    # a weight of magnitude 1e5 dequantizes to inf in float16 (max 65504), not in bfloat16
+    key = f"{LAYER}.weight_scale"
+    big = _set(key, lambda t: torch.full_like(t, 1e5 / 448))
+    path = _corrupt(fp8_dirs["dynamic"], tmp_path / "ckpt", big)
+    _expect_error(path, key, r": .*exceeds.*dtype=torch.bfloat16", dtype=torch.float16)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert float(model.get_submodule(LAYER).weight_scale.max()) == pytest.approx(1e5 / 448)
