@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_fp8 import Fp8Config, Fp8Linear
 from hf_fp8.numerics.checks import CheckpointTensorError
-from tests.tiny_models import model_inputs, model_output
+from tests.tiny_models import TINY, model_inputs, model_output
 
 LAYER = "model.layers.0.self_attn.q_proj"
 
@@ -250,3 +250,20 @@ def test_float16_compute_dtype_bounds_the_scales(fp8_dirs, tmp_path):
     _expect_error(path, key, r": .*exceeds.*dtype=torch.bfloat16", dtype=torch.float16)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     assert float(model.get_submodule(LAYER).weight_scale.max()) == pytest.approx(1e5 / 448)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "t5"])
+def test_every_family_is_checked(family, tiny_model_dir, tmp_path):
+
+    model_cls = TINY[family][1]
+    model = model_cls.from_pretrained(
+        tiny_model_dir(family), quantization_config=Fp8Config("dynamic")
+    )
+    model.save_pretrained(tmp_path / "fp8")
+    name = next(n for n, m in model.named_modules() if isinstance(m, Fp8Linear))
+    key = f"{name}.weight_scale"
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    stored_key = next(k for k in stored if k.endswith(key))  # the file may add a prefix
+    path = _corrupt(str(tmp_path / "fp8"), tmp_path / "ckpt", _set(stored_key, torch.neg))
+    with pytest.raises(CheckpointTensorError, match=re.escape(key) + ": .*must be > 0"):
+        model_cls.from_pretrained(path)
