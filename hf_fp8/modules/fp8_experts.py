@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -219,6 +220,76 @@ def unsupported_reason(module: nn.Module) -> str | None:
     if "__class__" in getattr(layout.source_class._apply_gate, "__code__", object).co_freevars:
         return f"{name}._apply_gate calls super(), which cannot run on Fp8Experts"
     return None
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """An MoE experts module with fused 3-D weights: built on transformers' experts
+    decorator, or a class named ``*Experts`` holding a 3-D parameter of its own."""
+    if isinstance(module, Fp8Experts) or experts_layout(module) is not None:
+        return True
+    return type(module).__name__.endswith("Experts") and any(
+        p.dim() == 3 for _, p in module.named_parameters(recurse=False)
+    )
+
+
+def experts_keep_reason(
+    module: nn.Module,
+    name: str,
+    *,
+    skip: Sequence[str] = (),
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> str | None:
+    """The *experts* rule of ``hf_fp8.modules.selection``: why the experts module ``module``
+    (called ``name``) stays as it is, or ``None`` when it becomes an ``Fp8Experts``. Not an
+    experts module: ``"not an experts module"``; one that cannot convert: its
+    :func:`unsupported_reason` (kept in high precision, named on the card)."""
+    from hf_fp8.modules.selection import matches_module
+
+    if not is_experts_module(module):
+        return "not an experts module"
+    reason = unsupported_reason(module)
+    if reason is not None:
+        return reason
+    if matches_module(name, skip):
+        return "named in modules_to_not_convert / skip"
+    if module_filter_fn is not None and not module_filter_fn(module, name):
+        return "module_filter_fn returned False"
+    return None
+
+
+def convertible_experts(
+    model: nn.Module,
+    *,
+    skip: Sequence[str] = (),
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> list[tuple[str, nn.Module, nn.Module]]:
+    """``(name, module, parent)`` of every experts module of ``model`` that converts to
+    ``Fp8Experts`` (once per parent when shared), in module order."""
+    found = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if is_experts_module(child):
+                if (
+                    experts_keep_reason(child, name, skip=skip, module_filter_fn=module_filter_fn)
+                    is None
+                ):
+                    found.append((name, child, module))
+                continue
+            walk(child, name)
+
+    walk(model, "")
+    return found
+
+
+def unconverted_experts(model: nn.Module) -> dict[str, str]:
+    """Experts modules of ``model`` that are not FP8, with the reason (for cards / inspect)."""
+    return {
+        name: unsupported_reason(m) or "kept in high precision (modules_to_not_convert)"
+        for name, m in model.named_modules()
+        if is_experts_module(m) and not isinstance(m, Fp8Experts)
+    }
 
 
 def _plain_attributes(module: nn.Module) -> dict[str, Any]:
