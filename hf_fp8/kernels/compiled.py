@@ -10,7 +10,9 @@ running several recipes would otherwise reach without a word.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 import types
 import warnings
 from collections.abc import Callable, Hashable
@@ -19,6 +21,9 @@ from typing import Any
 import torch
 
 _FAILED: set[Hashable] = set()
+_SEEN: set[Hashable] = set()
+_SEEN_SLOW: list[float] = []
+logger = logging.getLogger("hf_fp8")
 
 
 def compile_enabled() -> bool:
@@ -71,7 +76,22 @@ def run(fn: Callable, *args: Any, **static: Hashable) -> Any:
     # never need autograd here (the FP8 autograd Function runs its forward without grad).
     args = tuple(a.detach().contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     try:
-        return _compiled(fn, key)(*args, **static)
+        if key in _SEEN:
+            return _compiled(fn, key)(*args, **static)
+        start = time.perf_counter()
+        out = _compiled(fn, key)(*args, **static)
+        _SEEN.add(key)
+        seconds = time.perf_counter() - start
+        if seconds > 1.0 and not _SEEN_SLOW:  # the slow first call: say so, once
+            _SEEN_SLOW.append(seconds)
+            logger.warning(
+                "hf_fp8: inductor compiled the FP8 emulation (%s) in %.1f s on its first call; "
+                "other recipes compile on their first call too, new shapes do not. "
+                "HF_FP8_COMPILE=0 skips compiling (slower eager emulation)",
+                fn.__name__,
+                seconds,
+            )
+        return out
     except Exception as err:
         # Bad inputs fail eagerly too and raise from here; only a compiler failure
         # (no C++ compiler, an inductor bug) turns compilation off for this configuration.

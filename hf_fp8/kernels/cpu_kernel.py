@@ -25,6 +25,7 @@ them in one graph.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -138,8 +139,14 @@ def _build(path: str) -> ctypes.CDLL:
         cflags=_PATH_CFLAGS[path],
     )
     seconds = time.perf_counter() - start
-    if seconds > 0.3:  # a compile, not a cache hit: say so once
-        logger.info("hf_fp8: built the CPU FP8 kernel (%s path) in %.1f s; cached", path, seconds)
+    if seconds > 0.3:  # a compile, not a cache hit: say so, once
+        log = logger.warning if seconds > 1.0 else logger.info
+        log(
+            "hf_fp8: built the CPU FP8 kernel (%s path) in %.1f s; this happens once per "
+            "machine (cached in $HF_FP8_CACHE or ~/.cache/hf_fp8)",
+            path,
+            seconds,
+        )
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.fp8_gemv.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr]
     lib.fp8_gemv.argtypes += [i64, i64, i64, i64]
@@ -225,6 +232,25 @@ def _choose_path() -> str | None:
             stacklevel=3,
         )
     return None
+
+
+_PREBUILD: list[threading.Thread] = []
+
+
+def prebuild() -> threading.Thread | None:
+    """Build (or load) the CPU kernel in a background thread, so that a model loaded for
+    CPU inference finds it ready at its first forward. Idempotent; returns the thread."""
+    with _LOCK:
+        if not _PREBUILD:
+
+            def body() -> None:
+                with contextlib.suppress(ValueError):  # a bad HF_FP8_CPU_KERNEL: said later
+                    active_path()
+
+            thread = threading.Thread(target=body, name="hf_fp8-cpu-kernel-build", daemon=True)
+            _PREBUILD.append(thread)
+            thread.start()
+        return _PREBUILD[0]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
