@@ -31,13 +31,30 @@ def _weight(n=24, k=40, gran="row", dtype=E4M3):
 
 
 def test_kernel_names() -> None:
-    assert KERNELS == ("auto", "scaled_mm", "emulated")
-    assert check_kernel("auto") == "auto"
+    for word in KERNELS:  # every word of the recipe's vocabulary is accepted as it is
+        assert check_kernel(word) == word
     with pytest.raises(ValueError, match=r"kernel='cutlass'.*'auto', 'scaled_mm', 'emulated'"):
         check_kernel("cutlass")
     w_fp8, w_scale = _weight()
     with pytest.raises(ValueError, match="kernel="):
         fp8_linear(torch.randn(2, 40), w_fp8, w_scale, kernel="triton")
+
+
+def test_a_prebuilt_plan_is_what_fp8_linear_runs() -> None:
+    """fp8_linear(plan=...) (what Fp8Linear passes) equals the word form, and the plan comes
+    from the recipe: token activations run the numerics' row layout."""
+    from hf_fp8.kernels import LinearPlan
+    from hf_fp8.recipe import Fp8Recipe
+
+    plan = LinearPlan.from_recipe(Fp8Recipe.resolve("dynamic", kernel="emulated"))
+    assert plan.act_granularity == "row" and plan.act_dtype == E4M3 and not plan.static
+    w_fp8, w_scale = _weight()
+    x = torch.randn(6, 40, dtype=torch.bfloat16)
+    by_words = fp8_linear(x, w_fp8, w_scale, activation_granularity="token", kernel="emulated")
+    assert torch.equal(fp8_linear(x, w_fp8, w_scale, plan=plan), by_words)
+    static = LinearPlan.from_recipe(Fp8Recipe.resolve("static"))
+    with pytest.raises(RuntimeError, match="no input_scale"):
+        fp8_linear(x, w_fp8, w_scale, plan=static)
 
 
 def test_no_fp8_gemm_on_this_cpu() -> None:

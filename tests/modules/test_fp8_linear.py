@@ -11,6 +11,7 @@ from torch import nn
 
 from hf_fp8 import Fp8Config, Fp8Linear
 from hf_fp8.numerics import sqnr_db
+from tests.bitwise import assert_bit_equal, assert_states_bit_equal
 from tests.kernels.reference import assert_close_to_reference, fake_quant, reference_linear
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -136,13 +137,6 @@ def test_extra_repr_is_readable() -> None:
     assert "weight-only" in repr(Fp8Linear.from_linear(_linear(8, 8), _config("weight_only")))
 
 
-def assert_state_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
-        assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), key
-
-
 @pytest.mark.parametrize(("scheme", "granularity"), RECIPES)
 def test_state_dict_round_trips_exactly(scheme, granularity) -> None:
     source = Fp8Linear.from_linear(_linear(300, 130), _config(scheme, granularity))
@@ -150,16 +144,16 @@ def test_state_dict_round_trips_exactly(scheme, granularity) -> None:
     kwargs = source_kwargs(source)
     fresh = Fp8Linear(300, 130, dtype=torch.bfloat16, **kwargs)
     fresh.load_state_dict(state)
-    assert_state_equal(fresh.state_dict(), state)
+    assert_states_bit_equal(fresh.state_dict(), state)
     existing = Fp8Linear.from_linear(_linear(300, 130), _config(scheme, granularity))
     existing.load_state_dict(state)  # copy_ into live fp8 parameters
-    assert_state_equal(existing.state_dict(), state)
+    assert_states_bit_equal(existing.state_dict(), state)
     assert not existing.weight.requires_grad
     x = torch.randn(3, 300, dtype=torch.bfloat16)
     assert torch.equal(existing(x), source(x)) and torch.equal(fresh(x), source(x))
     on_meta = Fp8Linear(300, 130, dtype=torch.bfloat16, device="meta", **kwargs)
     on_meta.load_state_dict(state, assign=True)
-    assert_state_equal(on_meta.state_dict(), state)
+    assert_states_bit_equal(on_meta.state_dict(), state)
     assert not on_meta.weight.requires_grad
     assert torch.equal(on_meta(x), source(x))
 
@@ -178,10 +172,10 @@ def test_torch_save_and_load_weights_only() -> None:
     torch.save(source.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    assert_state_equal(state, source.state_dict())
+    assert_states_bit_equal(state, source.state_dict())
     target = Fp8Linear(37, 100, dtype=torch.bfloat16, **source_kwargs(source))
     target.load_state_dict(state)
-    assert_state_equal(target.state_dict(), source.state_dict())
+    assert_states_bit_equal(target.state_dict(), source.state_dict())
 
 
 def test_high_precision_state_dict_is_refused() -> None:
@@ -193,7 +187,7 @@ def test_high_precision_state_dict_is_refused() -> None:
 def test_deepcopy_and_to() -> None:
     module = Fp8Linear.from_linear(_linear(64, 32), _config("static"))
     clone = copy.deepcopy(module)
-    assert_state_equal(clone.state_dict(), module.state_dict())
+    assert_states_bit_equal(clone.state_dict(), module.state_dict())
     assert clone.weight.data_ptr() != module.weight.data_ptr()
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     assert torch.equal(clone(x), module(x))
@@ -209,7 +203,7 @@ def test_deepcopy_and_to() -> None:
         )
         assert moved.input_scale.dtype == torch.float32
         assert moved.compute_dtype == dtype and moved.bias.dtype == dtype
-        assert torch.equal(moved.weight.view(torch.uint8), module.weight.view(torch.uint8))
+        assert_bit_equal(moved.weight, module.weight, "weight")
         assert moved(x.to(dtype)).dtype == dtype
     model = nn.Sequential(copy.deepcopy(module)).to(torch.float32)
     assert model[0].compute_dtype == torch.float32 and model[0].weight.dtype == torch.float8_e4m3fn
@@ -378,7 +372,7 @@ def test_tensor_wise_state_dict_with_scalar_scales_loads() -> None:
     state = {k: v.reshape(()) if k.endswith("scale") else v for k, v in source.state_dict().items()}
     target = Fp8Linear(16, 8, dtype=torch.bfloat16, **source_kwargs(source))
     target.load_state_dict(state)
-    assert_state_equal(target.state_dict(), source.state_dict())
+    assert_states_bit_equal(target.state_dict(), source.state_dict())
 
 
 def test_input_scale_of_a_dynamic_layer_is_an_unexpected_key() -> None:
@@ -388,3 +382,31 @@ def test_input_scale_of_a_dynamic_layer_is_an_unexpected_key() -> None:
     )
     with pytest.raises(RuntimeError, match="input_scale"):
         target.load_state_dict(source.state_dict())
+
+
+@pytest.mark.slow  # ~24 inductor compiles on a cold cache (about 1 CPU-minute)
+@pytest.mark.parametrize(("scheme", "granularity"), RECIPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_grid_with_the_default_compiled_helpers(
+    compiled, monkeypatch, scheme, granularity, dtype
+) -> None:
+    """The same grid as test_forward_matches_the_reference through the inductor-compiled
+    helpers (the default outside the tests), which must actually run: a silent fallback to
+    the eager twin fails here."""
+    from hf_fp8.kernels import compiled as compiled_module
+
+    ran = []
+    real = compiled_module._compiled
+    monkeypatch.setattr(compiled_module, "_compiled", lambda *a: ran.append(a) or real(*a))
+    monkeypatch.setenv("HF_FP8_CPU_KERNEL", "off")  # the compiled emulation, not the C kernels
+    k, n = 37, 100
+    module = Fp8Linear.from_linear(_linear(k, n, True, dtype), _config(scheme, granularity))
+    for shape in [(5, k), (2, 3, k), (1, k)]:
+        x = torch.randn(shape).to(dtype)
+        with torch.no_grad():
+            out = module(x)
+        assert out.shape == (*shape[:-1], n) and out.dtype == dtype
+        ref = _expected(module, x)
+        assert_close_to_reference(out.reshape(-1, n), ref, dtype, folded=granularity == "block")
+    assert ran, "the compiled helpers did not run"
+    assert not compiled_module._FAILED, "a helper failed to compile and fell back to eager"
