@@ -25,17 +25,21 @@ import torch.nn.functional as F
 
 from hf_fp8.kernels import compiled, cpu_linear
 from hf_fp8.numerics import amax, amax_to_scale, dequantize, quantize_with_scale
+from hf_fp8.recipe import Granularity
 
 # At or below this many tokens the fused decode + reduction beats decode + matmul on CPU
 # (benchmarks/bench_linear.py --gemv-sweep on an AVX-512 EPYC core: the GEMV is ahead up to
 # 8 tokens at K=2048 and up to 4 at K=5632, behind from 6). Each token count up to it
 # compiles its own GEMV once.
 GEMV_MAX_TOKENS = 4
+# The recipe's scale layouts as plain strings (compared per call, also under torch.compile).
+_BLOCK = Granularity.BLOCK.value
+_PER_TENSOR_OR_ROW = (Granularity.TENSOR.value, Granularity.ROW.value)
 
 
 def post_scaled(granularity: str | None, dtype: torch.dtype) -> bool:
     """Whether a tensor / row scale is applied to the accumulator instead of the operand."""
-    return granularity in ("tensor", "row") and dtype == torch.bfloat16
+    return granularity in _PER_TENSOR_OR_ROW and dtype == torch.bfloat16
 
 
 def _act_scale(
@@ -230,7 +234,7 @@ def emulated_linear(
     if (
         x.shape[0] <= GEMV_MAX_TOKENS
         and x.device.type == "cpu"
-        and weight_granularity in ("tensor", "row")
+        and weight_granularity in _PER_TENSOR_OR_ROW
     ):
         a, a_scale = x.float(), None
         if act_dtype is not None:  # quantized on its own: fused, it would be redone per row
@@ -242,7 +246,7 @@ def emulated_linear(
                 gran=a_gran,
                 bk=block_size[1],
                 out_dtype=torch.float32,
-                post=a_gran != "block",
+                post=a_gran != _BLOCK,
             )
         return compiled.run(
             _gemv, a, w_fp8, a_scale, w_scale, bias, tokens=x.shape[0], out_dtype=x.dtype
