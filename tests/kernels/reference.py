@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from hf_fp8.numerics import dequantize, quantize
+from hf_fp8.recipe import ActivationGranularity
 
 E4M3 = torch.float8_e4m3fn
-ACT_GRAN = {"tensor": "tensor", "token": "row", "block": "block"}
 
 
 def fake_quant(x: torch.Tensor, granularity: str, block_k: int = 128, dtype=E4M3):
     """fp32 ``dequantize(quantize(x))`` of an activation ``[..., K]``."""
-    gran = ACT_GRAN[granularity]
+    gran = ActivationGranularity(granularity).layout.value  # "token" is per row
     block = (1, block_k)
     x_fp8, scale = quantize(x, dtype, gran, block)
     return dequantize(x_fp8, scale, torch.float32, gran, block)
