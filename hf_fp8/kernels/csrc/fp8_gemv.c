@@ -716,32 +716,103 @@ AI float fp8_round(float x, int fmt) {
     return copysignf(r, x);
 }
 
+#define QCHUNK 256
+
+/* Branch-free loops over chunks, so that the compiler vectorizes them (division included:
+ * x / scale must be the correctly rounded quotient, as torch's, not x * (1 / scale)). */
 static void *quant_worker(void *arg) {
     const quant_t *q = (const quant_t *)arg;
-    const float fmax = q->fmt == FMT_E4M3 ? 448.0f : 57344.0f;
+    const int e4 = q->fmt == FMT_E4M3;
+    const float fmax = e4 ? 448.0f : 57344.0f, minnorm = e4 ? 0x1p-6f : 0x1p-14f;
+    const float inv = e4 ? 0x1p9f : 0x1p16f, rinv = e4 ? 0x1p-9f : 0x1p-16f;
+    const int sh = e4 ? 20 : 21; /* fp32 mantissa bits dropped: keep 3 (E4M3) or 2 (E5M2) */
+    const uint32_t half = (1u << (sh - 1)) - 1u, keep = ~((1u << sh) - 1u);
     int64_t kb = (q->K + q->bk - 1) / q->bk, seg = q->gran == GRAN_BLOCK ? q->bk : q->K;
+    float xf[QCHUNK], r[QCHUNK];
+    uint32_t ub[QCHUNK];
     for (int64_t m = q->n0; m < q->n1; ++m) {
         for (int64_t k0 = 0, b = 0; k0 < q->K; k0 += seg, ++b) {
             int64_t k1 = k0 + seg < q->K ? k0 + seg : q->K;
-            float *sp = q->gran == GRAN_TENSOR ? q->scale : q->gran == GRAN_ROW ? q->scale + m
-                                                                             : q->scale + m * kb + b;
-            if (q->phase == 0) { /* amax -> scale (row, block) or the row's amax (tensor) */
-                float amax = 0.0f;
-                for (int64_t k = k0; k < k1; ++k) {
-                    float v = fabsf(load_x(q, m * q->K + k));
-                    amax = (v <= FLT_MAX && v > amax) ? v : amax; /* skips NaN and inf */
+            float *sp = q->gran == GRAN_TENSOR ? q->scale
+                        : q->gran == GRAN_ROW  ? q->scale + m
+                                               : q->scale + m * kb + b;
+            float scale = q->phase ? *sp : 1.0f;
+            uint32_t umax = 0; /* |x| of finite values as bits: they order like the floats */
+            for (int64_t c0 = k0; c0 < k1; c0 += QCHUNK) {
+                int64_t n = k1 - c0 < QCHUNK ? k1 - c0 : QCHUNK, at = m * q->K + c0;
+                if (q->x_bf16) {
+                    const uint16_t *xb = (const uint16_t *)q->x + at;
+                    for (int64_t i = 0; i < n; ++i) ub[i] = (uint32_t)xb[i] << 16;
+                    memcpy(xf, ub, (size_t)n * 4);
+                } else {
+                    memcpy(xf, (const float *)q->x + at, (size_t)n * 4);
                 }
+                if (q->phase == 0) {
+                    uint32_t cm = 0;
+                    int64_t i = 0;
+#if FP8_PATH >= 3
+                    __m512i vm = _mm512_setzero_si512();
+                    for (; i + 16 <= n; i += 16) {
+                        __m512i u = _mm512_and_si512(_mm512_loadu_si512(xf + i),
+                                                     _mm512_set1_epi32(0x7fffffff));
+                        __mmask16 fin = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(0x7f800000));
+                        vm = _mm512_mask_max_epu32(vm, fin, vm, u);
+                    }
+                    cm = _mm512_reduce_max_epu32(vm);
+#elif FP8_PATH == 2
+                    __m256i vm = _mm256_setzero_si256();
+                    for (; i + 8 <= n; i += 8) {
+                        __m256i u = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xf + i)),
+                                                     _mm256_set1_epi32(0x7fffffff));
+                        __m256i fin = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), u);
+                        vm = _mm256_max_epu32(vm, _mm256_and_si256(u, fin));
+                    }
+                    uint32_t lanes[8];
+                    _mm256_storeu_si256((__m256i *)lanes, vm);
+                    for (int j = 0; j < 8; ++j) cm = lanes[j] > cm ? lanes[j] : cm;
+#endif
+                    for (; i < n; ++i) {
+                        uint32_t u;
+                        memcpy(&u, xf + i, 4);
+                        u &= 0x7fffffffu;
+                        u = u < 0x7f800000u ? u : 0u; /* NaN and inf never enter a scale */
+                        cm = u > cm ? u : cm;
+                    }
+                    umax = cm > umax ? cm : umax;
+                    continue;
+                }
+                for (int64_t i = 0; i < n; ++i) {
+                    float v = xf[i] / scale;
+                    float c = v < -fmax ? -fmax : (v > fmax ? fmax : v);
+                    float a = fabsf(c), nor, vv;
+                    uint32_t u, uv;
+                    memcpy(&u, &a, 4);
+                    u = (u + half + ((u >> sh) & 1u)) & keep; /* round half to even */
+                    memcpy(&nor, &u, 4);
+                    float sub = ((a * inv + 12582912.0f) - 12582912.0f) * rinv; /* fixed grid */
+                    float rr = copysignf(a < minnorm ? sub : nor, c);
+                    vv = v;
+                    memcpy(&uv, &vv, 4);
+                    rr = (uv & 0x7fffffffu) < 0x7f800000u ? rr : NAN; /* non-finite: NaN */
+                    r[i] = q->post ? rr : rr * scale;
+                }
+                if (q->out_kind == OUT_BF16) {
+                    uint16_t *o = (uint16_t *)q->out + at;
+                    memcpy(ub, r, (size_t)n * 4);
+                    for (int64_t i = 0; i < n; ++i) {
+                        uint32_t u = ub[i];
+                        uint32_t h = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+                        o[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : h);
+                    }
+                } else {
+                    memcpy((float *)q->out + at, r, (size_t)n * 4);
+                }
+            }
+            if (q->phase == 0) {
+                float amax;
+                memcpy(&amax, &umax, 4);
                 if (q->gran == GRAN_TENSOR) ((float *)q->out)[m] = amax;
                 else *sp = amax / fmax < q->floor ? q->floor : amax / fmax;
-                continue;
-            }
-            float scale = *sp;
-            for (int64_t k = k0; k < k1; ++k) {
-                float v = load_x(q, m * q->K + k) / scale;
-                v = v != v || fabsf(v) > FLT_MAX ? NAN : fp8_round(v < -fmax ? -fmax : v > fmax ? fmax : v, q->fmt);
-                if (!q->post) v = v * scale;
-                if (q->out_kind == OUT_BF16) ((uint16_t *)q->out)[m * q->K + k] = f32_to_bf16(v);
-                else ((float *)q->out)[m * q->K + k] = v;
             }
         }
     }
