@@ -173,13 +173,16 @@ def build_checkpoints(folder: Path, size: str) -> dict[str, str]:
     return paths
 
 
-def run_worker(path: str, threads: int, args: argparse.Namespace, scratch: Path) -> dict:
-    """One fresh, niced subprocess with empty inductor and C-kernel caches."""
+def run_worker(
+    path: str, threads: int, args: argparse.Namespace, scratch: Path, kernel_cache: Path | None
+) -> dict:
+    """One fresh, niced subprocess with an empty inductor cache, and an empty C-kernel cache
+    unless ``kernel_cache`` (built once per machine) is given."""
     cache = Path(tempfile.mkdtemp(dir=scratch))
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "HF_FP8_CACHE": str(cache / "hf_fp8"),
+        "HF_FP8_CACHE": str(kernel_cache or cache / "hf_fp8"),
         "OMP_NUM_THREADS": str(threads),
     }
     cmd = [sys.executable, __file__, "--worker", path, "--threads", str(threads)]
@@ -200,7 +203,12 @@ def summarize(samples: list[dict]) -> dict[str, Any]:
         "decode_tokens_per_s": max(s["decode_tokens_per_s"] for s in ok),
         "peak_rss_mib": min(s["peak_rss_mib"] for s in ok),
         "rss_after_load_mib": min(s["rss_after_load_mib"] for s in ok),
-        "cold_first_token_s": statistics.median(s["cold_first_token_s"] for s in ok),
+        # round 1: every cache empty (the C kernel is compiled then); later rounds: the C
+        # kernel built once per machine, inductor cache still empty
+        "cold_first_token_s": ok[0]["cold_first_token_s"],
+        "cold_first_token_kernel_cached_s": statistics.median(
+            s["cold_first_token_s"] for s in ok[1:] or ok
+        ),
         "process_start_to_first_token_s": statistics.median(
             s["process_start_to_first_token_s"] for s in ok
         ),
@@ -226,6 +234,8 @@ def compare(results: dict[str, dict]) -> dict[str, Any]:
             "peak_rss_ratio": r["peak_rss_mib"] / base["peak_rss_mib"],
             "rss_after_load_ratio": r["rss_after_load_mib"] / base["rss_after_load_mib"],
             "cold_first_token_extra_s": r["cold_first_token_s"] - base["cold_first_token_s"],
+            "cold_first_token_kernel_cached_extra_s": r["cold_first_token_kernel_cached_s"]
+            - base["cold_first_token_kernel_cached_s"],
         }
     return out
 
@@ -258,11 +268,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         params = int(paths.pop("_params"))
         print(f"{size}: {params / 1e6:.0f} M parameters; checkpoints in {scratch}", flush=True)
         samples: dict[tuple[int, str], list[dict]] = {}
+        kernel_cache = scratch / "hf_fp8_kernels"  # shared from round 2 on
+        kernel_cache.mkdir(mode=0o700)
         for rnd in range(rounds):
             for threads in thread_counts:
                 order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]  # rotate who goes first
                 for name in order:
-                    sample = run_worker(paths[name], threads, args, scratch)
+                    cached = kernel_cache if rnd > 0 else None
+                    sample = run_worker(paths[name], threads, args, scratch, cached)
                     samples.setdefault((threads, name), []).append(sample)
                     brief = (
                         sample.get("error", "")[-300:]
@@ -285,7 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "new_tokens": args.new,
         "device": f"{platform.machine()} CPU, {os.cpu_count()} cores",
         "rounds": rounds,
-        "timing": "best of interleaved rounds (tokens/s), median (cold first token)",
+        "timing": "best of interleaved rounds (tokens/s); cold first token: round 1 (all "
+        "caches empty) and the median of later rounds (C kernel cached, inductor cache empty)",
         "load_average_1min_before": round(load[0], 2),
         "load_average_1min_after": round(os.getloadavg()[0], 2),
         "targets": TARGETS,
@@ -309,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def print_table(results: dict[str, Any]) -> None:
     print(
         f"\n{'threads':>7} {'variant':>12} {'prefill tok/s':>13} {'decode tok/s':>12} "
-        f"{'peak RSS MiB':>12} {'cold 1st tok s':>14} {'decode x':>8} {'prefill t x':>11} "
+        f"{'peak RSS MiB':>12} {'cold 1st tok s':>14} {'(kernel cached)':>15} {'decode x':>8} "
+        f"{'prefill t x':>11} "
         f"{'RSS x':>6} {'graphs':>6}"
     )
     for run in results["runs"]:
@@ -321,7 +336,8 @@ def print_table(results: dict[str, Any]) -> None:
             print(
                 f"{run['threads']:>7} {name:>12} {r['prefill_tokens_per_s']:13.1f} "
                 f"{r['decode_tokens_per_s']:12.2f} {r['peak_rss_mib']:12.0f} "
-                f"{r['cold_first_token_s']:14.2f} {c.get('decode_speedup', 1.0):8.2f} "
+                f"{r['cold_first_token_s']:14.2f} {r['cold_first_token_kernel_cached_s']:15.2f} "
+                f"{c.get('decode_speedup', 1.0):8.2f} "
                 f"{c.get('prefill_time_ratio', 1.0):11.2f} {c.get('peak_rss_ratio', 1.0):6.2f} "
                 f"{r['dynamo_graphs_over_new_lengths']:>6}"
             )

@@ -18,6 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 BENCHMARKS = [
     "bench_linear",
+    "bench_generate",
     "bench_optim",
     "bench_optim_fidelity",
     "bench_minilm",
