@@ -23,6 +23,7 @@ from hf_fp8.serialization.checkpoint import (
     rewrite_tensors,
     write_config,
 )
+from hf_fp8.serialization.experts import expert_modules, experts_view, split_experts
 from hf_fp8.serialization.formats import format_of, get_format
 from hf_fp8.serialization.layers import plan_layers
 from hf_fp8.serialization.tensors import check_complete, compute_dtype_of, to_hf_fp8_tensors
@@ -99,13 +100,15 @@ def exporting(
             (tmp / CARD_NAME).unlink(missing_ok=True)  # it describes the hf_fp8 layout
             src = Checkpoint(tmp)
         config = hf_fp8_config(src)
-        tensors = src.tensors()
-        plan = plan_layers(src.config, tensors)
+        # MoE experts: written one linear per expert and projection, as vLLM reads them
+        tensors, groups = experts_view(src.config.get("model_type"), src.tensors())
+        plan = plan_layers(src.config, tensors, experts=expert_modules(groups))
         check_complete(plan, tensors, config)
         quantization_config = fmt.export_config(config, plan)
         dtype = compute_dtype_of(src.config)
 
         def convert(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            shard = split_experts(shard, groups, config)
             checked = to_hf_fp8_tensors(shard, plan, config, compute_dtype=dtype)
             return fmt.export_tensors(checked, plan, config)
 

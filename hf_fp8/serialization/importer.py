@@ -15,6 +15,7 @@ from hf_fp8.serialization.checkpoint import (
     rewrite_tensors,
     write_config,
 )
+from hf_fp8.serialization.experts import ExpertMerger, expert_modules, experts_view
 from hf_fp8.serialization.formats import EXPORT_FORMATS, FORMATS, format_of
 from hf_fp8.serialization.layers import plan_layers
 from hf_fp8.serialization.tensors import check_complete, compute_dtype_of
@@ -59,7 +60,9 @@ def import_checkpoint(
     """Convert an FP8 compressed-tensors (``float-quantized``) or vLLM ``fp8`` checkpoint
     (folder or Hub repo id) into an hf_fp8 checkpoint in ``out_dir``.
 
-    fp8 weights are copied bit for bit; scales become fp32 (exact) in hf_fp8's shapes. Every
+    fp8 weights are copied bit for bit; MoE experts stored one linear per expert (the
+    ``fp8`` block checkpoints of Qwen3-MoE-FP8 / DeepSeek-V3) are merged into the fused
+    ``[E, ...]`` tensors of ``Fp8Experts`` as transformers' conversion mapping says; scales become fp32 (exact) in hf_fp8's shapes. Every
     fp8 weight and scale is checked first (dtype, shape, finite, > 0): a bad one raises
     ``CheckpointTensorError`` naming it, and nothing is written. Then
     ``import hf_fp8; AutoModel…from_pretrained(out_dir)`` gives ``Fp8Linear`` layers with the
@@ -68,8 +71,8 @@ def import_checkpoint(
     """
     src = Checkpoint(resolve_checkpoint(checkpoint))
     fmt_name, scheme = import_config(src)
-    tensors = src.tensors()
-    plan = plan_layers(src.config, tensors)
+    tensors, groups = experts_view(src.config.get("model_type"), src.tensors())
+    plan = plan_layers(src.config, tensors, experts=expert_modules(groups))
     config = Fp8Config(
         scheme.activation_scheme,
         weight_granularity=scheme.weight_granularity,
@@ -82,9 +85,11 @@ def import_checkpoint(
     out = check_out_dir(out_dir, source=src.root, overwrite=overwrite)
     with output_folder(out) as tmp:
         dtype = compute_dtype_of(src.config)
+        merge = ExpertMerger(groups, config)  # per-expert fp8 linears -> Fp8Experts' names
         rewrite_tensors(
-            src, tmp, lambda t: fmt.import_tensors(t, plan, config, compute_dtype=dtype)
+            src, tmp, lambda t: merge(fmt.import_tensors(t, plan, config, compute_dtype=dtype))
         )
+        merge.finish()
         copy_other_files(src, tmp)
         write_config(tmp, {**src.config, "quantization_config": config.to_dict()})
     return out

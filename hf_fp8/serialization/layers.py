@@ -3,6 +3,7 @@ device from ``config.json``) matched against the tensors that carry a ``weight_s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,10 +86,15 @@ def stock_linear_layers(config: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def plan_layers(config: dict[str, Any], tensors: dict[str, TensorInfo]) -> LayerPlan:
+def plan_layers(
+    config: dict[str, Any], tensors: dict[str, TensorInfo], *, experts: Iterable[str] = ()
+) -> LayerPlan:
     """Match fp8 weights to the stock model's linear layers; raise on any fp8 weight that is
-    not a plain ``nn.Linear`` of that model (Conv1D, MoE experts, renamed tensors)."""
+    not a plain ``nn.Linear`` of that model (Conv1D, renamed tensors). ``experts`` names the
+    per-expert linears of MoE experts (``serialization.experts.expert_modules``): they count
+    as FP8 linears, never as high-precision ones."""
     stock = stock_linear_layers(config)
+    stock.update(dict.fromkeys(experts, "expert"))
     fp8: dict[str, tuple[int, int]] = {}
     for name, info in tensors.items():
         module, leaf = module_of(name)
@@ -98,8 +104,9 @@ def plan_layers(config: dict[str, Any], tensors: dict[str, TensorInfo]) -> Layer
         if kind is None:
             raise ValueError(
                 f"fp8 tensor {name} is not the weight of a linear layer of "
-                f"{(config.get('architectures') or ['this model'])[0]}: only dense nn.Linear "
-                "layers can be converted (MoE expert tensors and renamed checkpoints are not)"
+                f"{(config.get('architectures') or ['this model'])[0]}: only nn.Linear layers "
+                "and the MoE experts that transformers' conversion mapping merges can be "
+                "converted (renamed checkpoints cannot)"
             )
         if kind == "conv1d":
             raise ValueError(

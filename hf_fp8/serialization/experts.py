@@ -1,0 +1,304 @@
+"""MoE experts on disk: transformers' merged ``[E, ...]`` tensors ↔ per-expert linears.
+
+hf_fp8 checkpoints hold the experts of an ``Fp8Experts`` module under transformers' merged
+names (``mlp.experts.gate_up_proj`` fp8 ``[E, 2I, H]``, ``..._weight_scale`` ``[E, ...]``,
+``..._input_scale`` ``[E]``); ``save_pretrained`` writes the codes back per expert (the
+reverse of transformers' conversion mapping), the scales under the merged names. The
+foreign formats (vLLM ``fp8`` as Qwen3-MoE-FP8 / DeepSeek-V3 ship, compressed-tensors as vLLM
+reads) store one linear per expert and projection (``mlp.experts.3.gate_proj.weight``,
+``weight_scale`` / ``weight_scale_inv``). Which per-expert names make which merged one is
+transformers' own conversion mapping for the ``model_type`` (``MergeModulelist`` over the
+experts, then ``Concatenate`` of the sources along the output rows): nothing is listed here.
+
+:func:`experts_view` turns a checkpoint's headers into the per-expert view (one 2-D fp8
+linear per expert and projection), so the format code handles experts like any linear;
+:class:`ExpertMerger` merges per-expert hf_fp8 tensors into the merged names (import),
+:func:`split_experts` does the reverse (export). Both work shard by shard.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hf_fp8.serialization.checkpoint import FP8_DTYPE_NAMES, TensorInfo
+
+SCALE_LEAVES = ("weight_scale", "weight_scale_inv", "input_scale", "activation_scale")
+_MERGED_SUFFIXES = ("_weight_scale", "_input_scale")
+
+
+@dataclass(frozen=True)
+class ExpertMerge:
+    """One converter of transformers' mapping: per-expert ``sources`` (``*`` = expert index,
+    ending in ``.weight``) concatenated along the output rows into ``target``."""
+
+    sources: tuple[str, ...]
+    target: str
+
+    def stem(self, i: int, expert: int) -> str:
+        return self.sources[i].removesuffix(".weight").replace("*", str(expert))
+
+    def source_regex(self, i: int) -> re.Pattern[str]:
+        stem = re.escape(self.sources[i].removesuffix(".weight")).replace(r"\*", r"(?P<e>\d+)")
+        leaves = "|".join(("weight", *SCALE_LEAVES))
+        return re.compile(rf"^(?P<prefix>.*?){stem}\.(?P<leaf>{leaves})$")
+
+    def target_regex(self) -> re.Pattern[str]:
+        suffixes = "|".join(_MERGED_SUFFIXES)
+        return re.compile(rf"^(?P<prefix>.*?){re.escape(self.target)}(?P<suffix>{suffixes})?$")
+
+
+def expert_merges(model_type: str | None) -> list[ExpertMerge]:
+    """The per-expert → merged converters of transformers' mapping for ``model_type`` that
+    are a plain merge (``MergeModulelist(dim=0)``, then ``Concatenate(dim=1)`` for several
+    sources); other converters (transposes, interleaves …) are not listed."""
+    if not model_type:
+        return []
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    merges = []
+    for conv in get_checkpoint_conversion_mapping(model_type) or []:
+        if not isinstance(conv, WeightConverter):
+            continue
+        sources = tuple(conv._original_source_patterns)
+        targets = tuple(conv._original_target_patterns)
+        ops = list(conv.operations)
+        if len(targets) != 1 or not all("*" in s and s.endswith(".weight") for s in sources):
+            continue
+        plain = (
+            ops
+            and isinstance(ops[0], MergeModulelist)
+            and ops[0].dim == 0
+            and all(isinstance(op, Concatenate) and op.dim == 1 for op in ops[1:])
+            and (len(ops) == 2) == (len(sources) > 1)
+        )
+        if plain:
+            merges.append(ExpertMerge(sources, targets[0]))
+    return merges
+
+
+@dataclass
+class ExpertGroup:
+    """The per-expert tensors of one merged projection (``name`` = merged module.tensor)."""
+
+    name: str
+    merge: ExpertMerge
+    prefix: str
+    num_experts: int
+    rows: list[int] = field(default_factory=list)  # output rows of each source
+
+    def per_expert(self, i: int, expert: int) -> str:
+        """Module name of source ``i`` of ``expert`` (``...experts.3.gate_proj``)."""
+        return self.prefix + self.merge.stem(i, expert)
+
+
+def _merged_groups(
+    merges: list[ExpertMerge], tensors: dict[str, TensorInfo]
+) -> tuple[dict[str, ExpertGroup], dict[str, TensorInfo]]:
+    """Groups of merged fp8 expert tensors and the per-expert headers that stand for them."""
+    groups: dict[str, ExpertGroup] = {}
+    view: dict[str, TensorInfo] = {}
+    for name, info in tensors.items():
+        for merge in merges:
+            m = merge.target_regex().match(name)
+            if m is None or m["suffix"] or info.dtype not in FP8_DTYPE_NAMES:
+                continue
+            if len(info.shape) != 3 or info.shape[1] % len(merge.sources):
+                raise ValueError(
+                    f"{name}: merged fp8 experts must be [E, out, in], got {info.shape}"
+                )
+            e, n, k = info.shape
+            rows = n // len(merge.sources)
+            group = ExpertGroup(name, merge, m["prefix"], e, [rows] * len(merge.sources))
+            groups[name] = group
+            for i in range(len(merge.sources)):
+                for expert in range(e):
+                    view[f"{group.per_expert(i, expert)}.weight"] = TensorInfo(
+                        info.dtype, (rows, k), info.file
+                    )
+    return groups, view
+
+
+def experts_view(
+    model_type: str | None, tensors: dict[str, TensorInfo]
+) -> tuple[dict[str, TensorInfo], dict[str, ExpertGroup]]:
+    """``(headers, expert groups)``: the headers with every fp8 expert tensor seen per expert
+    and projection (merged codes and scales stand for their per-expert weights and scales),
+    and the merged groups by merged name (found merged, or to be merged from per-expert fp8
+    weights by :class:`ExpertMerger`)."""
+    merges = expert_merges(model_type)
+    if not merges:
+        return dict(tensors), {}
+    groups, view = _merged_groups(merges, tensors)
+    found: dict[tuple[str, ExpertMerge], dict[int, dict[int, TensorInfo]]] = {}
+    rest: dict[str, TensorInfo] = {}
+    for name, info in tensors.items():
+        if name in groups:
+            continue
+        rest[name] = info
+        for merge in merges:
+            for i in range(len(merge.sources)):
+                m = merge.source_regex(i).match(name)
+                if m and m["leaf"] == "weight" and info.dtype in FP8_DTYPE_NAMES:
+                    found.setdefault((m["prefix"], merge), {}).setdefault(i, {})[int(m["e"])] = info
+    for (prefix, merge), by_source in found.items():
+        name = prefix + merge.target
+        experts = sorted(by_source.get(0, {}))
+        if len(by_source) != len(merge.sources) or any(
+            sorted(by_source[i]) != experts for i in by_source
+        ):
+            raise ValueError(
+                f"{name}: the checkpoint has fp8 expert weights for only some of "
+                f"{merge.sources} or some experts: it is incomplete"
+            )
+        if experts != list(range(len(experts))):
+            raise ValueError(f"{name}: expert indices {experts[:8]} are not 0..E-1")
+        rows = [by_source[i][0].shape[0] for i in range(len(merge.sources))]
+        groups[name] = ExpertGroup(name, merge, prefix, len(experts), rows)
+    out = dict(view)
+    leaves = {"_weight_scale": "weight_scale", "_input_scale": "input_scale"}
+    for name, info in rest.items():
+        merged = next(
+            (
+                (name.removesuffix(s), leaf)
+                for s, leaf in leaves.items()
+                if name.endswith(s) and name.removesuffix(s) in groups
+            ),
+            None,
+        )
+        if merged is None:
+            out[name] = info
+            continue
+        group = groups[merged[0]]
+        for i in range(len(group.merge.sources)):
+            for e in range(group.num_experts):
+                out[f"{group.per_expert(i, e)}.{merged[1]}"] = TensorInfo("F32", (1,), info.file)
+    return out, groups
+
+
+def expert_modules(groups: dict[str, ExpertGroup]) -> dict[str, tuple[str, int, int]]:
+    """``{per-expert module: (merged name, source index, expert)}`` of every group."""
+    return {
+        g.per_expert(i, e): (name, i, e)
+        for name, g in groups.items()
+        for i in range(len(g.merge.sources))
+        for e in range(g.num_experts)
+    }
+
+
+def _merge_scales(name: str, parts: list[torch.Tensor], granularity: str) -> torch.Tensor:
+    """Scales of the sources of one expert, concatenated along the output rows (a per-tensor
+    scale must be one number for all sources: Fp8Experts has one per expert)."""
+    if granularity == "tensor":
+        if any(not torch.equal(p, parts[0]) for p in parts[1:]):
+            raise ValueError(
+                f"{name}: the merged sources have different per-tensor scales "
+                f"({[float(p.reshape(-1)[0]) for p in parts]}); Fp8Experts keeps one per expert "
+                "and projection: re-quantize with per-row or block weight scales"
+            )
+        return parts[0]
+    return torch.cat(parts, dim=0)
+
+
+class ExpertMerger:
+    """Shard-by-shard merge of per-expert hf_fp8 tensors (``weight``, ``weight_scale``,
+    ``input_scale`` of each expert linear) into the merged names; a group is written into the
+    shard where its last tensor arrives. :meth:`finish` raises if a group stayed incomplete."""
+
+    def __init__(self, groups: dict[str, ExpertGroup], config: Any) -> None:
+        self.groups = groups
+        self.modules = expert_modules(groups)
+        self.config = config
+        self.pending: dict[str, dict[str, torch.Tensor]] = {name: {} for name in groups}
+
+    def _needed(self, group: ExpertGroup) -> int:
+        per = 2 + (1 if self.config.activation_scheme == "static" else 0)
+        return per * len(group.merge.sources) * group.num_experts
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, value in tensors.items():
+            module, _, leaf = key.rpartition(".")
+            hit = self.modules.get(module)
+            if hit is None or leaf not in ("weight", "weight_scale", "input_scale"):
+                out[key] = value
+                continue
+            self.pending[hit[0]][key] = value
+        for name, group in self.groups.items():
+            got = self.pending[name]
+            if got and len(got) == self._needed(group):
+                out.update(self._merge(group, got))
+                self.pending[name] = {}
+        return out
+
+    def _merge(self, group: ExpertGroup, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        n_src = len(group.merge.sources)
+        experts = range(group.num_experts)
+        granularity = self.config.weight_granularity
+        if granularity == "block" and n_src > 1:
+            bn = self.config.block_size[0]
+            if any(r % bn for r in group.rows):
+                raise ValueError(
+                    f"{group.name}: {group.rows} output rows per source are not a multiple of the "
+                    f"weight block {bn}: the merged blocks would straddle the sources"
+                )
+
+        def per_expert(leaf: str, e: int) -> list[torch.Tensor]:
+            return [got[f"{group.per_expert(i, e)}.{leaf}"] for i in range(n_src)]
+
+        out = {
+            group.name: torch.stack([torch.cat(per_expert("weight", e)) for e in experts]),
+            f"{group.name}_weight_scale": torch.stack(
+                [
+                    _merge_scales(group.name, per_expert("weight_scale", e), granularity)
+                    for e in experts
+                ]
+            ),
+        }
+        if self.config.activation_scheme == "static":
+            out[f"{group.name}_input_scale"] = torch.stack(
+                [
+                    _merge_scales(group.name, per_expert("input_scale", e), "tensor").reshape(())
+                    for e in experts
+                ]
+            )
+        return out
+
+    def finish(self) -> None:
+        left = [name for name, got in self.pending.items() if got]
+        if left:
+            raise ValueError(f"incomplete fp8 experts in the checkpoint: {left[:4]}")
+
+
+def split_experts(
+    tensors: dict[str, torch.Tensor], groups: dict[str, ExpertGroup], config: Any
+) -> dict[str, torch.Tensor]:
+    """The reverse of :class:`ExpertMerger` on one shard of an hf_fp8 checkpoint: merged
+    codes and scales become per-expert ``weight`` / ``weight_scale`` / ``input_scale``."""
+    out = {}
+    for key, value in tensors.items():
+        base, suffix = key, ""
+        for s in _MERGED_SUFFIXES:
+            if key.endswith(s) and key.removesuffix(s) in groups:
+                base, suffix = key.removesuffix(s), s
+        group = groups.get(base)
+        if group is None:
+            out[key] = value
+            continue
+        n_src = len(group.merge.sources)
+        for e in range(group.num_experts):
+            one = suffix == "_input_scale" or (
+                suffix == "_weight_scale" and config.weight_granularity == "tensor"
+            )
+            if one:
+                parts = [value[e].reshape(1)] * n_src
+            else:
+                parts = list(torch.chunk(value[e], n_src, dim=0))
+            leaf = {"": "weight", "_weight_scale": "weight_scale", "_input_scale": "input_scale"}
+            for i, part in enumerate(parts):
+                out[f"{group.per_expert(i, e)}.{leaf[suffix]}"] = part.clone()
+    return out

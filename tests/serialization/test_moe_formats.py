@@ -1,0 +1,107 @@
+"""MoE experts in the foreign formats, on disk (issue 11 §2): ``fp8`` block checkpoints with
+one fp8 linear per expert (Qwen3-MoE-FP8 / DeepSeek-V3) import into Fp8Experts' merged names
+with the same bits; exports write one linear per expert again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_fp8.serialization import export_checkpoint, import_checkpoint
+from hf_fp8.serialization.experts import expert_merges
+from tests.serialization.moe_fixtures import tiny_qwen3_moe, write_fp8_block_checkpoint
+
+P = "model.layers.1.mlp.experts"
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.fixture(scope="module")
+def fp8_block_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe") / "fp8"
+    written = write_fp8_block_checkpoint(tiny_qwen3_moe(), out)
+    return out, written
+
+
+def test_merges_come_from_transformers_mapping() -> None:
+    merges = expert_merges("qwen3_moe")
+    assert [m.target for m in merges] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert merges[0].sources == ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight")
+    assert expert_merges("llama") == []
+
+
+def test_import_merges_per_expert_fp8_bit_for_bit(fp8_block_dir, tmp_path) -> None:
+    src, written = fp8_block_dir
+    out = import_checkpoint(src, tmp_path / "imported")
+    got = load_file(out / "model.safetensors")
+    assert not any(".experts.0." in k for k in got)
+    for e in range(4):
+        gate, up = (written[f"{P}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj"))
+        assert torch.equal(_u8(got[f"{P}.gate_up_proj"][e]), _u8(torch.cat([gate, up])))
+        assert torch.equal(_u8(got[f"{P}.down_proj"][e]), _u8(written[f"{P}.{e}.down_proj.weight"]))
+        scales = [written[f"{P}.{e}.{p}.weight_scale_inv"] for p in ("gate_proj", "up_proj")]
+        assert torch.equal(got[f"{P}.gate_up_proj_weight_scale"][e], torch.cat(scales))
+    assert got[f"{P}.gate_up_proj"].dtype == torch.float8_e4m3fn
+    assert got[f"{P}.gate_up_proj_weight_scale"].shape == (4, 2, 1)  # [E, 256/128, 128/128]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["weight_granularity"], qc["block_size"]) == (
+        "hf_fp8",
+        "block",
+        [128, 128],
+    )
+    assert qc["modules_to_not_convert"] == ["lm_head"]
+
+
+def test_import_then_export_gives_the_source_back(fp8_block_dir, tmp_path) -> None:
+    src, _ = fp8_block_dir
+    imported = import_checkpoint(src, tmp_path / "imported")
+    back = export_checkpoint(imported, tmp_path / "vllm", "vllm-fp8")
+    a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert torch.equal(_u8(a[key]), _u8(b[key])), key
+    qc = json.loads((back / "config.json").read_text())["quantization_config"]
+    assert qc["weight_block_size"] == [128, 128] and qc["ignored_layers"] == ["lm_head"]
+
+
+def test_compressed_tensors_export_is_per_expert(fp8_block_dir, tmp_path) -> None:
+    src, written = fp8_block_dir
+    imported = import_checkpoint(src, tmp_path / "imported")
+    ct = export_checkpoint(imported, tmp_path / "ct", "compressed-tensors")
+    got = load_file(ct / "model.safetensors")
+    assert not any(k.endswith("gate_up_proj") for k in got)
+    for e in range(4):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            key = f"{P}.{e}.{p}"
+            assert torch.equal(_u8(got[f"{key}.weight"]), _u8(written[f"{key}.weight"]))
+            assert torch.equal(got[f"{key}.weight_scale"], written[f"{key}.weight_scale_inv"])
+
+
+def test_incomplete_experts_are_refused(fp8_block_dir, tmp_path) -> None:
+    src, _ = fp8_block_dir
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    del tensors[f"{P}.3.up_proj.weight"], tensors[f"{P}.3.up_proj.weight_scale_inv"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj.*incomplete"):
+        import_checkpoint(broken, tmp_path / "out")
+
+
+def test_blocks_straddling_gate_and_up_are_refused(tmp_path) -> None:
+    model = tiny_qwen3_moe()
+    for layer in model.model.layers:  # 96 gate rows: a 128-row block would hold gate and up
+        experts = layer.mlp.experts
+        experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj[:, :192].clone())
+        experts.down_proj = torch.nn.Parameter(experts.down_proj[:, :, :96].clone())
+    model.config.moe_intermediate_size = 96
+    write_fp8_block_checkpoint(model, tmp_path / "src")
+    with pytest.raises(ValueError, match=r"gate_up_proj: \[96, 96\] output rows"):
+        import_checkpoint(tmp_path / "src", tmp_path / "out")
