@@ -9,9 +9,10 @@ from hf_fp8.recipe import Kernel, parse, values
 KERNELS = values(Kernel)
 
 
-def check_kernel(kernel: str | Kernel) -> Kernel:
-    """``kernel`` as a :class:`~hf_fp8.recipe.Kernel`, else ``ValueError`` naming the choices."""
-    return parse(Kernel, kernel, "kernel")
+def check_kernel(kernel: str | Kernel) -> str:
+    """``kernel`` as a plain word of :class:`~hf_fp8.recipe.Kernel`, else ``ValueError``
+    naming the choices."""
+    return parse(Kernel, kernel, "kernel").value
 
 
 @torch.compiler.assume_constant_result

@@ -143,7 +143,8 @@ class Fp8Linear(nn.Linear):
 
     @property
     def activation_scheme(self) -> str:
-        return self.recipe.activation_scheme
+        """The recipe's words as plain strings (the recipe itself holds the enums)."""
+        return self.recipe.activation_scheme.value
 
     @activation_scheme.setter
     def activation_scheme(self, scheme: str) -> None:
@@ -164,7 +165,7 @@ class Fp8Linear(nn.Linear):
 
     @property
     def kernel(self) -> str:
-        return self.recipe.kernel
+        return self.recipe.kernel.value
 
     @kernel.setter
     def kernel(self, kernel: str) -> None:
@@ -172,15 +173,16 @@ class Fp8Linear(nn.Linear):
 
     @property
     def weight_granularity(self) -> str:
-        return self.recipe.weight_granularity
+        return self.recipe.weight_granularity.value
 
     @property
     def activation_granularity(self) -> str | None:
-        return self.recipe.activation_granularity
+        act = self.recipe.activation_granularity
+        return None if act is None else act.value
 
     @property
     def fp8_format(self) -> str:
-        return self.recipe.fp8_format
+        return self.recipe.fp8_format.value
 
     @property
     def block_size(self) -> tuple[int, int]:

@@ -171,3 +171,14 @@ def test_a_quantized_transformers_model_casts_with_half_and_float(cast) -> None:
     getattr(model, cast)()
     layer = model.model.layers[0].mlp.down_proj
     assert layer.compute_dtype == dtype and layer.weight.dtype == torch.float8_e4m3fn
+
+
+def test_layer_attributes_are_plain_strings_for_yaml_and_json() -> None:
+    """The recipe holds enums; what a layer exposes (read by cards, summaries, exports) is
+    plain ``str``, which yaml.safe_dump and safetensors metadata accept."""
+    yaml = pytest.importorskip("yaml")
+    _, layer = _layer(Fp8Config("dynamic", weight_granularity="block"))
+    words = [layer.activation_scheme, layer.weight_granularity, layer.activation_granularity,
+             layer.fp8_format, layer.kernel]  # fmt: skip
+    assert all(type(w) is str for w in words)
+    assert yaml.safe_load(yaml.safe_dump(words)) == ["dynamic", "block", "block", "e4m3", "auto"]
