@@ -274,6 +274,11 @@ class ExpertMerger:
             raise ValueError(f"incomplete fp8 experts in the checkpoint: {left[:4]}")
 
 
+def merged_scale_names(groups: dict[str, ExpertGroup]) -> list[str]:
+    """The merged scale names the expert groups may have (``..._weight_scale`` …)."""
+    return [f"{name}{s}" for name in groups for s in _MERGED_SUFFIXES]
+
+
 def split_experts(
     tensors: dict[str, torch.Tensor], groups: dict[str, ExpertGroup], config: Any
 ) -> dict[str, torch.Tensor]:

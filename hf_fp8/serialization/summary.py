@@ -18,6 +18,13 @@ from hf_fp8.serialization.checkpoint import (
     module_of,
     resolve_checkpoint,
 )
+from hf_fp8.serialization.experts import (
+    ExpertGroup,
+    expert_modules,
+    experts_view,
+    merged_scale_names,
+    split_experts,
+)
 from hf_fp8.serialization.formats import FORMATS, format_of
 from hf_fp8.serialization.layers import LayerPlan, plan_layers
 from hf_fp8.serialization.tensors import compute_dtype_of, to_hf_fp8_tensors
@@ -91,6 +98,15 @@ class CheckpointSummary:
     scale_bytes: int = 0
     other_bytes: int = 0
     note: str | None = None
+    parameters: int = 0  # elements of every stored tensor except scales / zero points
+    fp8_parameters: int = 0  # of which stored as fp8 codes
+    # what stays in high precision and why: [{"what", "parameters", "why"}], largest first
+    high_precision_parts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fp8_share(self) -> float:
+        """Share of the parameters stored in FP8 (embeddings and head included)."""
+        return self.fp8_parameters / self.parameters if self.parameters else 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -114,6 +130,7 @@ class CheckpointSummary:
             "total_bytes": self.total_bytes,
             "bytes_before": self.bytes_before,
             "scheme_text": self.scheme_text,
+            "fp8_share": self.fp8_share,
         }
 
 
@@ -140,22 +157,36 @@ _FP8_NAME = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}
 
 
 def check_stored_tensors(
-    checkpoint: Checkpoint, fmt: str, plan: LayerPlan, config: Fp8Config
+    checkpoint: Checkpoint,
+    fmt: str,
+    plan: LayerPlan,
+    config: Fp8Config,
+    groups: dict[str, ExpertGroup] | None = None,
 ) -> None:
     """The checks import runs, on what inspect can afford: the fp8 weights' dtypes (headers)
-    and every scale's values (small tensors). Raises ``CheckpointTensorError`` naming the
-    tensor."""
+    and every scale's values (small tensors; merged expert scales split per expert). Raises
+    ``CheckpointTensorError`` naming the tensor."""
+    groups = groups or {}
     tensors = checkpoint.tensors()
     wanted = _FP8_NAME[str(config.fp8_format)]
+    for name in groups:
+        if name in tensors and tensors[name].dtype != wanted:
+            raise CheckpointTensorError(
+                f"{name}: stored as {tensors[name].dtype}, but the config says "
+                f"fp8_format={config.fp8_format!r}: the config and the stored bytes disagree"
+            )
     for module in plan.fp8:
-        info = tensors[f"{module}.weight"]
+        info = tensors.get(f"{module}.weight")
+        if info is None:  # a per-expert linear of merged expert codes (checked above)
+            continue
         if info.dtype != wanted:
             raise CheckpointTensorError(
                 f"{module}.weight: stored as {info.dtype}, but the config says "
                 f"fp8_format={config.fp8_format!r}: the config and the stored bytes disagree"
             )
     names = [n for n in tensors if module_of(n)[0] in plan.fp8 and module_of(n)[1] in _SCALE_LEAVES]
-    scales = checkpoint.get_tensors(names)
+    names += [n for n in merged_scale_names(groups) if n in tensors]
+    scales = split_experts(checkpoint.get_tensors(names), groups, config)
     dtype = compute_dtype_of(checkpoint.config)
     if fmt in FORMATS:
         FORMATS[fmt].import_tensors(scales, plan, config, compute_dtype=dtype)
@@ -178,23 +209,31 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
     tensors = checkpoint.tensors()
     fmt = format_of(checkpoint.quantization_config)
     config, note = _config(checkpoint, fmt) if fmt != "unquantized" else (None, None)
+    try:
+        view, groups = experts_view(checkpoint.config.get("model_type"), tensors)
+    except ValueError as err:
+        view, groups, note = dict(tensors), {}, note or str(err)
+    experts = expert_modules(groups)
     fp8_modules = {
         module_of(n)[0]
-        for n, i in tensors.items()
+        for n, i in view.items()
         if i.dtype in FP8_DTYPE_NAMES and module_of(n)[1] == "weight"
     }
+    merged_scales = set(merged_scale_names(groups))
     summary = CheckpointSummary(
         path=str(checkpoint.root),
         format=fmt,
         architecture=(checkpoint.config.get("architectures") or [None])[0],
         compute_dtype=_compute_dtype(checkpoint.config, tensors),
         scheme=None if config is None else _scheme(config),
-        fp8_layers=sorted(fp8_modules),
+        # experts listed once per merged projection, not once per expert
+        fp8_layers=sorted({experts[m][0] if m in experts else m for m in fp8_modules}),
         note=note,
     )
+    plan = None
     if fp8_modules:
         try:
-            plan = plan_layers(checkpoint.config, tensors)
+            plan = plan_layers(checkpoint.config, view, experts=experts)
         except CheckpointTensorError:
             raise
         except ValueError as err:
@@ -202,16 +241,80 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
         else:
             summary.high_precision_layers = plan.high_precision
             if config is not None and isinstance(checkpoint, Checkpoint):
-                check_stored_tensors(checkpoint, fmt, plan, config)
+                check_stored_tensors(checkpoint, fmt, plan, config, groups)
+    high: dict[str, list[Any]] = {}
     for name, info in tensors.items():
         module, leaf = module_of(name)
-        if module in fp8_modules and leaf == "weight":
+        fp8 = info.dtype in FP8_DTYPE_NAMES and (
+            (module in fp8_modules and leaf == "weight") or name in groups
+        )
+        if fp8:
             summary.fp8_weight_bytes += info.nbytes
-        elif module in fp8_modules and leaf in _SCALE_LEAVES:
+        elif (module in fp8_modules and leaf in _SCALE_LEAVES) or name in merged_scales:
             summary.scale_bytes += info.nbytes
+            continue
         else:
             summary.other_bytes += info.nbytes
+        if leaf in ("weight_zero_point", "input_zero_point"):
+            continue
+        summary.parameters += info.numel
+        if fp8:
+            summary.fp8_parameters += info.numel
+        else:
+            what, why = high_precision_reason(name, info, plan, checkpoint.quantization_config)
+            entry = high.setdefault(what, [0, why])
+            entry[0] += info.numel
+    summary.high_precision_parts = [
+        {"what": what, "parameters": n, "why": why}
+        for what, (n, why) in sorted(high.items(), key=lambda kv: -kv[1][0])
+    ]
     return summary
+
+
+_ROUTER_LEAVES = ("gate", "router", "shared_expert_gate", "gating")
+
+
+def high_precision_reason(
+    name: str, info: TensorInfo, plan: LayerPlan | None, qc: dict[str, Any] | None
+) -> tuple[str, str]:
+    """``(kind, why)`` of a tensor kept in high precision, from its name and shape (the
+    words of ``hf_fp8.modules.selection``'s keep rules)."""
+    module, leaf = module_of(name)
+    child = module.rpartition(".")[2]
+    high = set(plan.high_precision) if plan is not None else set()
+    if "embed" in name or "wte" in name or "wpe" in name:
+        return "embeddings", "a lookup table, not a matmul (FP8 would save memory but no compute)"
+    if leaf == "bias":
+        return "biases", "added after the matmul in the compute dtype (1-D, tiny)"
+    if len(info.shape) <= 1:
+        return "norms and other 1-D tensors", "vectors, not matmul weights (tiny)"
+    if child in _ROUTER_LEAVES or "router" in module:
+        return "MoE routers", (
+            "kept in high precision on purpose: they pick the experts, and a flipped top-k "
+            "choice costs more than the tiny matmul saves"
+        )
+    if module in high:
+        qc = qc or {}
+        skipped = [
+            *(qc.get("modules_to_not_convert") or []),
+            *(qc.get("ignore") or []),
+            *(qc.get("ignored_layers") or []),
+        ]
+        if any(module == s or module.endswith(f".{s}") for s in skipped):
+            return "modules_to_not_convert", (
+                "named in modules_to_not_convert (lm_head by default: the output head is the "
+                "layer most sensitive to FP8 rounding)"
+            )
+        return "high-precision linears", (
+            "a linear the checkpoint stores in high precision (kept by hf_fp8.modules.selection "
+            "or not quantized by the tool that wrote it)"
+        )
+    if "experts" in name and len(info.shape) == 3:
+        return "experts not in FP8", (
+            "MoE experts that Fp8Experts cannot carry (hf_fp8.modules.fp8_experts."
+            "unsupported_reason names why)"
+        )
+    return "other", "not a linear layer hf_fp8 converts"
 
 
 def inspect_checkpoint(
