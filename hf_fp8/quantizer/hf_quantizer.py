@@ -104,6 +104,11 @@ class Fp8HfQuantizer(HfQuantizer):
         return 1
 
     def validate_environment(self, *args, device_map=None, **kwargs) -> None:
+        # a layer offloaded to disk never reaches its module: its scales are read and checked
+        # while loading (get_new_dtype); otherwise only after loading, where all are in memory
+        self.may_offload_to_disk = (
+            isinstance(device_map, dict) and "disk" in set(map(str, device_map.values()))
+        ) or device_map in ("auto", "balanced", "balanced_low_0", "sequential")
         if (
             isinstance(device_map, dict)
             and not self.pre_quantized
@@ -215,7 +220,10 @@ class Fp8HfQuantizer(HfQuantizer):
         ours = [t for t in targets if t in self.fp8_tensor_names]
         for key in ours:  # before anything is read or offloaded to disk
             check_stored_tensor(
-                key, param, fp8_dtype=fp8_dtype(self.quantization_config.fp8_format)
+                key,
+                param,
+                fp8_dtype=fp8_dtype(self.quantization_config.fp8_format),
+                read_scales=getattr(self, "may_offload_to_disk", True),
             )
         if ours or _is_fp8_on_disk(param):
             return None

@@ -267,3 +267,22 @@ def test_every_family_is_checked(family, tiny_model_dir, tmp_path):
     path = _corrupt(str(tmp_path / "fp8"), tmp_path / "ckpt", _set(stored_key, torch.neg))
     with pytest.raises(CheckpointTensorError, match=re.escape(key) + ": .*must be > 0"):
         model_cls.from_pretrained(path)
+
+
+def test_scale_batch_names_the_bad_tensor_in_any_chunk():
+    from hf_fp8.quantizer.validation import ScaleBatch
+
+    batch = ScaleBatch()
+    sizes = [5000] * 20  # several fused chunks of <= 32768 values
+    for i, n in enumerate(sizes):
+        batch.add(f"l{i}.weight_scale", torch.full((n, 1), 0.5), (n, 1), 10.0)
+    batch.check()  # all good
+    bad = torch.full((5000, 1), 0.5)
+    bad[4321, 0] = float("nan")
+    batch.add("l20.weight_scale", bad, (5000, 1), 10.0)
+    with pytest.raises(CheckpointTensorError, match=r"^l20\.weight_scale: holds 1 non-finite"):
+        batch.check()
+    over = ScaleBatch()
+    over.add("big.weight_scale", torch.tensor([11.0]), (1,), 10.0)
+    with pytest.raises(CheckpointTensorError, match=r"big\.weight_scale: scale 11 exceeds"):
+        over.check()
