@@ -5,7 +5,7 @@ the activation is fake-quantized by the emulation's own functions, run eagerly (
 inductor compile: the first call costs no more than the eager path, and new sequence
 lengths never recompile), then
 
-* up to ``GEMV_MAX_TOKENS`` tokens: the fused GEMV (fp32 activation, fp32 accumulation,
+* up to ``gemv_limit()`` tokens (16 with bf16 dot products, else 4): the fused GEMV (fp32 activation, fp32 accumulation,
   the emulation's epilogue in C; block weight scales applied per K-block partial sum);
 * above: the weight decoded tile by tile into the compute dtype (bf16 / fp32, bit-identical
   to the emulation's decode) and torch's matmul, then the emulation's epilogue.
@@ -22,6 +22,22 @@ from hf_fp8.kernels import cpu_kernel
 from hf_fp8.kernels import emulated as _emu  # circular: attributes used at call time
 
 GEMV_MAX_TOKENS = cpu_kernel.GEMV_MAX_TOKENS
+# With fp32 activations (paths without bf16 dot products, block-quantized activations, fp32
+# compute) the GEMV's fp32 FMAs lose to decode + matmul from about 5 tokens on
+# (benchmarks/bench_linear.py, AVX-512 path: 0.8x bf16 at 4 tokens, 3x at 16).
+FP32_GEMV_MAX_TOKENS = 4
+
+
+def gemv_limit(path: str, dtype: torch.dtype, act_block: bool) -> int:
+    """Largest token count the fused GEMV takes for this path, compute dtype and recipe."""
+    if dtype not in (torch.bfloat16, torch.float32):  # no decode + matmul path for fp16
+        return GEMV_MAX_TOKENS
+    bf16_dot = path in cpu_kernel.BF16_ACTIVATION_PATHS and dtype == torch.bfloat16
+    if bf16_dot and not act_block:
+        return GEMV_MAX_TOKENS
+    return min(GEMV_MAX_TOKENS, FP32_GEMV_MAX_TOKENS)
+
+
 _A_GRAN = {"tensor": "tensor", "row": "token", "block": None}
 
 
@@ -44,7 +60,7 @@ def linear(
     bn, bk = block_size
     w_scale = w_scale.detach().float().reshape(-1).contiguous()
     w_fp8 = w_fp8.detach().contiguous()
-    if m <= GEMV_MAX_TOKENS:
+    if m <= gemv_limit(path, dtype, a_gran == "block"):
         # exact bf16 operands (a bf16 input, or fp8 values) take the bf16 dot products there
         a_dtype = torch.float32
         if path in cpu_kernel.BF16_ACTIVATION_PATHS and dtype == torch.bfloat16:

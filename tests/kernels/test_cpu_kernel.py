@@ -111,7 +111,8 @@ def test_linear_matches_float64_and_the_emulation(path, monkeypatch, fmt, gran, 
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
         err = (out.double() - ref).abs()
         blocky = "block" in (gran, SCHEMES[scheme][0])
-        if m <= cpu_linear.GEMV_MAX_TOKENS:
+        gemv = m <= cpu_linear.gemv_limit(path, torch.bfloat16, SCHEMES[scheme][0] == "block")
+        if gemv:
             bound = _bound(a64, w64, ref, 2.0**-8, 2.0**-16)
         else:  # bf16 matmul: the product is rounded to bf16, block scales folded into bf16
             bound = _bound(a64, w64, ref, 2.0**-8, 2.0**-16 + (2.0**-8 if blocky else 0.0))
@@ -236,7 +237,7 @@ def test_without_a_compiler_the_compiled_emulation_runs_with_one_warning(monkeyp
 
 
 def test_custom_ops_compile_fullgraph_without_recompiles(path) -> None:
-    """One graph for five token counts <= 16 (the GEMV), one more above (decode + matmul)."""
+    """One graph for the token counts the GEMV takes, one more above (decode + matmul)."""
     w8 = _all_codes_weight(48, 64, torch.float8_e4m3fn)
     ws = _weight_scale(48, 64, "row")
 
@@ -249,11 +250,12 @@ def test_custom_ops_compile_fullgraph_without_recompiles(path) -> None:
     counters = torch._dynamo.utils.counters
     counters.clear()
     compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
-    for m in (2, 3, 5, 9, 16):
+    limit = cpu_linear.gemv_limit(path, torch.bfloat16, act_block=False)
+    for m in sorted({2, 3, limit // 2 + 1, limit - 1, limit}):
         x = torch.randn(m, 64).to(torch.bfloat16)
         torch.testing.assert_close(compiled(x), fn(x), rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] == 1
-    for m in (17, 30, 41, 64, 100):
+    for m in (limit + 1, 30, 41, 64, 100):
         compiled(torch.randn(m, 64).to(torch.bfloat16))
     assert counters["stats"]["unique_graphs"] == 2
     torch._dynamo.reset()
