@@ -1,24 +1,29 @@
 """The C CPU kernels (``csrc/fp8_gemv.c``): code-path choice, checked calls, torch custom ops.
 
-Two kernels, built once per code path with :func:`hf_fp8.utils.native.load_library`:
+Built once per code path with :func:`hf_fp8.utils.native.load_library` (the shared,
+hardened loader; cached per machine):
 
 * ``fp8_gemv``: a fused decode-and-reduce for up to 16 tokens. It streams the fp8 weight
   once, decodes it in registers (exactly, subnormal codes included), accumulates in fp32
   and applies the activation scale, the weight scale and the bias in the emulation's
-  epilogue order. Output rows are spread over ``torch.get_num_threads()`` threads.
+  epilogue order.
 * ``fp8_decode``: a vectorized fp8 → bf16 / fp32 weight decode (scale folded in, or not),
   bit-identical to ``dequantize`` / ``w_fp8.float().to(dtype)``; it feeds torch's matmul
-  tile by tile (:func:`fp8_mm`).
+  tile by tile (``cpu_fp8_mm``), followed by ``fp8_epilogue`` (the emulation's scales and
+  bias in one pass).
+* ``fp8_quant_act``: the activation fake-quantization, bit-identical to ``hf_fp8.numerics``.
+
+Work is spread over ``torch.get_num_threads()`` threads of torch's own OpenMP team.
 
 Code path, chosen at run time from the CPU: ``avx512bf16`` (AVX-512 + VBMI + BF16: byte-table
 decode, bf16 dot products for bf16 activations), ``avx512`` (AVX-512 F/BW/VL + F16C + FMA),
 ``avx2`` (AVX2 + F16C + FMA), ``neon`` (aarch64), ``scalar`` (portable C). The environment
 variable ``HF_FP8_CPU_KERNEL`` forces one (``avx512bf16``, ``avx512``, ``avx2``, ``neon``,
-``scalar``) or turns the C kernels off (``off``: the compiled emulation runs instead). Without a C compiler
-the kernels are unavailable and the emulation runs, with one warning.
+``scalar``) or turns the C kernels off (``off``: the compiled emulation runs instead).
+Without a C compiler the kernels are unavailable and the emulation runs, with one warning.
 
 The Python side checks every dtype, shape and contiguity before a call (the C code trusts
-its sizes). Both kernels are registered as torch custom ops (``hf_fp8::cpu_gemv``,
+its sizes). The GEMV and the tiled matmul are torch custom ops (``hf_fp8::cpu_gemv``,
 ``hf_fp8::cpu_fp8_mm``) with fake implementations: ``torch.compile(fullgraph=True)`` keeps
 them in one graph.
 """
@@ -38,6 +43,7 @@ from pathlib import Path
 import torch
 
 from hf_fp8.numerics.formats import min_scale
+from hf_fp8.utils.native import cpu_features, load_library
 
 logger = logging.getLogger("hf_fp8")
 
@@ -69,17 +75,9 @@ _FAILED: dict[str, str] = {}
 _WARNED: set[str] = set()
 
 
-def _features() -> frozenset[str]:
-    try:
-        from hf_fp8.utils.native import cpu_features
-    except ImportError:  # the shared loader is not there: no C kernels
-        return frozenset()
-    return cpu_features()
-
-
 def supported_paths() -> tuple[str, ...]:
     """Code paths this CPU can run, widest first (``scalar`` always, where C builds)."""
-    feats = _features()
+    feats = cpu_features()
     machine = platform.machine().lower()
     paths = []
     if machine in ("x86_64", "amd64"):
@@ -129,8 +127,6 @@ def _torch_openmp() -> int | None:
 
 
 def _build(path: str) -> ctypes.CDLL:
-    from hf_fp8.utils.native import load_library
-
     start = time.perf_counter()
     lib = load_library(
         f"fp8_gemv_{path}",
