@@ -23,6 +23,7 @@ def _auto(family):
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
     return float((a - b).norm() / b.norm())
 
 
