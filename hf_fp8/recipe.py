@@ -26,6 +26,7 @@ This module imports nothing but the standard library: the CLI and the numerics r
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any, TypeVar
@@ -155,6 +156,11 @@ ACTIVATION_GRANULARITY_TABLE: dict[
 E = TypeVar("E", bound=_Word)
 
 
+@functools.lru_cache(maxsize=256)
+def _resolve_cached(cls: type[Fp8Recipe], *words: Any) -> Fp8Recipe:
+    return cls._resolve(*words)
+
+
 def values(enum: type[_Word]) -> tuple[str, ...]:
     """The accepted words of ``enum``, in declaration order (for CLI ``choices`` and errors)."""
     return tuple(member.value for member in enum)
@@ -255,7 +261,31 @@ class Fp8Recipe:
     ) -> Fp8Recipe:
         """A recipe from user words; ``activation_granularity=None`` takes the table's default
         (``"token"`` for dynamic, ``"block"`` with block weights, ``"tensor"`` for static,
-        ``None`` for weight-only). Errors name the accepted values."""
+        ``None`` for weight-only). Errors name the accepted values. Cached: a model load
+        resolves the same words once, not once per layer."""
+        try:
+            return _resolve_cached(
+                cls, activation_scheme, weight_granularity, activation_granularity, fp8_format,
+                tuple(block_size), kernel, weight_scale_method,
+            )  # fmt: skip
+        except TypeError:  # unhashable words (e.g. a list inside block_size): the error path
+            pass
+        return cls._resolve(
+            activation_scheme, weight_granularity, activation_granularity, fp8_format,
+            block_size, kernel, weight_scale_method,
+        )  # fmt: skip
+
+    @classmethod
+    def _resolve(
+        cls,
+        activation_scheme: Any,
+        weight_granularity: Any,
+        activation_granularity: Any,
+        fp8_format: Any,
+        block_size: Any,
+        kernel: Any,
+        weight_scale_method: Any,
+    ) -> Fp8Recipe:
         scheme = parse(ActivationScheme, activation_scheme, "activation_scheme")
         weights = parse(Granularity, weight_granularity, "weight_granularity")
         if activation_granularity is None:

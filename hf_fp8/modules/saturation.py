@@ -1,9 +1,10 @@
 """A cheap saturation counter for static FP8 layers (issue 12 §6).
 
 A static ``input_scale`` that is too small clips every activation above
-``input_scale * fp8_max`` to ±max without a word. Each eager forward of a static layer adds
-the number of clipped elements to a device tensor (no host sync); every
-``SaturationCounter.check_every`` calls one sync reads it, and when more than
+``input_scale * fp8_max`` to ±max without a word. One eager forward in
+``SaturationCounter.sample_every`` of a static layer adds the number of clipped elements to a
+device tensor (no host sync; saturation is a property of the data, a sample shows it); every
+``check_every`` sampled calls one sync reads it, and when more than
 ``SaturationCounter.warn_fraction`` of the activations seen were clipped, one warning per
 layer names it. Under ``torch.compile`` nothing is counted (no graph break, no extra work).
 Set ``SaturationCounter.check_every = 0`` to switch it off.
@@ -19,17 +20,22 @@ import torch
 class SaturationCounter:
     """Counts the activations a static layer clips; warns once when they are too many."""
 
-    check_every = 64  # calls between two host reads of the counter (0: counting off)
+    sample_every = 8  # count one forward in this many (the others cost one int increment)
+    check_every = 16  # sampled calls between two host reads of the counter (0: counting off)
     warn_fraction = 1e-3  # a percentile calibration clips ~1e-4 on purpose
 
     def __init__(self) -> None:
-        self.calls = 0
+        self.forwards = 0
+        self.calls = 0  # sampled forwards
         self.elements = 0
         self.clipped: torch.Tensor | None = None  # int64 on the activations' device
         self.warned = False
 
     def update(self, x: torch.Tensor, input_scale: torch.Tensor, fp8_max: float, name: str) -> None:
         if self.warned or not self.check_every or x.numel() == 0:
+            return
+        self.forwards += 1
+        if (self.forwards - 1) % self.sample_every:
             return
         limit = input_scale.detach().float() * fp8_max
         clipped = (x.detach().float().abs() > limit).sum()
@@ -53,7 +59,7 @@ class SaturationCounter:
             self.warned = True
             warnings.warn(
                 f"hf_fp8: static FP8 layer {name or '(unnamed)'} clipped {fraction:.2%} of its "
-                f"activations over {self.calls} calls (input_scale={scale:.3g} is too small "
+                f"activations over {self.calls} sampled calls (input_scale={scale:.3g} is too small "
                 "for the data): re-calibrate with hf_fp8.calibrate on representative batches, "
                 "or use activation_scheme='dynamic'",
                 RuntimeWarning,
