@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported on first access)
 _LAZY = {
     "AdamWFp8": "hf_fp8.optim",
+    "CheckpointTensorError": "hf_fp8.numerics.checks",
     "Fp8Config": "hf_fp8.config",
     "Fp8HfQuantizer": "hf_fp8.quantizer",
     "Fp8Linear": "hf_fp8.modules",
@@ -38,6 +39,7 @@ _LAZY = {
 
 __all__ = [
     "AdamWFp8",
+    "CheckpointTensorError",
     "Fp8Config",
     "Fp8HfQuantizer",
     "Fp8Linear",
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from hf_fp8.config import Fp8Config
     from hf_fp8.hub import set_card_info
     from hf_fp8.modules import Fp8Linear
+    from hf_fp8.numerics.checks import CheckpointTensorError
     from hf_fp8.optim import AdamWFp8
     from hf_fp8.quantizer import Fp8HfQuantizer, quantize_model
     from hf_fp8.serialization import export, import_checkpoint, inspect_checkpoint
