@@ -4,7 +4,6 @@ from hf_fp8.kernels.capability import KERNELS, check_kernel, has_fp8_gemm
 from hf_fp8.kernels.compiled import compile_enabled
 from hf_fp8.kernels.emulated import decode_weight, emulated_linear
 from hf_fp8.kernels.fp8_linear import (
-    ACTIVATION_SCHEMES,
     LinearPlan,
     fp8_linear,
     quantize_activation,
@@ -12,7 +11,6 @@ from hf_fp8.kernels.fp8_linear import (
 from hf_fp8.kernels.scaled_mm import scaled_mm_linear, unsupported_reason
 
 __all__ = [
-    "ACTIVATION_SCHEMES",
     "KERNELS",
     "LinearPlan",
     "check_kernel",

@@ -23,14 +23,10 @@ from hf_fp8.recipe import (
     Granularity,
     Kernel,
     parse,
-    values,
 )
 
-ACTIVATION_SCHEMES = values(ActivationScheme)
 # Plain strings (the recipe's words): compared per call, also under torch.compile.
 _EMULATED, _SCALED_MM = Kernel.EMULATED.value, Kernel.SCALED_MM.value
-# activation word -> numerics layout, derived from the recipe (kept for hf_fp8.kernels.grouped)
-_ACT_TO_NUMERICS = {a.value: a.layout.value for a in ActivationGranularity}
 
 
 def quantize_activation(

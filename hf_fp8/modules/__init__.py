@@ -1,11 +1,6 @@
 """Modules: ``Fp8Linear`` and the one rule for which layers convert (``is_convertible``)."""
 
-from hf_fp8.modules.fp8_linear import (
-    ACTIVATION_GRANULARITIES,
-    Fp8Linear,
-    default_activation_granularity,
-    validate_scheme,
-)
+from hf_fp8.modules.fp8_linear import Fp8Linear
 from hf_fp8.modules.selection import (
     convertible_modules,
     is_conv1d,
@@ -19,10 +14,8 @@ from hf_fp8.modules.selection import (
 )
 
 __all__ = [
-    "ACTIVATION_GRANULARITIES",
     "Fp8Linear",
     "convertible_modules",
-    "default_activation_granularity",
     "is_conv1d",
     "is_convertible",
     "is_router",
@@ -30,6 +23,5 @@ __all__ = [
     "matches_module",
     "unconverted_linears",
     "unmatched_patterns",
-    "validate_scheme",
     "warn_unmatched",
 ]

@@ -13,30 +13,10 @@ from hf_fp8.kernels import LinearPlan, fp8_linear
 from hf_fp8.modules.saturation import SaturationCounter
 from hf_fp8.numerics import dequantize, fp8_dtype, fp8_max, is_fp8, quantize_weight
 from hf_fp8.numerics.checks import check_fp8_tensor, check_scale_tensor, max_scale
-from hf_fp8.recipe import ActivationGranularity, Fp8Recipe, Granularity, values
+from hf_fp8.recipe import Fp8Recipe, Granularity
 
 if TYPE_CHECKING:
     from hf_fp8.config import Fp8Config
-
-ACTIVATION_GRANULARITIES = values(ActivationGranularity)
-
-
-def default_activation_granularity(activation_scheme: str, weight_granularity: str) -> str | None:
-    """The recipe table's default (``hf_fp8.recipe.ACTIVATION_GRANULARITY_TABLE``)."""
-    act = Fp8Recipe.resolve(
-        activation_scheme, weight_granularity=weight_granularity
-    ).activation_granularity
-    return None if act is None else act.value
-
-
-def validate_scheme(
-    activation_scheme: str,
-    weight_granularity: str,
-    activation_granularity: str | None,
-) -> None:
-    """Raise ``ValueError`` naming the accepted values for any invalid combination (the
-    recipe's rules; prefer ``Fp8Recipe.resolve``)."""
-    Fp8Recipe(activation_scheme, weight_granularity, activation_granularity)  # type: ignore[arg-type]
 
 
 def weight_scale_shape(

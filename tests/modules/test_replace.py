@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hf_fp8 import Fp8Config, Fp8Linear, quantize_model
-from hf_fp8.modules.replace import matches_module
+from hf_fp8.modules import matches_module
 
 
 @pytest.mark.parametrize(
