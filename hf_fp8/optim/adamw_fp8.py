@@ -60,9 +60,10 @@ class AdamWFp8(Optimizer):
         fp8_format: ``"e4m3"`` (default) or ``"e5m2"``.
         min_quantize_numel: tensors with fewer elements (and all 1-D tensors) keep fp32
             states.
-        stochastic_rounding: ``True``: both stored moments are cast to fp8 with stochastic
-            rounding (unbiased: slow changes are kept in expectation); ``"exp_avg_sq"``: the
-            second moment only; ``False``: round-to-nearest. Reproducible: the random bits
+        stochastic_rounding: ``"exp_avg_sq"`` (default): the second moment is cast to fp8
+            with stochastic rounding (unbiased: its slow β2 decay is kept in expectation,
+            where round-to-nearest returns the same code every step); ``True``: both
+            moments; ``False``: round-to-nearest (the COAT paper). Reproducible: the random bits
             are a hash of (``seed``, step, parameter index, element), so a resumed or
             FSDP2-sharded run draws the same bits.
         sqrt_second_moment: store ``sqrt(v)`` instead of ``v`` (half the log-range; free: the
@@ -98,7 +99,7 @@ class AdamWFp8(Optimizer):
         group_size: int = 128,
         fp8_format: str = "e4m3",
         min_quantize_numel: int = DEFAULT_MIN_QUANTIZE_NUMEL,
-        stochastic_rounding: bool | str = False,
+        stochastic_rounding: bool | str = "exp_avg_sq",
         sqrt_second_moment: bool = False,
         seed: int = 0,
         amsgrad: bool = False,

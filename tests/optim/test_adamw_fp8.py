@@ -62,7 +62,13 @@ def test_quantized_step_matches_float64_reference(expand, shape, implementation)
     """Each step, from the optimizer's own stored state, equals AdamW done in float64 on the
     dequantized moments; the new codes equal the paper's COAT quantization of the new moments."""
     (p,) = make_params([shape])
-    opt = AdamWFp8([p], dynamic_range_expansion=expand, implementation=implementation, **HP)
+    opt = AdamWFp8(
+        [p],
+        dynamic_range_expansion=expand,
+        implementation=implementation,
+        stochastic_rounding=False,  # the paper's round-to-nearest codes are compared below
+        **HP,
+    )
     rows, cols = shape
     for step in range(1, 5):
         state = opt.state[p]
@@ -149,11 +155,13 @@ def test_param_groups_behave_like_separate_optimizers():
             {"params": ps[1:], "lr": 5e-3, "dynamic_range_expansion": False, "weight_decay": 0.0},
         ],
         weight_decay=0.1,
+        stochastic_rounding=False,  # random streams follow the parameter's global index
     )
     fresh = make_params(shapes)  # same values as ps
     a, b = fresh[:1], fresh[1:]
-    opt_a = AdamWFp8(a, lr=1e-3, group_size=64, weight_decay=0.1)
-    opt_b = AdamWFp8(b, lr=5e-3, dynamic_range_expansion=False, weight_decay=0.0)
+    rtn = {"stochastic_rounding": False}
+    opt_a = AdamWFp8(a, lr=1e-3, group_size=64, weight_decay=0.1, **rtn)
+    opt_b = AdamWFp8(b, lr=5e-3, dynamic_range_expansion=False, weight_decay=0.0, **rtn)
     for step in range(5):
         for params in (ps, a + b):
             grads_for(params, step)
