@@ -260,14 +260,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = "small" if args.small else "0.5b"
     rounds = args.rounds or (1 if args.quick else 2)
     thread_counts = [int(t) for t in args.threads.split(",")]
+    output = args.output or RESULTS / (
+        "generate_small.json"
+        if args.small
+        else "generate_quick.json"
+        if args.quick
+        else "generate.json"
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    load = os.getloadavg()
+    meta: dict[str, Any] = {
+        "size": size,
+        "rounds": rounds,
+        "load_average_1min_before": round(os.getloadavg()[0], 2),
+        "started": started,
+    }
+    samples: dict[tuple[int, str], list[dict]] = {}
     scratch = Path(tempfile.mkdtemp(prefix="hf_fp8_bench_generate_"))  # 0700, ours
     try:
         paths = build_checkpoints(scratch, size)
-        params = int(paths.pop("_params"))
-        print(f"{size}: {params / 1e6:.0f} M parameters; checkpoints in {scratch}", flush=True)
-        samples: dict[tuple[int, str], list[dict]] = {}
+        meta["params"] = int(paths.pop("_params"))
+        print(f"{size}: {meta['params'] / 1e6:.0f} M parameters; in {scratch}", flush=True)
         kernel_cache = scratch / "hf_fp8_kernels"  # shared from round 2 on
         kernel_cache.mkdir(mode=0o700)
         for rnd in range(rounds):
@@ -285,39 +298,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"{sample['cold_first_token_s']:.2f} s"
                     )
                     print(f"round {rnd + 1} {threads}T {name}: {brief}", flush=True)
+                    # written after every sample: a run cut short still leaves its numbers
+                    _write(output, _results(samples, meta, args, complete=False))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    runs = []
-    for threads in thread_counts:
-        per = {name: summarize(samples[(threads, name)]) for name in VARIANTS}
-        runs.append({"threads": threads, "variants": per, "vs_bf16": compare(per)})
-    results = {
-        "model": f"Llama-shaped {size}, {params} parameters, random weights",
-        "config": MODELS[size],
-        "prompt_tokens": args.prompt,
-        "new_tokens": args.new,
-        "device": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-        "rounds": rounds,
-        "timing": "best of interleaved rounds (tokens/s); cold first token: round 1 (all "
-        "caches empty) and the median of later rounds (C kernel cached, inductor cache empty)",
-        "load_average_1min_before": round(load[0], 2),
-        "load_average_1min_after": round(os.getloadavg()[0], 2),
-        "targets": TARGETS,
-        "runs": runs,
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
-    output = args.output or RESULTS / (
-        "generate_small.json"
-        if args.small
-        else "generate_quick.json"
-        if args.quick
-        else "generate.json"
-    )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=2) + "\n")
+    results = _results(samples, meta, args, complete=True)
+    _write(output, results)
     print_table(results)
     print(f"\nwrote {output} in {results['wall_s']} s")
     return results
+
+
+def _write(path: Path, results: dict[str, Any]) -> None:
+    path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _results(
+    samples: dict[tuple[int, str], list[dict]],
+    meta: dict[str, Any],
+    args: argparse.Namespace,
+    complete: bool,
+) -> dict[str, Any]:
+    runs = []
+    for threads in sorted({t for t, _ in samples}):
+        per = {n: summarize(samples[(threads, n)]) for n in VARIANTS if (threads, n) in samples}
+        vs = compare(per) if "bf16" in per else {}
+        runs.append({"threads": threads, "variants": per, "vs_bf16": vs})
+    return {
+        "model": f"Llama-shaped {meta['size']}, {meta.get('params')} parameters, random weights",
+        "config": MODELS[meta["size"]],
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.new,
+        "device": f"{platform.machine()} CPU, {os.cpu_count()} cores",
+        "rounds": meta["rounds"],
+        "complete": complete,
+        "timing": "best of interleaved rounds (tokens/s); cold first token: round 1 (all "
+        "caches empty) and the median of later rounds (C kernel cached, inductor cache empty)",
+        "load_average_1min_before": meta["load_average_1min_before"],
+        "load_average_1min_now": round(os.getloadavg()[0], 2),
+        "targets": TARGETS,
+        "runs": runs,
+        "wall_s": round(time.perf_counter() - meta["started"], 1),
+    }
 
 
 def print_table(results: dict[str, Any]) -> None:
