@@ -140,6 +140,8 @@ def load(variant: int = EXPAND) -> ctypes.CDLL | None:
     with _LOCK:
         if variant in _LIBS:
             return _LIBS[variant]
+        if variant in _ERRORS:  # recorded for this variant: no retry on every step
+            return None
         try:
             lib = native.load_library("adamw_fp8", SOURCE, defines=kernel_defines(variant))
         except native.NativeUnavailable as exc:
@@ -148,7 +150,6 @@ def load(variant: int = EXPAND) -> ctypes.CDLL | None:
         lib.adamw_fp8_step.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
         lib.adamw_fp8_step.restype = ctypes.c_int
         _LIBS[variant] = lib
-        _ERRORS.pop(variant, None)
         return lib
 
 

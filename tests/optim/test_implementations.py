@@ -259,3 +259,29 @@ def test_c_source_restates_no_layout_constant():
     text = _cpu_kernel.SOURCE.read_text()
     assert not re.search(r"\b(t|hp)\[\s*\d", text)
     assert not re.search(r"\b\d+\s*\*\s*k\b", text)  # the old "13 * k" task stride
+
+
+def test_unavailable_variant_is_recorded_not_retried_each_step(monkeypatch):
+    """HF_FP8_DISABLE_CPU_KERNEL=1: one warning, one load attempt per variant, and the
+    fallback gives the reference's results."""
+    monkeypatch.setenv(native.DISABLE_ENV, "1")
+    monkeypatch.setattr(_cpu_kernel, "_LIBS", {})
+    monkeypatch.setattr(_cpu_kernel, "_ERRORS", {})
+    monkeypatch.setattr(AdamWFp8, "_compiled_fn", lambda self: _step_reference())
+    calls = []
+    real = native.load_library
+    monkeypatch.setattr(native, "load_library", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = run("auto", torch.float32, torch.float32, "e4m3", True, steps=3)
+    assert len(calls) == 1
+    assert sum("HF_FP8_DISABLE_CPU_KERNEL" in str(w.message) for w in caught) == 1
+    assert_bit_identical(
+        run("reference", torch.float32, torch.float32, "e4m3", True, steps=3), fallback
+    )
+
+
+def _step_reference():
+    from hf_fp8.optim import _step
+
+    return _step.grouped_step
