@@ -312,7 +312,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax1.axhline(0, color="black", lw=0.5)
     ax1.set(xlabel="step", ylabel="eval loss vs fp32 AdamW, %", title="Small Llama, stdlib text")
     ax1.legend(fontsize=7)
-    fid = results["runs"]["adamw_fp32"]["fidelity"]
+    fid = results["runs"]["adamw_fp32"].get("fidelity", {})
     for name, values in fid.items():
         curve = values["update_rel_error_curve"]
         smooth = [_mean(curve[max(0, i - 9) : i + 1]) for i in range(len(curve))]
@@ -385,14 +385,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs["adamw_fp32_seed1"] = train(
             "adamw_fp32", data, evals, vocab, steps, eval_every, seed=1
         )
-    fid = runs["adamw_fp32"]["fidelity"]
+    fid = runs["adamw_fp32"].get("fidelity", {})
     fp32_loss, fp32_last3 = (
         runs["adamw_fp32"]["final_eval_loss"],
         runs["adamw_fp32"]["last3_eval_loss"],
     )
     summary: dict[str, Any] = {
         "update_rel_error_mean": {n: fid[n]["update_rel_error_mean"] for n in fid},
-        "one_shot_update_rel_error": runs["adamw_fp32"]["one_shot_update_rel_error"],
+        "one_shot_update_rel_error": runs["adamw_fp32"].get("one_shot_update_rel_error", {}),
         "exp_avg_rel_error": {n: fid[n]["exp_avg_rel_error"] for n in fid},
         "exp_avg_sq_rel_error": {n: fid[n]["exp_avg_sq_rel_error"] for n in fid},
         "update_cosine_similarity": {n: fid[n]["update_cosine_similarity"] for n in fid},
