@@ -15,6 +15,14 @@ quantized when it has ≥ 2 dims, ≥ ``min_quantize_numel`` (4096) elements and
 enough that the padded FP8 state is smaller than fp32 (≥ 35 columns at group_size 128); the others
 (biases, norms, tiny tensors) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and follow
 ``torch.optim.AdamW`` exactly.
+
+The second moment is written back with stochastic rounding by default
+(``stochastic_rounding="exp_avg_sq"``): with β2 = 0.999 it moves by 0.1 % a step while one E4M3
+step is 6–12 %, so round-to-nearest keeps returning the old code and the stored moment stops
+following its decay (measured on a small Llama: update error ×1.78 from step 300 to 1000 with
+round-to-nearest, ×1.45 with it; ``benchmarks/bench_optim_fidelity.py``). The random bits are
+a hash of (``seed``, step, parameter index, element): resuming and FSDP2 sharding draw the
+same bits.
 """
 
 from __future__ import annotations
