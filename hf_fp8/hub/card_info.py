@@ -11,8 +11,7 @@ from typing import Any
 from torch import nn
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.modules import Fp8Linear
-from hf_fp8.modules.replace import is_conv1d
+from hf_fp8.modules import Fp8Linear, unconverted_linears
 from hf_fp8.serialization.summary import CheckpointSummary, describe_scheme
 
 _SCHEME_KEYS = ("activation_scheme", "weight_granularity", "activation_granularity", "block_size")
@@ -117,11 +116,7 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
     qc = getattr(config, "quantization_config", None)
     if not isinstance(qc, Fp8Config):
         raise ValueError("the model has no hf_fp8 quantization_config: it is not an hf_fp8 model")
-    high = [
-        name
-        for name, m in model.named_modules()
-        if (type(m) is nn.Linear or is_conv1d(m)) and not isinstance(m, Fp8Linear)
-    ]
+    high = unconverted_linears(model)
     before, after = model_bytes(model)
     extra = dict(getattr(model, "_hf_fp8_card", None) or {})
     architectures = getattr(config, "architectures", None) or [type(model).__name__]

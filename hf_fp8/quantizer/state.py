@@ -16,16 +16,8 @@ from typing import Literal
 from torch import nn
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.modules import Fp8Linear, is_conv1d
-
-
-def high_precision_linears(model: nn.Module) -> list[str]:
-    """Names of the linear layers of ``model`` that are not FP8."""
-    return sorted(
-        name
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear or is_conv1d(module)
-    )
+from hf_fp8.modules import Fp8Linear, unconverted_linears
+from hf_fp8.modules.fp8_experts import Fp8Experts
 
 
 def sync_quantization_state(model: nn.Module) -> Literal["unchanged", "fp8", "high_precision"]:
@@ -38,13 +30,13 @@ def sync_quantization_state(model: nn.Module) -> Literal["unchanged", "fp8", "hi
     qc = getattr(config, "quantization_config", None)
     if not isinstance(qc, Fp8Config):
         return "unchanged"
-    if not any(isinstance(m, Fp8Linear) for m in model.modules()):
+    if not any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules()):
         del config.quantization_config
         model.hf_quantizer = None
         for name in ("is_quantized", "quantization_method"):
             model.__dict__.pop(name, None)
         return "high_precision"
-    kept = high_precision_linears(model)
+    kept = unconverted_linears(model)
     if kept == sorted(qc.modules_to_not_convert or []):
         return "unchanged"
     synced = Fp8Config.from_dict({**qc.to_dict(), "modules_to_not_convert": kept})
