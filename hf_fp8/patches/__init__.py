@@ -12,6 +12,8 @@ patch                  what it changes                              public alter
                        ``_upload_modified_files``                   ``hf_fp8.hub.push_folder``
 ``peft_lora``          ``LoraConfig.__post_init__`` registers        ``config._register_custom_module(
                        ``Fp8LoraLinear`` via peft's custom modules  {Fp8Linear: Fp8LoraLinear})``
+``model_dtype``        ``PreTrainedModel.half()`` / ``.float()``     ``model.to(torch.float16)``
+                       act as ``.to(dtype)`` on hf_fp8 models
 =====================  ==========================================  =====================================
 
 Each patch is applied on its own, when the library it changes is imported (see
@@ -73,6 +75,12 @@ PATCHES: dict[str, Patch] = {
         "merge_and_unload() of LoRA adapters on FP8 layers",
         "lora_config._register_custom_module({hf_fp8.Fp8Linear: hf_fp8.lora.Fp8LoraLinear}) "
         "before get_peft_model, or merge into model.dequantize()",
+    ),
+    "model_dtype": Patch(
+        "hf_fp8.patches.model_dtype",
+        ("transformers.modeling_utils",),
+        "model.half() / model.float() on hf_fp8 models",
+        "model.to(torch.float16) / model.to(torch.float32)",
     ),
 }
 

@@ -160,9 +160,30 @@ def test_nothing_is_printed_on_import():
         import peft
         from transformers import Trainer
         hf_fp8.Fp8Config, hf_fp8.Fp8Linear, hf_fp8.calibrate, hf_fp8.AdamWFp8
-        print(sorted(hf_fp8.patches.status().values()))
+        print(sorted(set(hf_fp8.patches.status().values())), len(hf_fp8.patches.PATCHES))
         """,
         env={"PYTHONWARNINGS": ""},
     )
-    assert check(result).strip() == "['on', 'on', 'on', 'on']"
+    assert check(result).strip() == f"['on'] {len(patches.PATCHES)}"
     assert result.stderr == ""
+
+
+def test_half_and_float_stay_transformers_own_for_other_quantized_models():
+    """The model_dtype patch only changes hf_fp8 models: any other quantized model still gets
+    transformers' refusal."""
+    result = run_python(
+        """
+        import hf_fp8, torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2))
+        model.is_quantized = True
+        model.quantization_method = "bitsandbytes"
+        try:
+            model.half()
+        except ValueError as exc:
+            print("refused", "not supported for quantized model" in str(exc))
+        print(hf_fp8.patches.status()["model_dtype"])
+        """
+    )
+    assert check(result).split() == ["refused", "True", "on"]
