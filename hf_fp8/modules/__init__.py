@@ -1,5 +1,14 @@
-"""Modules: ``Fp8Linear`` and the one rule for which layers convert (``is_convertible``)."""
+"""Modules: ``Fp8Linear``, ``Fp8Experts`` and the one rule for which layers convert
+(``is_convertible`` for linears, ``convertible_experts`` for MoE experts)."""
 
+from hf_fp8.modules.fp8_experts import (
+    Fp8Experts,
+    convertible_experts,
+    experts_keep_reason,
+    is_experts_module,
+    unconverted_experts,
+    unsupported_reason,
+)
 from hf_fp8.modules.fp8_linear import Fp8Linear
 from hf_fp8.modules.selection import (
     convertible_modules,
@@ -14,14 +23,20 @@ from hf_fp8.modules.selection import (
 )
 
 __all__ = [
+    "Fp8Experts",
     "Fp8Linear",
+    "convertible_experts",
     "convertible_modules",
+    "experts_keep_reason",
     "is_conv1d",
     "is_convertible",
+    "is_experts_module",
     "is_router",
     "keep_reason",
     "matches_module",
+    "unconverted_experts",
     "unconverted_linears",
     "unmatched_patterns",
+    "unsupported_reason",
     "warn_unmatched",
 ]

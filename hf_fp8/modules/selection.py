@@ -6,6 +6,13 @@ asks :func:`is_convertible` or walks :func:`convertible_modules`; nobody restate
 A module converts when it is a linear (``nn.Linear``, a subclass that computes a plain linear,
 or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules* applies:
 
+* ``experts``: MoE experts modules (one module per layer with fused 3-D weights, e.g.
+  ``Qwen3MoeExperts``) are not linears: they become ``Fp8Experts``, not ``Fp8Linear``. The
+  experts rule is ``hf_fp8.modules.fp8_experts.experts_keep_reason`` (walked by
+  ``convertible_experts``): a module built on transformers' ``use_experts_implementation``
+  converts; any other (``Llama4TextExperts``, ``JetMoeParallelExperts``, …) stays in high
+  precision with ``unsupported_reason`` naming what is missing. The quantizer and
+  ``quantize_model`` apply both rules.
 * ``router``: MoE routers stay in high precision on purpose — they pick the experts each token
   reaches, and a flipped top-k choice costs more than the tiny gemm saves. A router is a linear
   whose class name ends with ``Router`` / ``Gate`` / ``Gating`` (``Llama4Router``,
@@ -36,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from torch import nn
 
+from hf_fp8.modules.fp8_experts import Fp8Experts, experts_keep_reason, is_experts_module
 from hf_fp8.modules.fp8_linear import Fp8Linear
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -98,8 +106,11 @@ def keep_reason(
     ``parent`` (the module holding it) enables the rules that look at the parent;
     :func:`convertible_modules` always passes it.
     """
-    if isinstance(module, Fp8Linear):
+    if isinstance(module, (Fp8Linear, Fp8Experts)):
         return "already FP8"
+    if is_experts_module(module):
+        reason = experts_keep_reason(module, name, skip=skip, module_filter_fn=module_filter_fn)
+        return f"MoE experts: {reason or 'converted by Fp8Experts (convertible_experts)'}"
     if not (isinstance(module, nn.Linear) or is_conv1d(module)):
         return "not a linear"
     if is_router(module, name, parent):
@@ -185,10 +196,14 @@ def warn_unmatched(model: nn.Module, patterns: Sequence[str], what: str) -> list
 
 def unconverted_linears(model: nn.Module) -> list[str]:
     """Sorted names of the linear layers of ``model`` (``nn.Linear`` and subclasses, GPT-2
-    ``Conv1D``) that are not FP8: what a saved config lists in ``modules_to_not_convert``."""
+    ``Conv1D``) and of the MoE experts modules that are not FP8: what a saved config lists in
+    ``modules_to_not_convert`` (so that a reload keeps them in high precision too)."""
     return sorted(
         name
         for name, module in model.named_modules()
-        if (isinstance(module, nn.Linear) or is_conv1d(module))
-        and not isinstance(module, Fp8Linear)
+        if (
+            (isinstance(module, nn.Linear) or is_conv1d(module))
+            and not isinstance(module, Fp8Linear)
+        )
+        or (is_experts_module(module) and not isinstance(module, Fp8Experts))
     )

@@ -9,7 +9,14 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.modules import Fp8Linear, convertible_modules, unconverted_linears, warn_unmatched
+from hf_fp8.modules import (
+    Fp8Experts,
+    Fp8Linear,
+    convertible_experts,
+    convertible_modules,
+    unconverted_linears,
+    warn_unmatched,
+)
 from hf_fp8.modules.replace import _swap_linears
 from hf_fp8.modules.selection import ModuleFilter
 from hf_fp8.quantizer.hf_quantizer import POST_LOAD_HOOKS, Fp8HfQuantizer
@@ -34,7 +41,9 @@ def _layout(recipe: Fp8Recipe) -> tuple:
 
 def _check_existing_fp8(model: nn.Module, config: Fp8Config) -> None:
     for name, module in model.named_modules():
-        if isinstance(module, Fp8Linear) and _layout(module.recipe) != _layout(config.recipe):
+        if isinstance(module, (Fp8Linear, Fp8Experts)) and _layout(module.recipe) != _layout(
+            config.recipe
+        ):
             theirs = module.recipe.to_strings()
             ours = config.recipe.to_strings()
             diff = {k: (theirs[k], ours[k]) for k in theirs if theirs[k] != ours[k]}
@@ -57,7 +66,8 @@ def quantize_model(
     """Quantize the linear layers of a high-precision ``model`` in place; return it.
 
     Which layers convert is ``hf_fp8.modules.is_convertible``: ``nn.Linear`` (and plain
-    subclasses) and GPT-2 ``Conv1D``, never MoE routers. Layers named in
+    subclasses) and GPT-2 ``Conv1D``, never MoE routers; MoE experts modules become
+    ``Fp8Experts`` (``hf_fp8.modules.convertible_experts``). Layers named in
     ``config.modules_to_not_convert`` or ``skip`` stay in high precision (no default skips
     here: name ``lm_head`` to keep it); a name that matches no module is warned about (a typo
     would otherwise quantize the layer it meant to keep). ``module_filter_fn(module, fqn)``
@@ -77,13 +87,23 @@ def quantize_model(
     patterns = [*(config.modules_to_not_convert or []), *(skip or [])]
     warn_unmatched(model, patterns, "modules_to_not_convert / skip")
     targets = convertible_modules(model, skip=patterns, module_filter_fn=module_filter_fn)
-    if not targets and any(isinstance(m, Fp8Linear) for m in model.modules()):
+    experts = convertible_experts(model, skip=patterns, module_filter_fn=module_filter_fn)
+    if (
+        not targets
+        and not experts
+        and any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules())
+    ):
         warnings.warn(
             "hf_fp8.quantize_model: every convertible layer is already FP8; nothing to do",
             UserWarning,
             stacklevel=2,
         )
     _swap_linears(config, targets)
+    swapped: dict[int, Fp8Experts] = {}  # experts shared by two parents stay shared
+    for name, module, parent in experts:
+        if id(module) not in swapped:
+            swapped[id(module)] = Fp8Experts.from_experts(module, config, module_name=name)
+        setattr(parent, name.rpartition(".")[2], swapped[id(module)])
     if isinstance(model, PreTrainedModel):
         kept = unconverted_linears(model)
         saved = config.replace(modules_to_not_convert=kept)

@@ -18,9 +18,19 @@ from hf_fp8.modules import (
     matches_module,
     warn_unmatched,
 )
+from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.modules.replace import linear_shape
 from hf_fp8.numerics import fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.checks import CheckpointTensorError
+from hf_fp8.quantizer.experts import (
+    dequantize_experts,
+    experts_tensor_names,
+    finish_experts,
+    is_experts_scale,
+    is_experts_weight,
+    quantize_experts_tensor,
+    swap_experts,
+)
 from hf_fp8.quantizer.validation import (
     FP8_LINEAR_TENSORS,
     check_stored_tensor,
@@ -69,6 +79,9 @@ class Fp8QuantizeOp(ConversionOps):
                 raise _already_fp8(key)
             module_name = key.rpartition(".")[0]
             module = model.get_submodule(module_name)
+            if isinstance(module, Fp8Experts):  # the merged [E, ...] tensor of one projection
+                out.update(quantize_experts_tensor(key, weight, module))
+                continue
             if module_name in self.hf_quantizer.transposed_modules:
                 weight = weight.t()  # GPT-2 Conv1D stores [in, out]
             w_fp8, w_scale = quantize_weight(
@@ -98,6 +111,8 @@ class Fp8HfQuantizer(HfQuantizer):
         self.fp8_tensor_names: set[str] = set()
         # on-the-fly loads: scales found in the checkpoint (it is FP8 already: refused)
         self.stored_scale_keys: set[str] = set()
+        # checkpoint keys of every Fp8Experts tensor: kept in their stored dtype, checked after
+        self.experts_tensor_names: set[str] = set()
 
     @property
     def quantized_element_size(self) -> float:
@@ -176,6 +191,10 @@ class Fp8HfQuantizer(HfQuantizer):
             )
             setattr(parent, name.rpartition(".")[2], new)
             self.fp8_tensor_names.update(f"{name}.{t}" for t in FP8_LINEAR_TENSORS)
+        for name, experts in swap_experts(
+            model, config, skip=skip, pre_quantized=self.pre_quantized
+        ).items():
+            self.experts_tensor_names.update(experts_tensor_names(name, experts))
         model.config.quantization_config = config
 
     def update_parallel_plan(self, model, plan: dict[str, str]) -> None:
@@ -197,17 +216,23 @@ class Fp8HfQuantizer(HfQuantizer):
             # the loader asks for every checkpoint key: a stored scale means the file is FP8
             # already (refused after loading, when the keys are all known)
             self.stored_scale_keys.add(param_name)
-        return isinstance(module, Fp8Linear) and tensor_name == "weight"
+        if is_experts_scale(module, tensor_name):
+            self.stored_scale_keys.add(param_name)
+        return (isinstance(module, Fp8Linear) and tensor_name == "weight") or is_experts_weight(
+            module, tensor_name
+        )
 
     def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
         """Bytes per element for device-map planning (without ``param_needs_quantization``,
         which records checkpoint keys)."""
-        if self.pre_quantized or param_name.rpartition(".")[2] != "weight":
+        if self.pre_quantized:
             return param.element_size()
-        module = model.get_submodule(param_name.rpartition(".")[0])
-        return (
-            self.quantized_element_size if isinstance(module, Fp8Linear) else param.element_size()
-        )
+        module_name, _, tensor_name = param_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        quantized = (
+            isinstance(module, Fp8Linear) and tensor_name == "weight"
+        ) or is_experts_weight(module, tensor_name)
+        return self.quantized_element_size if quantized else param.element_size()
 
     def get_new_dtype(self, converter, param, dtype: torch.dtype | None) -> torch.dtype | None:
         """Pre-quantized loads: fp8 bytes and Fp8Linear tensors arrive in their stored dtype.
@@ -225,8 +250,8 @@ class Fp8HfQuantizer(HfQuantizer):
                 fp8_dtype=fp8_dtype(self.quantization_config.fp8_format),
                 read_scales=getattr(self, "may_offload_to_disk", True),
             )
-        if ours or _is_fp8_on_disk(param):
-            return None
+        if ours or _is_fp8_on_disk(param) or any(t in self.experts_tensor_names for t in targets):
+            return None  # Fp8Experts tensors: checked after loading (check_fp8_experts)
         return super().get_new_dtype(converter, param, dtype)
 
     def get_quantize_ops(self) -> Fp8QuantizeOp:
@@ -239,6 +264,12 @@ class Fp8HfQuantizer(HfQuantizer):
         missing = []
         disk = [k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v == "disk"]
         for name, module in model.named_modules():
+            if isinstance(module, Fp8Experts):
+                offloaded = module.down_proj.is_meta and ("" in disk or matches_module(name, disk))
+                missing += finish_experts(
+                    name, module, self.quantization_config, offloaded=offloaded
+                )
+                continue
             if not isinstance(module, Fp8Linear):
                 continue
             # disk-offloaded tensors stay on meta: accelerate's hooks read them at forward time
@@ -282,6 +313,7 @@ class Fp8HfQuantizer(HfQuantizer):
                 if dtype is not None:
                     linear = linear.to(dtype)
                 setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+        dequantize_experts(model, dtype)
         return model
 
     def is_serializable(self, **kwargs) -> bool:
