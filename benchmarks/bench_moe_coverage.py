@@ -170,12 +170,16 @@ def full_size_share(model_type: str) -> dict:
         model = cls(CONFIG_MAPPING[model_type]())
     embeddings = _embedding_params(model)
     fp8 = 0
+    seen: set[int] = set()  # a layer shared by several parents (Zamba2) counts once
     for _, module, _ in convertible_modules(model, skip=["lm_head"]):
-        fp8 += module.weight.numel()
+        if id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            fp8 += module.weight.numel()
     for _, module, _ in convertible_experts(model, skip=["lm_head"]):
-        fp8 += sum(
-            p.numel() for n, p in module.named_parameters(recurse=False) if not n.endswith("bias")
-        )
+        for n, p in module.named_parameters(recurse=False):
+            if not n.endswith("bias") and id(p) not in seen:
+                seen.add(id(p))
+                fp8 += p.numel()
     total = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
     return {"full_size_fp8_share": fp8 / total, "full_size_parameters": total}
 

@@ -25,7 +25,12 @@ or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules
 * ``weight read directly``: ``nn.MultiheadAttention`` passes ``out_proj.weight`` to
   ``F.multi_head_attention_forward`` without calling ``out_proj``, and
   ``nn.TransformerEncoderLayer``'s inference fast path passes ``linear1/2.weight`` to one fused
-  op: an FP8 weight there would be multiplied as raw codes.
+  op: an FP8 weight there would be multiplied as raw codes. Beyond those two, any parent
+  whose own methods (other than ``__init__`` / weight init) read ``self.<child>.weight`` at
+  their top level keeps that child, read from the class source: Mamba mixers multiply
+  ``dt_proj.weight`` directly on the CPU path (``MambaMixer``, ``FalconMambaMixer`` …).
+  Reads under a condition are not seen (the Mamba mixers' fused CUDA-kernel branch, which
+  takes ``x_proj`` / ``dt_proj`` / ``out_proj`` weights; Bloom's ``slow_but_exact``).
 * ``linear subclass with its own behaviour``: a subclass that overrides ``forward`` (other than
   the known plain ones, e.g. ``FalconLinear``) or holds more than ``weight`` / ``bias``
   (``DoryLMHead``'s logit scale, ``IdeficsDecoupledLinear``'s extra rows).
@@ -38,6 +43,9 @@ or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
@@ -83,6 +91,44 @@ def is_router(module: nn.Module, name: str, parent: nn.Module | None = None) -> 
     return child in _ROUTER_NAMES and parent is not None and hasattr(parent, "experts")
 
 
+_WEIGHT_READ = re.compile(r"self\.(\w+)\.weight\b")
+_INIT_METHODS = ("__init__", "_init_weights", "reset_parameters", "init_weights")
+
+
+@functools.cache
+def _children_read_directly(cls: type) -> frozenset[str]:
+    """Names ``c`` for which a method of ``cls`` (not its initialisation) reads
+    ``self.c.weight`` in a statement of its top level, i.e. on every call (the source of the
+    class itself, not of its bases). Reads under a condition (Bloom's ``slow_but_exact``
+    branch, the Mamba mixers' CUDA-kernel branch) do not count: they would keep layers on
+    every model for a path most never take."""
+    names: set[str] = set()
+    if cls.__module__.startswith("torch."):
+        return frozenset()
+    for attr, fn in vars(cls).items():
+        if attr in _INIT_METHODS or not inspect.isfunction(fn):
+            continue
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            continue
+        lines = source.splitlines()
+        base = len(lines[0]) - len(lines[0].lstrip()) + 4  # the method body's indentation
+        for line in lines[1:]:
+            if len(line) - len(line.lstrip()) == base:
+                names.update(_WEIGHT_READ.findall(line))
+    return frozenset(names)
+
+
+def reads_child_weight(parent: nn.Module | None, child_name: str) -> bool:
+    """The weight-read-directly rule: ``parent`` uses ``child_name``'s ``.weight`` itself."""
+    if parent is None:
+        return False
+    if isinstance(parent, _READS_CHILD_WEIGHT):
+        return True
+    return child_name in _children_read_directly(type(parent))
+
+
 def _plain_linear(module: nn.Module) -> bool:
     cls = type(module)
     if cls is nn.Linear:
@@ -117,7 +163,7 @@ def keep_reason(
         return "MoE router (kept in high precision on purpose)"
     if isinstance(module, nn.Linear) and not _plain_linear(module):
         return f"{type(module).__name__} is an nn.Linear subclass with its own behaviour"
-    if parent is not None and isinstance(parent, _READS_CHILD_WEIGHT):
+    if reads_child_weight(parent, name.rpartition(".")[2]):
         return f"{type(parent).__name__} reads its .weight directly"
     if matches_module(name, skip):
         return "named in modules_to_not_convert / skip"
