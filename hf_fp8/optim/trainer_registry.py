@@ -38,6 +38,11 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (true/false), got {text!r}")
 
 
+def _parse_rounding(text: str) -> bool | str:
+    """``stochastic_rounding``: a boolean, or ``exp_avg_sq`` (the second moment only)."""
+    return "exp_avg_sq" if text.strip() == "exp_avg_sq" else _parse_bool(text)
+
+
 # optim_args keys accepted by the handler and how their strings are converted.
 OPTIM_ARGS: dict[str, Callable[[str], Any]] = {
     "group_size": int,
@@ -45,6 +50,9 @@ OPTIM_ARGS: dict[str, Callable[[str], Any]] = {
     "dynamic_range_expansion": _parse_bool,
     "min_quantize_numel": int,
     "implementation": str,
+    "stochastic_rounding": _parse_rounding,
+    "sqrt_second_moment": _parse_bool,
+    "seed": int,
 }
 
 _PUBLIC_ROUTE = (

@@ -58,6 +58,23 @@ def test_optim_args_are_parsed(tmp_path):
         registry.parse_optim_args({"dynamic_range_expansion": "maybe"})
 
 
+def test_rounding_options_reach_the_optimizer(tmp_path):
+    """The issue-15 options are reachable from optim_args, typed as AdamWFp8 takes them."""
+    training_args = args(
+        tmp_path,
+        optim="adamw_fp8_coat",
+        optim_args="stochastic_rounding=exp_avg_sq,sqrt_second_moment=true,seed=7",
+    )
+    _, kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args)
+    assert kwargs["stochastic_rounding"] == "exp_avg_sq"
+    assert kwargs["sqrt_second_moment"] is True and kwargs["seed"] == 7
+    assert registry.parse_optim_args({"stochastic_rounding": "off"}) == {
+        "stochastic_rounding": False
+    }
+    opt = AdamWFp8([torch.nn.Parameter(torch.zeros(64, 128))], **kwargs)
+    assert opt.param_groups[0]["seed"] == 7
+
+
 def test_hf_argument_parser_accepts_the_names(tmp_path):
     parser = HfArgumentParser(TrainingArguments)
     (parsed,) = parser.parse_args_into_dataclasses(
@@ -67,6 +84,8 @@ def test_hf_argument_parser_accepts_the_names(tmp_path):
 
 
 def test_changed_internals_raise_an_informative_error(monkeypatch):
+    import transformers.trainer_optimizer  # a lazy submodule: not an attribute until imported
+
     monkeypatch.delattr(transformers.trainer_optimizer, "_OPTIMIZER_HANDLERS")
     with pytest.raises(RuntimeError, match="optimizer_cls_and_kwargs"):
         register_trainer_optimizers()
