@@ -258,3 +258,15 @@ def test_keep_reason_names_the_experts_rule(bf16_dir):
     assert "converted by Fp8Experts" in keep_reason(experts, "model.layers.0.mlp.experts")
     reason = keep_reason(experts, "model.layers.0.mlp.experts", skip=["model.layers.0.mlp.experts"])
     assert "modules_to_not_convert" in reason
+
+
+def test_sharded_save_reloads_bit_exact(bf16_dir, tmp_path):
+    path, _ = bf16_dir
+    model = tf.AutoModelForCausalLM.from_pretrained(path, quantization_config=Fp8Config())
+    model.save_pretrained(tmp_path / "fp8", max_shard_size="20KB")
+    assert len(list((tmp_path / "fp8").glob("model-*.safetensors"))) > 2
+    back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")
+    a, b = model.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(_bytes(a[key]), _bytes(b[key])), key

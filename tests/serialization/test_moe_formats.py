@@ -105,3 +105,30 @@ def test_blocks_straddling_gate_and_up_are_refused(tmp_path) -> None:
     write_fp8_block_checkpoint(model, tmp_path / "src")
     with pytest.raises(ValueError, match=r"gate_up_proj: \[96, 96\] output rows"):
         import_checkpoint(tmp_path / "src", tmp_path / "out")
+
+
+def test_experts_split_across_shards_are_merged(fp8_block_dir, tmp_path) -> None:
+    src, written = fp8_block_dir
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    names = sorted(tensors)
+    half = [n for n in names if ".experts.2." in n or ".experts.3." in n]  # second shard
+    first = {n: tensors[n] for n in names if n not in half}
+    second = {n: tensors[n] for n in half}
+    save_file(first, sharded / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(second, sharded / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in first}
+    weight_map.update({n: "model-00002-of-00002.safetensors" for n in second})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = import_checkpoint(sharded, tmp_path / "out")
+    got = {}
+    for file in out.glob("model-*.safetensors"):
+        got.update(load_file(file))
+    merged = got[f"{P}.down_proj"]
+    for e in range(4):
+        assert torch.equal(_u8(merged[e]), _u8(written[f"{P}.{e}.down_proj.weight"]))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"][f"{P}.down_proj"] == "model-00002-of-00002.safetensors"
