@@ -270,3 +270,23 @@ def test_sharded_save_reloads_bit_exact(bf16_dir, tmp_path):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(_bytes(a[key]), _bytes(b[key])), key
+
+
+def test_fp8_experts_offloaded_to_disk_give_the_same_logits(bf16_dir, tmp_path):
+    path, _ = bf16_dir
+    model = tf.AutoModelForCausalLM.from_pretrained(path, quantization_config=Fp8Config())
+    model.save_pretrained(tmp_path / "fp8")
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    back = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8", device_map=device_map, offload_folder=str(tmp_path / "offload")
+    )
+    assert isinstance(back.model.layers[1].mlp.experts, Fp8Experts)
+    with torch.no_grad():
+        assert torch.equal(back(_ids()).logits, model(_ids()).logits)
