@@ -78,6 +78,8 @@ SHRINK = {
     "max_position_embeddings": 128,
     "n_positions": 128,
     "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
     "kv_lora_rank": 16,
     "q_lora_rank": 16,
     "qk_rope_head_dim": 16,
@@ -101,6 +103,8 @@ _LAYER_TYPE_KEYS = ("layer_types", "mlp_layer_types", "layers_block_type")
 
 def _shrunk(defaults: dict) -> dict:
     kwargs = {k: v for k, v in SHRINK.items() if k in defaults}
+    if "kv_lora_rank" in defaults and "num_key_value_heads" in kwargs:  # MLA: one kv per head
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
     # hybrid stacks keep one layer of each kind (attention, linear attention, mamba ...)
     kinds: list = []
     for key in _LAYER_TYPE_KEYS:
