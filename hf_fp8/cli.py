@@ -336,12 +336,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("architecture", summary.architecture or "unknown"),
         ("scheme", summary.scheme_text),
         ("fp8 layers", str(len(summary.fp8_layers))),
+        ("fp8 share", f"{summary.fp8_share:.1%} of {summary.parameters:,} parameters"),
         ("high precision", "unknown" if high is None else f"{len(high)}: {', '.join(high) or '-'}"),
         (
             "bytes",
             f"fp8 weights {_bytes(summary.fp8_weight_bytes)}, scales {_bytes(summary.scale_bytes)}, "
             f"other {_bytes(summary.other_bytes)}, total {_bytes(summary.total_bytes)}",
         ),
+    ]
+    rows += [
+        ("kept", f"{p['what']}: {p['parameters']:,} ({p['why']})")
+        for p in summary.high_precision_parts
     ]
     if summary.fp8_layers:
         rows.append(

@@ -94,6 +94,9 @@ def test_quantize_inspect_export_import(llama_dir, tmp_path, capsys):
     assert _run(capsys, "export", str(fp8), "--out", str(ct))[0] == 0
     code, out, _ = _run(capsys, "inspect", str(ct))
     assert "format          compressed-tensors" in out and "high precision  1: lm_head" in out
+    share = summary["fp8_parameters"] / summary["parameters"]
+    assert f"fp8 share       {share:.1%} of {summary['parameters']:,} parameters" in out
+    assert any(line.startswith("kept") and "embeddings" in line for line in out.splitlines())
     back = tmp_path / "back"
     assert _run(capsys, "import", str(ct), "--out", str(back))[0] == 0
     reloaded = AutoModelForCausalLM.from_pretrained(back)

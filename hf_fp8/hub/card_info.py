@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass, field, fields
 from itertools import chain
 from typing import Any
 
+import torch
 from torch import nn
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.modules import Fp8Linear, unconverted_linears
+from hf_fp8.modules import Fp8Experts, Fp8Linear, unconverted_linears
 from hf_fp8.serialization.summary import CheckpointSummary, describe_scheme
 
 _SCHEME_KEYS = ("activation_scheme", "weight_granularity", "activation_granularity", "block_size")
@@ -34,6 +35,9 @@ class CardInfo:
     bytes_before: int | None = None
     bytes_after: int | None = None
     fidelity: dict[str, Any] = field(default_factory=dict)
+    fp8_share: float | None = None  # share of the parameters stored in FP8 (scales excluded)
+    # what stays in high precision and why: [{"what", "parameters", "why"}] (from a checkpoint)
+    high_precision_parts: list[dict[str, Any]] = field(default_factory=list)
     hf_fp8_version: str = field(default_factory=lambda: _version())
 
     @property
@@ -88,26 +92,35 @@ def _scheme_dict(config: Fp8Config) -> dict[str, Any]:
     return scheme
 
 
-def model_bytes(model: nn.Module) -> tuple[int, int]:
-    """``(before, after)``: bytes of the model's tensors with each FP8 weight in its compute
-    dtype (no scales), and as they are (each shared tensor counted once)."""
-    before = after = 0
+def _is_scale(name: str) -> bool:
+    return name.endswith(("weight_scale", "input_scale"))
+
+
+def model_bytes(model: nn.Module) -> tuple[int, int, float | None]:
+    """``(before, after, fp8_share)``: bytes of the model's tensors with each FP8 weight in its
+    compute dtype (no scales), and as they are (each shared tensor counted once); the share of
+    the parameters (buffers and scales excluded) stored in FP8."""
+    before = after = fp8 = total = 0
     seen: set[int] = set()
     for module in model.modules():
-        own = chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+        params = dict(module.named_parameters(recurse=False))
+        own = chain(params.items(), module.named_buffers(recurse=False))
+        fp8_module = isinstance(module, (Fp8Linear, Fp8Experts))
         for name, tensor in own:
             if tensor is None or id(tensor) in seen:
                 continue
             seen.add(id(tensor))
             nbytes = tensor.numel() * tensor.element_size()
             after += nbytes
-            if not isinstance(module, Fp8Linear):
-                before += nbytes
-            elif name == "weight":
+            if fp8_module and _is_scale(name):
+                continue
+            total += tensor.numel() if name in params else 0
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                fp8 += tensor.numel()
                 before += tensor.numel() * module.compute_dtype.itemsize
-            elif name not in ("weight_scale", "input_scale"):
+            else:
                 before += nbytes
-    return before, after
+    return before, after, (fp8 / total if total else None)
 
 
 def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
@@ -117,7 +130,7 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
     if not isinstance(qc, Fp8Config):
         raise ValueError("the model has no hf_fp8 quantization_config: it is not an hf_fp8 model")
     high = unconverted_linears(model)
-    before, after = model_bytes(model)
+    before, after, share = model_bytes(model)
     extra = dict(getattr(model, "_hf_fp8_card", None) or {})
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     info = CardInfo(
@@ -131,6 +144,7 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
         bytes_before=before,
         bytes_after=after,
         fidelity=dict(extra.get("fidelity") or {}),
+        fp8_share=share,
     )
     for key, value in overrides.items():
         setattr(info, key, value)
@@ -148,6 +162,8 @@ def info_from_summary(summary: CheckpointSummary, **overrides: Any) -> CardInfo:
         high_precision_layers=list(summary.high_precision_layers or []),
         bytes_before=summary.bytes_before,
         bytes_after=summary.total_bytes,
+        fp8_share=summary.fp8_share if summary.parameters else None,
+        high_precision_parts=list(summary.high_precision_parts),
     )
     for key, value in overrides.items():
         setattr(info, key, value)

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from huggingface_hub import ModelCard
 
 import hf_fp8
 from hf_fp8.hub import (
     CardInfo,
     info_from_model,
+    info_from_summary,
     read_card_info,
     render_model_card,
     write_model_card,
@@ -54,7 +56,27 @@ def test_card_renders_for_every_scheme(scheme, tiny_model_dir):
     assert "| Kept in high precision (float32) | `lm_head` |" in text
     assert f"| FP8 linear layers | {info.fp8_layers} |" in text
     assert "| Weights in memory |" in text and "## Fidelity" not in text
+    # the FP8 share, counted here from the model's parameters (scales are not parameters of
+    # the original model), is stated
+    names = dict(model.named_parameters())
+    counted = {k: v for k, v in names.items() if not k.endswith(("weight_scale", "input_scale"))}
+    fp8 = sum(v.numel() for v in counted.values() if v.dtype == torch.float8_e4m3fn)
+    share = fp8 / sum(v.numel() for v in counted.values())
+    assert 0.3 < share < 1 and info.fp8_share == pytest.approx(share)
+    assert f"| Parameters stored in FP8 | {100 * share:.1f} % (scales excluded) |" in text
     assert read_card_info(text) == info  # the facts travel with the card
+
+
+def test_card_of_a_checkpoint_names_what_stays_high_precision(tiny_model_dir, tmp_path):
+    model = quantized(tiny_model_dir("llama"), "dynamic-row-token")
+    model.save_pretrained(tmp_path / "fp8")
+    summary = hf_fp8.inspect_checkpoint(tmp_path / "fp8")
+    info = info_from_summary(summary)
+    text = render_model_card(info)
+    assert info.fp8_share == pytest.approx(summary.fp8_parameters / summary.parameters)
+    assert "| Kept in high precision | parameters | why |" in text
+    for part in summary.high_precision_parts:
+        assert f"| {part['what']} | {part['parameters']:,} | {part['why']} |" in text
 
 
 @pytest.mark.parametrize(
