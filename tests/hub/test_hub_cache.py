@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM
 
 import hf_fp8
 from hf_fp8 import Fp8Linear
+from tests.bitwise import assert_states_bit_equal
 from tests.hub.fake_hub import cache_folder
-from tests.serialization.helpers import assert_same_state, logits, quantized
+from tests.serialization.helpers import logits, quantized
 
 REPO = "hf-fp8-tests/tiny-llama-fp8"
 
@@ -23,7 +24,7 @@ def test_from_pretrained_by_repo_id_reloads_bit_identical(fake_hub, tiny_model_d
     reloaded = AutoModelForCausalLM.from_pretrained(REPO)
     assert reloaded.hf_quantizer.pre_quantized
     assert isinstance(reloaded.model.layers[0].mlp.up_proj, Fp8Linear)
-    assert_same_state(model, reloaded)
+    assert_states_bit_equal(model, reloaded)
     assert torch.equal(logits(reloaded), logits(model))
     assert fake_hub.calls == []
 
@@ -32,7 +33,7 @@ def test_push_then_load_by_repo_id(fake_hub, tiny_model_dir):
     model = quantized(tiny_model_dir("llama"), "dynamic-block")
     model.push_to_hub(REPO)
     reloaded = AutoModelForCausalLM.from_pretrained(REPO)
-    assert_same_state(model, reloaded)
+    assert_states_bit_equal(model, reloaded)
     # the reloaded model remembers the card's facts for its next push
     assert reloaded._hf_fp8_card["base_model"] == Path(tiny_model_dir("llama")).name
 
@@ -45,5 +46,5 @@ def test_inspect_export_import_by_repo_id(fake_hub, tiny_model_dir, tmp_path):
     ct = hf_fp8.export(REPO, tmp_path / "ct")
     cache_folder(fake_hub.cache_dir, "hf-fp8-tests/ct", ct)
     back = hf_fp8.import_checkpoint("hf-fp8-tests/ct", tmp_path / "back")
-    assert_same_state(model, AutoModelForCausalLM.from_pretrained(back))
+    assert_states_bit_equal(model, AutoModelForCausalLM.from_pretrained(back))
     assert fake_hub.calls == []

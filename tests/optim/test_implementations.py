@@ -11,6 +11,7 @@ import torch
 from hf_fp8.optim import AdamWFp8, _cpu_kernel
 from hf_fp8.optim._layout import QUANT_KEYS
 from hf_fp8.utils import native
+from tests.bitwise import assert_bit_equal, assert_states_bit_equal
 
 SHAPES = [(40, 256), (33, 200), (1, 4096), (4, 8, 70), (130,)]
 HP = {"lr": 3e-2, "betas": (0.9, 0.99), "weight_decay": 0.1, "min_quantize_numel": 1000}
@@ -72,20 +73,12 @@ def run(
     return params, opt
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-    return t.detach().reshape(-1).view(ints[t.dtype.itemsize])
-
-
 def assert_bit_identical(run_a, run_b) -> None:
     (pa, oa), (pb, ob) = run_a, run_b
     for a, b in zip(pa, pb, strict=True):
         assert torch.isfinite(a).all()
-        assert torch.equal(bits(a), bits(b))
-        sa, sb = oa.state[a], ob.state[b]
-        assert sa.keys() == sb.keys()
-        for key in sa:
-            assert torch.equal(bits(sa[key]), bits(sb[key])), key
+        assert_bit_equal(a, b, "param")
+        assert_states_bit_equal(oa.state[a], ob.state[b])
 
 
 DTYPES = [torch.float32, torch.bfloat16]

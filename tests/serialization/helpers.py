@@ -71,16 +71,6 @@ def stock_load(path) -> torch.nn.Module:
     return model
 
 
-def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    """Same tensor names, dtypes and bits."""
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype, key
-        assert sa[key].shape == sb[key].shape, key
-        assert torch.equal(sa[key].view(torch.uint8), sb[key].view(torch.uint8)), key
-
-
 def fp32_close(got: torch.Tensor, want: torch.Tensor) -> float:
     """Max abs difference, asserted to be within fp32 rounding of ``want``'s scale."""
     diff = float((got - want).abs().max())

@@ -12,10 +12,10 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from hf_fp8 import Fp8Config, Fp8Linear
 from hf_fp8.serialization import export_checkpoint, import_checkpoint
+from tests.bitwise import assert_states_bit_equal
 from tests.serialization.ct_reference import make_ct_checkpoint
 from tests.serialization.helpers import (
     SCHEMES,
-    assert_same_state,
     fp32_close,
     logits,
     quantized,
@@ -128,7 +128,7 @@ def test_export_then_import_is_bit_identical(scheme, tiny_model_dir, tmp_path):
     model = quantized(tiny_model_dir("llama"), scheme)
     ct = export_checkpoint(model, tmp_path / "ct")
     back = AutoModelForCausalLM.from_pretrained(import_checkpoint(ct, tmp_path / "back"))
-    assert_same_state(model, back)
+    assert_states_bit_equal(model, back)
     assert torch.equal(logits(back), logits(model))
 
 
@@ -168,7 +168,7 @@ def test_sharded_checkpoint_keeps_its_shards(tiny_model_dir, tmp_path):
     assert set(index["weight_map"]) == set(model.state_dict())
     fp32_close(logits(stock_load(out)), logits(model))
     back = AutoModelForCausalLM.from_pretrained(import_checkpoint(out, tmp_path / "back"))
-    assert_same_state(model, back)
+    assert_states_bit_equal(model, back)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "bert", "t5"])

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from hf_fp8 import Fp8Linear
 from hf_fp8.serialization import export_checkpoint, import_checkpoint
-from tests.serialization.helpers import assert_same_state, logits, quantized, stock_load
+from tests.bitwise import assert_states_bit_equal
+from tests.serialization.helpers import logits, quantized, stock_load
 
 Q = "model.layers.0.self_attn.q_proj"
 
@@ -45,7 +46,7 @@ def test_per_tensor_export_has_scalar_scales_and_round_trips(scheme, tiny_model_
         assert float(tensors[f"{Q}.input_scale"]) == float(layer.input_scale)
 
     back = AutoModelForCausalLM.from_pretrained(import_checkpoint(out, tmp_path / "back"))
-    assert_same_state(model, back)
+    assert_states_bit_equal(model, back)
     assert torch.equal(logits(back), logits(model))
 
 
@@ -65,7 +66,7 @@ def test_block_export_loads_in_transformers_fp8_with_same_weights(tiny_model_dir
             )
 
     back = AutoModelForCausalLM.from_pretrained(import_checkpoint(out, tmp_path / "back"))
-    assert_same_state(model, back)
+    assert_states_bit_equal(model, back)
 
 
 def test_import_autofp8_style_checkpoint(tiny_model_dir, tmp_path):
@@ -82,7 +83,7 @@ def test_import_autofp8_style_checkpoint(tiny_model_dir, tmp_path):
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
 
     back = AutoModelForCausalLM.from_pretrained(import_checkpoint(src, tmp_path / "back"))
-    assert_same_state(model, back)
+    assert_states_bit_equal(model, back)
 
 
 @pytest.mark.parametrize(
