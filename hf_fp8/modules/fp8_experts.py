@@ -71,6 +71,7 @@ import torch
 from torch import nn
 
 from hf_fp8.kernels.grouped import combine, grouped_fp8_linear, route
+from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.quantize import block_scale_shape
 from hf_fp8.recipe import Fp8Recipe
@@ -336,7 +337,7 @@ def _scale_shape(granularity: str, n: int, k: int, block_size: tuple[int, int]) 
     return block_scale_shape((n, k), block_size)
 
 
-class Fp8Experts(nn.Module):
+class Fp8Experts(RecipeWords, nn.Module):
     """Experts with FP8 weights and per-expert fp32 scales (see the module docstring).
 
     Build with :meth:`from_experts`; the constructor makes empty storage for a ``layout``
@@ -399,23 +400,6 @@ class Fp8Experts(nn.Module):
     @property
     def activation_scheme(self) -> str:
         return self.recipe.activation_scheme.value
-
-    @property
-    def weight_granularity(self) -> str:
-        return self.recipe.weight_granularity.value
-
-    @property
-    def activation_granularity(self) -> str | None:
-        act = self.recipe.activation_granularity
-        return None if act is None else act.value
-
-    @property
-    def fp8_format(self) -> str:
-        return self.recipe.fp8_format.value
-
-    @property
-    def block_size(self) -> tuple[int, int]:
-        return self.recipe.block_size
 
     @property
     def kernel(self) -> str:

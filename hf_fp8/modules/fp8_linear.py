@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hf_fp8.kernels import LinearPlan, fp8_linear
+from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.modules.saturation import SaturationCounter
 from hf_fp8.numerics import dequantize, fp8_dtype, fp8_max, is_fp8, quantize_weight
 from hf_fp8.numerics.checks import check_fp8_tensor, check_scale_tensor, max_scale
@@ -30,7 +31,7 @@ def weight_scale_shape(
     return (math.ceil(out_features / block_size[0]), math.ceil(in_features / block_size[1]))
 
 
-class Fp8Linear(nn.Linear):
+class Fp8Linear(RecipeWords, nn.Linear):
     """Linear layer with an FP8 weight: ``y = x @ (weight.float() * weight_scale).T + bias``.
 
     Parameters: ``weight`` (fp8, ``[out, in]``), ``weight_scale`` (fp32, ``[1]``,
@@ -150,23 +151,6 @@ class Fp8Linear(nn.Linear):
     @kernel.setter
     def kernel(self, kernel: str) -> None:
         self.set_recipe(dataclasses.replace(self.recipe, kernel=kernel))
-
-    @property
-    def weight_granularity(self) -> str:
-        return self.recipe.weight_granularity.value
-
-    @property
-    def activation_granularity(self) -> str | None:
-        act = self.recipe.activation_granularity
-        return None if act is None else act.value
-
-    @property
-    def fp8_format(self) -> str:
-        return self.recipe.fp8_format.value
-
-    @property
-    def block_size(self) -> tuple[int, int]:
-        return self.recipe.block_size
 
     def reset_parameters(self) -> None:
         """No-op: FP8 weights come from ``from_linear`` or a checkpoint, never random init."""
