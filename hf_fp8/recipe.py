@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from enum import Enum
+from enum import StrEnum
 from typing import Any, TypeVar
 
 __all__ = [
@@ -47,18 +47,12 @@ __all__ = [
 ]
 
 
-class _Word(str, Enum):
+class _Word(StrEnum):
     """A vocabulary word: compares, hashes, formats, prints and serializes as its string
     value (``repr`` too, so ``f"{x!r}"`` in an error message reads ``'e4m3'``)."""
 
-    def __str__(self) -> str:
-        return self.value
-
     def __repr__(self) -> str:
         return repr(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 class ActivationScheme(_Word):
