@@ -23,6 +23,8 @@ BENCHMARKS = [
     "bench_optim_fidelity",
     "bench_minilm",
     "bench_checkpoint",
+    "bench_moe_block",
+    "bench_moe_coverage",
 ]
 
 
