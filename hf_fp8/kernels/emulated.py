@@ -158,12 +158,14 @@ def _epilogue(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """fp32 accumulator × activation and weight scales (``None``: folded into the operand)
-    + bias, rounded once to ``out_dtype``."""
+    """fp32 accumulator × (activation scale × weight scale) (``None``: folded into the
+    operand) + bias, rounded once to ``out_dtype``. The scales multiply first: ``acc *
+    a_scale`` alone can overflow fp32 where the output is finite (activations near 1e38)."""
+    scale = None if w_scale is None else w_scale.float().reshape(1, -1)
     if a_scale is not None:
-        acc = acc * a_scale
-    if w_scale is not None:
-        acc = acc * w_scale.float().reshape(1, -1)
+        scale = a_scale if scale is None else a_scale * scale
+    if scale is not None:
+        acc = acc * scale
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype)

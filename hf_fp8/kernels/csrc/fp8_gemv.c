@@ -22,7 +22,7 @@
  * or partial sums below 2^-126 in magnitude (~1e-38) are lost.
  *
  * Numerics of the GEMV (the emulation's epilogue, in the same order):
- *   out[t, n] = ((sum_k a[t,k] * w[n,k]) * a_scale[t]) * w_scale[n] + bias[n]
+ *   out[t, n] = (sum_k a[t,k] * w[n,k]) * (a_scale[t] * w_scale[n]) + bias[n]
  * with block weight scales applied to each K-block's partial sum instead. Sizes are
  * trusted: the Python wrapper checks every shape, dtype and contiguity before the call.
  */
@@ -444,9 +444,12 @@ static void gemv_epilogue(const gemv_t *g, int64_t n, const float *res, float fa
     float wsc = g->wgran == GRAN_TENSOR ? g->ws[0] : g->wgran == GRAN_ROW ? g->ws[n] : 1.0f;
     for (int64_t t = 0; t < g->M; ++t) {
         float v = res[t] * factor;
-        if (g->agran == ASCALE_TENSOR) v = v * g->as[0];
-        else if (g->agran == ASCALE_TOKEN) v = v * g->as[t];
-        if (!block) v = v * wsc;
+        /* the two scales multiply first: acc * a_scale alone can overflow fp32 where the
+           output is finite (activations near 1e38) */
+        float sc = block ? 1.0f : wsc;
+        if (g->agran == ASCALE_TENSOR) sc = g->as[0] * sc;
+        else if (g->agran == ASCALE_TOKEN) sc = g->as[t] * sc;
+        if (!block || g->agran == ASCALE_TENSOR || g->agran == ASCALE_TOKEN) v = v * sc;
         if (g->bias) v = v + g->bias[n];
         if (g->out_kind == OUT_BF16) ((uint16_t *)g->out)[t * g->N + n] = f32_to_bf16(v);
         else ((float *)g->out)[t * g->N + n] = v;
@@ -853,7 +856,7 @@ int fp8_quant_act(const void *x, int64_t x_bf16, int64_t M, int64_t K, int64_t g
 
 /* ---------------------------------------------------------------- matmul epilogue */
 /* The emulation's epilogue on a transposed bf16 product acc_t [N, M]:
- *   out[m, n] = bf16(((float(acc_t[n, m]) * a_scale[m]) * w_scale[n]) + float(bias[n]))
+ *   out[m, n] = bf16((float(acc_t[n, m]) * (a_scale[m] * w_scale[n])) + float(bias[n]))
  * (a_scale / w_scale / bias optional; a_scale [1] or [M], w_scale [1] or [N]). */
 typedef struct {
     const uint16_t *acc_t, *bias;
@@ -870,8 +873,9 @@ static void *epi_worker(void *arg) {
             float am = e->as ? e->as[e->as_n == 1 ? 0 : m] : 1.0f;
             for (int64_t n = b0; n < b1; ++n) {
                 float v = bf16_bits_to_f32(e->acc_t[n * e->M + m]);
-                if (e->as) v = v * am;
-                if (e->ws) v = v * e->ws[e->ws_n == 1 ? 0 : n];
+                if (e->as && e->ws) v = v * (am * e->ws[e->ws_n == 1 ? 0 : n]);
+                else if (e->as) v = v * am;
+                else if (e->ws) v = v * e->ws[e->ws_n == 1 ? 0 : n];
                 if (e->bias) v = v + bf16_bits_to_f32(e->bias[n]);
                 e->out[m * e->N + n] = f32_to_bf16(v);
             }
