@@ -196,6 +196,12 @@ class Fp8HfQuantizer(HfQuantizer):
         ).items():
             self.experts_tensor_names.update(experts_tensor_names(name, experts))
         model.config.quantization_config = config
+        if swapped and not torch.cuda.is_available():
+            # CPU inference: build (or load) the C kernel while the checkpoint loads, so the
+            # first forward does not pay for it
+            from hf_fp8.kernels.cpu_kernel import prebuild
+
+            prebuild()
 
     def update_parallel_plan(self, model, plan: dict[str, str]) -> None:
         # The base class walks every parameter name to add tensor-parallel entries for the

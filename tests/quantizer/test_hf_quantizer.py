@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_fp8
 from hf_fp8 import Fp8Config, Fp8Linear
-from tests.quantizer.test_models import assert_identical_state
+from tests.bitwise import assert_states_bit_equal
 from tests.tiny_models import model_inputs
 
 
@@ -45,6 +45,16 @@ def test_default_and_user_skips(tiny_model_dir):
     assert {"lm_head", "mlp.down_proj"} <= set(
         model.config.quantization_config.modules_to_not_convert
     )
+
+
+def test_a_cpu_load_builds_the_cpu_kernel_while_loading(tiny_model_dir, monkeypatch):
+    """The C kernel is built in the background during the load, not at the first forward."""
+    from hf_fp8.kernels import cpu_kernel
+
+    calls = []
+    monkeypatch.setattr(cpu_kernel, "prebuild", lambda: calls.append(1))
+    _load(tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic"))
+    assert calls == [1]
 
 
 def test_saved_checkpoint_layout_and_size(tiny_model_dir, tmp_path):
@@ -84,7 +94,7 @@ def test_sharded_save_reloads(tiny_model_dir, tmp_path):
     model = _load(tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic"))
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
-    assert_identical_state(model, _load(tmp_path))
+    assert_states_bit_equal(model, _load(tmp_path))
 
 
 def test_missing_weight_scale_names_the_key(tiny_model_dir, tmp_path):
@@ -141,7 +151,7 @@ def test_device_map_for_prequantized(device_map, tiny_model_dir, tmp_path):
     model = _load(tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic"))
     model.save_pretrained(tmp_path)
     reloaded = _load(tmp_path, device_map=device_map)
-    assert_identical_state(model, reloaded)
+    assert_states_bit_equal(model, reloaded)
 
 
 def test_explicit_device_map_per_module(tiny_model_dir, tmp_path):
@@ -192,7 +202,7 @@ def test_quantize_model_checkpoint_reloads_with_fp8_output_layer(tiny_model_dir,
     reloaded = _load(tmp_path)
     assert isinstance(reloaded.lm_head, Fp8Linear)
     assert type(reloaded.model.layers[0].mlp.down_proj) is torch.nn.Linear
-    assert_identical_state(model, reloaded)
+    assert_states_bit_equal(model, reloaded)
 
 
 def test_empty_skip_list_round_trips():

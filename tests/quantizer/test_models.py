@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 import hf_fp8
 from hf_fp8 import Fp8Config, Fp8Linear
+from tests.bitwise import assert_states_bit_equal
 from tests.tiny_models import TINY, model_inputs, model_output
 
 AUTO = {"bert": AutoModel, "t5": AutoModelForSeq2SeqLM}
@@ -25,14 +26,6 @@ def _auto(family):
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a - b).norm() / b.norm())
-
-
-def assert_identical_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype, key
-        assert torch.equal(sa[key].view(torch.uint8), sb[key].view(torch.uint8)), key
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
@@ -53,7 +46,7 @@ def test_family_close_to_original_and_reloads_exactly(family, scheme, tiny_model
 
     model.save_pretrained(tmp_path)
     reloaded = _auto(family).from_pretrained(tmp_path)
-    assert_identical_state(model, reloaded)
+    assert_states_bit_equal(model, reloaded)
     assert torch.equal(model_output(reloaded, inputs), out)
     assert AutoConfig.from_pretrained(tmp_path).dtype == torch.float32
 
