@@ -23,8 +23,14 @@ def _model(scheme: str = "dynamic", **kwargs) -> nn.Module:
 
 
 def test_valid_experts_pass():
-    validate_loaded_model(_model())
-    validate_loaded_model(_model("static", activation_scale=0.1))
+    """A valid FP8 experts model passes the checks; the same model with one NaN scale does not
+    (so the check really runs over the experts)."""
+    for model in (_model(), _model("static", activation_scale=0.1)):
+        assert validate_loaded_model(model) is None
+        experts = next(m for m in model.modules() if isinstance(m, Fp8Experts))
+        experts.down_proj_weight_scale.data.view(-1)[0] = float("nan")
+        with pytest.raises(CheckpointTensorError, match="down_proj_weight_scale"):
+            validate_loaded_model(model)
 
 
 @pytest.mark.parametrize(
