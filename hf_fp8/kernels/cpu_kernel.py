@@ -119,8 +119,7 @@ def _torch_openmp() -> int | None:
         return None
     for lib_path in sorted(p for p in mapped if ".so" in p):
         try:
-            # RTLD_NOLOAD: bind only to the instance torch already loaded, never load a file
-            fn = ctypes.CDLL(lib_path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).GOMP_parallel
+            fn = ctypes.CDLL(lib_path).GOMP_parallel  # already loaded: the same instance
         except (OSError, AttributeError):
             continue
         return ctypes.cast(fn, ctypes.c_void_p).value

@@ -16,9 +16,6 @@ bit for bit) and the emulation with the kernels off. Tolerances, elementwise:
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 import torch
 
@@ -335,36 +332,3 @@ def test_threads_split_rows_without_changing_a_bit(path, threads) -> None:
     finally:
         torch.set_num_threads(saved)
         lib.fp8_set_openmp(cpu_kernel._torch_openmp())
-
-
-def test_openmp_runtime_is_torch_own_and_nothing_new_is_loaded(tmp_path, monkeypatch) -> None:
-    """The kernels bind to the OpenMP runtime torch already loaded (RTLD_NOLOAD): a file named
-    like an OpenMP library that is not mapped into the process is never loaded."""
-    from hf_fp8.kernels import cpu_kernel as ck
-
-    if "OpenMP" not in torch.__config__.parallel_info():
-        pytest.skip("torch runs no OpenMP runtime here")
-    assert ck._torch_openmp() is not None
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the planted library")
-    src = tmp_path / "plant.c"
-    src.write_text("void GOMP_parallel(void) {}\n")
-    planted = tmp_path / "libgomp-planted.so"
-    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(planted)], check=True)
-    real_open = open
-
-    def maps_with_plant(path, *args, **kwargs):
-        if str(path) == "/proc/self/maps":
-            return iter_lines([f"00-01 r-xp 0 0:0 0 {planted}\n"])
-        return real_open(path, *args, **kwargs)
-
-    class iter_lines(list):
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr("builtins.open", maps_with_plant)
-    assert ck._torch_openmp() is None  # the unmapped file is not dlopen'ed
