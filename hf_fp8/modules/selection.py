@@ -39,6 +39,14 @@ or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules
 * ``skip pattern``: a name in ``modules_to_not_convert`` / ``skip`` (see :func:`matches_module`).
 * ``module_filter_fn``: a user function ``fn(module, fqn) -> bool`` (as torchao's
   ``module_filter_fn``) that returns ``False``.
+
+:func:`high_precision_parts` names, for a whole model, every parameter that is (or would
+stay) high precision and why, grouped: the rules above, plus what is not a linear at all —
+embeddings, biases, norms, convolutions (``nn.ConvNd``), and parameters a module uses in
+its own forward (XLNet's relative-attention ``q/k/v/o/r``, Zamba's mixer ``x_proj_weight``,
+RecurrentGemma's gate weights, Mamba's ``A_log``: ``einsum`` / ``bmm`` / elementwise math on
+a parameter, not an ``nn.Linear``; converting them would need that forward rewritten). Read
+from the module structure only, no list of model names.
 """
 
 from __future__ import annotations
@@ -48,11 +56,18 @@ import inspect
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from torch import nn
 
-from hf_fp8.modules.fp8_experts import Fp8Experts, experts_keep_reason, is_experts_module
+from hf_fp8.modules.fp8_experts import (
+    Fp8Experts,
+    convertible_experts,
+    experts_keep_reason,
+    is_experts_module,
+)
 from hf_fp8.modules.fp8_linear import Fp8Linear
+from hf_fp8.numerics import is_fp8
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -253,3 +268,100 @@ def unconverted_linears(model: nn.Module) -> list[str]:
         )
         or (is_experts_module(module) and not isinstance(module, Fp8Experts))
     )
+
+
+# The words of high_precision_parts: what -> why (a why with {cls} names the module class).
+HIGH_PRECISION_WHY = {
+    "embeddings": "lookup tables, not matmuls (FP8 would save memory but no compute)",
+    "biases": "added after the matmul in the compute dtype (1-D, tiny)",
+    "norms and other 1-D tensors": "vectors, not matmul weights (tiny)",
+    "MoE routers": (
+        "kept in high precision on purpose: they pick the experts, and a flipped top-k "
+        "choice costs more than the tiny matmul saves"
+    ),
+    "convolutions": (
+        "nn.Conv1d/2d/3d, not linears: hf_fp8 converts nn.Linear (and plain subclasses), "
+        "GPT-2 Conv1D and MoE experts"
+    ),
+    "parameters used by their module's own code": (
+        "{cls} uses these parameters itself in its forward (einsum, bmm or elementwise math "
+        "on the tensor), not through an nn.Linear: converting them would need that forward "
+        "rewritten, so they stay as they are"
+    ),
+}
+
+
+def _what_and_why(
+    module: nn.Module, name: str, pname: str, parent: nn.Module | None, skip: Sequence[str]
+) -> tuple[str, str]:
+    """(what, why) of one high-precision parameter ``pname`` of ``module`` (called ``name``)."""
+    cls = type(module).__name__
+    reason = keep_reason(module, name, parent=parent, skip=skip)
+    if isinstance(module, nn.Embedding) or "embed" in pname:
+        return "embeddings", HIGH_PRECISION_WHY["embeddings"]
+    if pname.endswith("bias"):
+        return "biases", HIGH_PRECISION_WHY["biases"]
+    if reason is not None and reason.startswith("MoE experts:"):
+        return "MoE experts not converted", reason.removeprefix("MoE experts: ")
+    if _is_router_class(module) or (reason or "").startswith("MoE router"):
+        return "MoE routers", HIGH_PRECISION_WHY["MoE routers"]
+    if isinstance(module, nn.Linear) or is_conv1d(module):
+        return "linears kept in high precision", reason or (
+            "left in high precision when the model was quantized (modules_to_not_convert / skip)"
+        )
+    if isinstance(module, nn.MultiheadAttention):
+        return "linears kept in high precision", (
+            "nn.MultiheadAttention passes in_proj_weight to F.multi_head_attention_forward "
+            "itself (an FP8 weight there would be multiplied as raw codes)"
+        )
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "convolutions", HIGH_PRECISION_WHY["convolutions"]
+    if getattr(module, pname).dim() <= 1:
+        return "norms and other 1-D tensors", HIGH_PRECISION_WHY["norms and other 1-D tensors"]
+    what = "parameters used by their module's own code"
+    return what, HIGH_PRECISION_WHY[what].format(cls=cls)
+
+
+def high_precision_parts(
+    model: nn.Module, *, skip: Sequence[str] = (), examples: int = 3
+) -> list[dict[str, Any]]:
+    """What stays in high precision in ``model`` and why, largest first:
+    ``[{"what", "why", "parameters", "examples"}]`` (``parameters``: elements; ``examples``:
+    up to ``examples`` parameter names). Works on a quantized model (what is not FP8; a
+    linear the rules would convert was skipped then) and on a high-precision one, also on
+    the meta device (what the swap would leave, with ``skip`` as ``modules_to_not_convert``). FP8 codes and their scales are not listed; a parameter
+    shared by several modules counts once."""
+    will_convert: set[int] = set()  # a quantized model is described as it is
+    if not any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules()):
+        for _, module, _ in convertible_modules(model, skip=skip):
+            will_convert.add(id(module.weight))
+        for _, module, _ in convertible_experts(model, skip=skip):
+            for pname, p in module.named_parameters(recurse=False):
+                if not pname.endswith("bias"):
+                    will_convert.add(id(p))
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    seen: set[int] = set()
+    for name, module, parent, _ in _walk(model, "", None, False):
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen or id(p) in will_convert or is_fp8(p.dtype):
+                continue
+            seen.add(id(p))
+            if isinstance(module, (Fp8Linear, Fp8Experts)) and "scale" in pname:
+                continue
+            if module is output and pname == "weight":
+                what, why = (
+                    "output head",
+                    (
+                        "the output head (lm_head) is kept by default: the layer most sensitive "
+                        "to FP8 rounding, and often tied to the input embeddings"
+                    ),
+                )
+            else:
+                what, why = _what_and_why(module, name, pname, parent, skip)
+            group = groups.setdefault((what, why), {"what": what, "why": why, "parameters": 0})
+            group["parameters"] += p.numel()
+            shown = group.setdefault("examples", [])
+            if len(shown) < examples:
+                shown.append(f"{name}.{pname}" if name else pname)
+    return sorted(groups.values(), key=lambda g: -g["parameters"])

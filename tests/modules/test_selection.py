@@ -197,3 +197,87 @@ def test_the_config_skip_list_uses_the_same_matching() -> None:
     model = nn.ModuleDict({"lm_head": nn.Linear(8, 8), "lm_head2": nn.Linear(8, 8)})
     skip = Fp8Config(modules_to_not_convert=["lm_head"]).modules_to_not_convert
     assert names(model, skip=skip) == ["lm_head2"]
+
+
+class EinsumAttention(nn.Module):
+    """Like XLNetRelativeAttention: projections as 3-D parameters used through einsum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(8, 2, 4))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bh,hnd->bnd", self.norm(x), self.q)
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.attn = EinsumAttention()
+        self.conv = nn.Conv1d(8, 8, 3)
+        self.router = nn.Linear(8, 4)  # a linear called router beside experts
+        self.experts = nn.ModuleList([nn.Linear(8, 8)])
+        self.proj = nn.Linear(8, 8)
+
+
+def _parts(model: nn.Module, **kwargs) -> dict[str, dict]:
+    from hf_fp8.modules.selection import high_precision_parts
+
+    return {g["what"]: g for g in high_precision_parts(model, **kwargs)}
+
+
+def test_high_precision_parts_name_every_part_that_is_not_fp8() -> None:
+    model = Toy()
+    parts = _parts(model, skip=["proj"])
+    assert parts["embeddings"]["parameters"] == 80
+    own = parts["parameters used by their module's own code"]
+    assert own["parameters"] == 64 and own["examples"] == ["attn.q"]
+    assert "EinsumAttention uses these parameters itself" in own["why"]
+    assert parts["convolutions"]["parameters"] == 8 * 8 * 3
+    assert parts["MoE routers"]["parameters"] == 32
+    assert (
+        parts["linears kept in high precision"]["why"] == "named in modules_to_not_convert / skip"
+    )
+    assert parts["linears kept in high precision"]["examples"] == ["proj.weight"]
+    assert parts["norms and other 1-D tensors"]["parameters"] == 8  # the LayerNorm weight
+    # every bias (norm, conv, router, experts.0, proj); experts.0.weight converts: no group
+    assert parts["biases"]["parameters"] == 8 + 8 + 4 + 8 + 8
+    listed = sum(g["parameters"] for g in parts.values())
+    assert listed == sum(p.numel() for p in model.parameters()) - 64  # all but experts.0.weight
+
+
+def test_high_precision_parts_of_a_quantized_model_leave_out_fp8_codes_and_scales() -> None:
+    from hf_fp8 import quantize_model
+
+    model = quantize_model(Toy(), Fp8Config(), skip=["proj"])
+    assert isinstance(model.experts[0], Fp8Linear)
+    parts = _parts(model)  # no skip given: the model says what is FP8
+    fp8 = sum(p.numel() for p in model.parameters() if p.element_size() == 1)
+    scales = sum(p.numel() for n, p in model.named_parameters() if "scale" in n)
+    listed = sum(g["parameters"] for g in parts.values())
+    assert fp8 == 64 and listed == sum(p.numel() for p in model.parameters()) - fp8 - scales
+    kept = parts["linears kept in high precision"]
+    assert kept["examples"] == ["proj.weight"] and "when the model was quantized" in kept["why"]
+
+
+def test_high_precision_parts_of_families_below_the_coverage_target() -> None:
+    """What keeps XLNet, Mamba and Llama-4 below 0.99 FP8, in words (built on meta)."""
+    from transformers import MambaConfig, MambaForCausalLM, XLNetConfig, XLNetLMHeadModel
+    from transformers.models.llama4.modeling_llama4 import Llama4ForCausalLM
+
+    with torch.device("meta"):
+        xlnet = XLNetLMHeadModel(XLNetConfig(d_model=64, n_layer=1, n_head=4, d_inner=64))
+        mamba = MambaForCausalLM(MambaConfig(hidden_size=32, num_hidden_layers=1))
+        llama4 = Llama4ForCausalLM(Llama4TextConfig(**SMALL_MOE, num_hidden_layers=1))
+    from hf_fp8.modules.selection import high_precision_parts
+
+    own = [g for g in high_precision_parts(xlnet) if "XLNetRelativeAttention" in g["why"]]
+    assert own[0]["what"] == "parameters used by their module's own code"
+    assert own[0]["parameters"] == 5 * 64 * 64  # q, k, v, o, r: [64, 4, 16] each
+    kept = _parts(mamba)["linears kept in high precision"]
+    assert kept["why"] == "MambaMixer reads its .weight directly"
+    experts = _parts(llama4)["MoE experts not converted"]
+    assert "Llama4TextExperts is not built on" in experts["why"]
+    assert experts["parameters"] == 4 * 16 * 64 + 4 * 32 * 16
