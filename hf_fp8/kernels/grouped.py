@@ -4,9 +4,12 @@ The ``S = tokens × top_k`` routed pairs are sorted by expert id (:func:`route`)
 then multiplies the contiguous block of rows it received, and an expert that received no
 token costs nothing (no dense compute of all experts, no per-token Python loop).
 
-Two ways to run one grouped projection (:func:`grouped_fp8_linear`):
+Three ways to run one grouped projection (:func:`grouped_fp8_linear`):
 
-* per expert present: one ``hf_fp8.kernels.fp8_linear`` call on that expert's rows and
+* on the CPU with the C kernels (no gradients): :mod:`hf_fp8.kernels.grouped_cpu`, the
+  emulation's numbers with one activation quantization pass (once per token for per-token
+  scales), one whole-weight decode per expert into a reused buffer and one output buffer;
+* per expert present (elsewhere, and for gradients): one ``hf_fp8.kernels.fp8_linear`` call on that expert's rows and
   weight slice. That is the FP8 linear of ``Fp8Linear``, so the numerics are those of a
   dequantize-then-matmul per expert (activations fake-quantized for dynamic / static), the
   kernel choice is the same (``torch._scaled_mm`` on FP8 GPUs, the emulation elsewhere)
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_fp8.kernels import grouped_cpu
 from hf_fp8.kernels.fp8_linear import LinearPlan, fp8_linear
 from hf_fp8.numerics import amax, amax_to_scale, fp8_dtype, quantize_with_scale
 from hf_fp8.recipe import Fp8Recipe, Kernel
@@ -234,6 +238,7 @@ def grouped_fp8_linear(
     *,
     recipe: Fp8Recipe,
     input_scale: torch.Tensor | None = None,
+    from_tokens: bool = False,
 ) -> torch.Tensor:
     """Per-expert FP8 ``linear`` of the rows sorted by :func:`route`: ``[S, N]`` in
     ``x_sorted.dtype``.
@@ -243,12 +248,15 @@ def grouped_fp8_linear(
     ``bias`` ``[E, N]``, ``input_scale`` ``[E]`` (static: one scale per expert). Each expert
     runs ``recipe`` as an ``Fp8Linear`` would; dynamic ``"tensor"`` activations get one scale
     per expert.
+
+    ``from_tokens=True``: ``x_sorted`` is the ``[tokens, K]`` input itself and each routed
+    pair reads its token's row (``x[routing.token_index]``, same result); on the CPU path a
+    per-token activation scale is then computed once per token, not once per pair.
     """
-    if x_sorted.dim() != 2 or x_sorted.shape[0] != len(routing.expert_ids):
-        raise ValueError(
-            f"x_sorted must be [{len(routing.expert_ids)}, K] (one row per routed pair), got "
-            f"{tuple(x_sorted.shape)}"
-        )
+    rows = routing.num_tokens if from_tokens else len(routing.expert_ids)
+    if x_sorted.dim() != 2 or x_sorted.shape[0] != rows:
+        what = "one row per token" if from_tokens else "one row per routed pair"
+        raise ValueError(f"x_sorted must be [{rows}, K] ({what}), got {tuple(x_sorted.shape)}")
     num_experts, n, k = w_fp8.shape
     if num_experts != routing.num_experts or x_sorted.shape[1] != k:
         raise ValueError(
@@ -266,7 +274,7 @@ def grouped_fp8_linear(
         )
     if not recipe.is_static:
         input_scale = None
-    if x_sorted.shape[0] == 0:
+    if len(routing.expert_ids) == 0:
         return x_sorted.new_zeros(0, n)
 
     act_dtype = fp8_dtype(recipe.fp8_format) if recipe.quantizes_activations else None
@@ -281,11 +289,20 @@ def grouped_fp8_linear(
             num_experts,
         )  # fmt: skip
         if reason is None:
+            rows = x_sorted[routing.token_index] if from_tokens else x_sorted
             return _scaled_grouped(
-                x_sorted, routing, w_fp8, w_scale, bias, act_dtype, a_layout, input_scale
+                rows, routing, w_fp8, w_scale, bias, act_dtype, a_layout, input_scale
             )
 
     plan = _plan(recipe)
+    path = None if needs_grad else grouped_cpu.cpu_path(x_sorted, w_fp8, plan)
+    if path is not None:
+        return grouped_cpu.grouped_linear(
+            None if from_tokens else x_sorted, routing, w_fp8, w_scale, bias, plan,
+            input_scale, path, tokens=x_sorted if from_tokens else None,
+        )  # fmt: skip
+    if from_tokens:
+        x_sorted = x_sorted[routing.token_index]
     pieces = []
     for expert, start, end in routing.present():
         pieces.append(

@@ -21,6 +21,7 @@ from hf_fp8.recipe import Fp8Recipe
 from tests.kernels.reference import E4M3, fake_quant
 
 grouped = importlib.import_module("hf_fp8.kernels.grouped")
+grouped_cpu = importlib.import_module("hf_fp8.kernels.grouped_cpu")
 E5M2 = torch.float8_e5m2
 FORMATS = {E4M3: "e4m3", E5M2: "e5m2"}
 DYNAMIC = Fp8Recipe.resolve()
@@ -138,6 +139,7 @@ def test_only_routed_experts_are_multiplied(monkeypatch) -> None:
         return real(x, w, *args, **kwargs)
 
     monkeypatch.setattr(grouped, "fp8_linear", spy)
+    monkeypatch.setattr(grouped_cpu, "fp8_linear", spy)  # the CPU route's small experts
     index = torch.tensor([[0, 7], [7, 2], [2, 0]])
     routing = grouped.route(index, 8)
     out = grouped.grouped_fp8_linear(torch.randn(6, 48), routing, w_fp8, w_scale, recipe=DYNAMIC)
@@ -357,3 +359,120 @@ def test_route_under_deterministic_algorithms() -> None:
     finally:
         torch.use_deterministic_algorithms(False)
     assert routing.counts == (1, 1, 0, 3, 0)
+
+
+# -- the CPU route (hf_fp8.kernels.grouped_cpu) ------------------------------------------------
+
+
+def _skewed_routing(seed=3):
+    """40 tokens, top-2 over 5 experts: experts 0, 3 and 4 get 20 or more rows (above every
+    GEMV limit), 1 gets 3, 2 gets none; tokens span six orders of magnitude, so a
+    row quantized with another row's (or the wrong group's) scale is far off."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 48, generator=gen) * torch.logspace(-3, 3, 40).unsqueeze(-1)
+    first = torch.where(torch.arange(40) < 20, 0, 4)
+    second = torch.full((40,), 3)
+    second[:3] = 1
+    return x, torch.stack([first, second], dim=1)
+
+
+def _dense_per_expert(x, index, w_fp8, w_scale, bias, recipe, scales):
+    """The per-expert ``fp8_linear`` of each routed pair (as one ``Fp8Linear`` per expert)."""
+    from hf_fp8.kernels.fp8_linear import LinearPlan, fp8_linear
+
+    plan = LinearPlan.from_recipe(recipe)
+    flat = index.reshape(-1)
+    rows = x.repeat_interleave(index.shape[1], dim=0)
+    out = torch.zeros(rows.shape[0], w_fp8.shape[1])
+    for e in flat.unique().tolist():
+        sel = (flat == e).nonzero().squeeze(-1)
+        b = None if bias is None else bias[e].to(x.dtype)
+        s = None if scales is None else scales[e : e + 1]
+        out[sel] = fp8_linear(rows[sel], w_fp8[e], w_scale[e], b, plan=plan, input_scale=s).float()
+    return out
+
+
+@pytest.mark.parametrize("gran", ["row", "tensor", "block"])
+@pytest.mark.parametrize(
+    ("act", "a_gran"),
+    [("weight_only", None), ("dynamic", "token"), ("dynamic", "tensor"), ("dynamic", "block"),
+     ("static", "tensor")],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("from_tokens", [False, True])
+def test_cpu_route_equals_the_reference(monkeypatch, gran, act, a_gran, dtype, from_tokens):
+    """Every expert above the GEMV limit is decoded once and multiplied once; the result is
+    the fp32 dequantize-then-matmul reference (fp32 compute) or the per-expert FP8 linear
+    (bf16 compute: same numerics, up to fp32 reassociation inside the matmul)."""
+    from hf_fp8.kernels import cpu_kernel
+
+    if cpu_kernel.active_path() is None:
+        pytest.skip("the C CPU kernels are unavailable here")
+    decoded = []
+    real_decode = cpu_kernel.decode
+    monkeypatch.setattr(cpu_kernel, "decode", lambda w, *a, **k: decoded.append(w.data_ptr())
+                        or real_decode(w, *a, **k))  # fmt: skip
+    w_fp8, w_scale = _experts(gran=gran)
+    bias = torch.randn(5, 32)
+    x, index = _skewed_routing()
+    scales = torch.tensor([30.0, 0.02, 0.03, 20.0, 10.0]) / 448 if act == "static" else None
+    recipe = Fp8Recipe.resolve(act, weight_granularity=gran, activation_granularity=a_gran,
+                               block_size=(16, 16))  # fmt: skip
+    routing = grouped.route(index, 5)
+    x = x.to(dtype)
+    got = grouped.grouped_fp8_linear(
+        x if from_tokens else x[routing.token_index], routing, w_fp8, w_scale, bias,
+        recipe=recipe, input_scale=scales, from_tokens=from_tokens,
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == (80, 32)
+    big = {w_fp8[0].data_ptr(), w_fp8[3].data_ptr(), w_fp8[4].data_ptr()}
+    assert set(decoded) == big and len(decoded) == 3, "each large expert decoded once"
+    full = _unsort(got, routing)
+    if dtype == torch.float32:
+        ref = _reference(x, index, w_fp8, w_scale, bias, gran=gran, block=(16, 16), act=act,
+                         a_gran=a_gran, scales=scales)  # fmt: skip
+        torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    else:
+        ref = _dense_per_expert(x, index, w_fp8, w_scale, bias, recipe, scales)
+        torch.testing.assert_close(full, ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()))
+
+
+def test_per_token_scales_are_computed_once_per_token(monkeypatch) -> None:
+    """Dynamic per-token activations: the token rows are quantized once (40 rows, not the 80
+    routed pairs), and the result is bit for bit that of quantizing each pair's row."""
+    from hf_fp8.kernels import cpu_kernel, cpu_linear
+
+    if cpu_kernel.active_path() is None:
+        pytest.skip("the C CPU kernels are unavailable here")
+    w_fp8, w_scale = _experts()
+    x, index = _skewed_routing()
+    index[:3, 1] = 0  # expert 1 empty: every expert present is above the GEMV limit
+    index[:3, 0] = 4
+    routing = grouped.route(index, 5)
+    quantized = []
+    real = cpu_linear._quantize_act
+    monkeypatch.setattr(cpu_linear, "_quantize_act", lambda a, *r, **k: quantized.append(
+        a.shape[0]) or real(a, *r, **k))  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16):
+        quantized.clear()
+        xd = x.to(dtype)
+        once = grouped.grouped_fp8_linear(xd, routing, w_fp8, w_scale, recipe=DYNAMIC,
+                                          from_tokens=True)  # fmt: skip
+        assert quantized == [40]
+        per_pair = grouped.grouped_fp8_linear(xd[routing.token_index], routing, w_fp8, w_scale,
+                                              recipe=DYNAMIC)  # fmt: skip
+        assert quantized == [40, 80]
+        assert torch.equal(once, per_pair)
+        ref = _reference(xd.float(), index, w_fp8, w_scale, None, gran="row", block=(16, 16),
+                         act="dynamic", a_gran="token")  # fmt: skip
+        tol = 1e-5 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(_unsort(once, routing), ref, rtol=tol,
+                                   atol=tol * float(ref.abs().max()))  # fmt: skip
+
+
+def test_from_tokens_checks_the_shape() -> None:
+    w_fp8, w_scale = _experts()
+    routing = grouped.route(torch.tensor([[0, 1], [1, 2]]), 5)
+    with pytest.raises(ValueError, match=r"\[2, K\] \(one row per token\)"):
+        grouped.grouped_fp8_linear(torch.zeros(4, 48), routing, w_fp8, w_scale, recipe=DYNAMIC,
+                                   from_tokens=True)  # fmt: skip

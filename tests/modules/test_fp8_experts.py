@@ -29,6 +29,7 @@ from tests.kernels.reference import fake_quant
 from tests.modules.moe_zoo import build_tiny, experts_classes, routed_inputs
 
 grouped = importlib.import_module("hf_fp8.kernels.grouped")
+grouped_cpu = importlib.import_module("hf_fp8.kernels.grouped_cpu")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 CLASSES = experts_classes()
 # Families of the issue, one per layout feature: plain, gpt-oss (transposed + bias +
@@ -147,6 +148,38 @@ def test_schemes_granularities_formats_match_the_reference(name, scheme, gran, f
         assert _rel(got, exact) < (0.3 if fmt == "e5m2" else 0.12)
 
 
+@pytest.mark.parametrize("name", ["Qwen3MoeExperts", "GptOssExperts"])
+@pytest.mark.parametrize(
+    ("scheme", "a_gran"), [("dynamic", "token"), ("dynamic", "tensor"), ("static", None),
+                           ("weight_only", None)]
+)  # fmt: skip
+@pytest.mark.parametrize("gran", ["row", "block"])
+def test_many_rows_per_expert_match_the_reference(name, scheme, a_gran, gran) -> None:
+    """Prefill-sized groups (every expert above the CPU GEMV limit, tokens of very different
+    magnitudes): each token's own scale, each expert's own group / static scale."""
+    source = build_tiny(FAMILIES[name])
+    config = Fp8Config(
+        scheme,
+        weight_granularity=gran,
+        activation_granularity=a_gran,
+        block_size=(16, 16),
+        activation_scale=0.05 if scheme == "static" else None,
+    )
+    fp8 = Fp8Experts.from_experts(source, config)
+    layout = fp8.layout
+    x, index, weights = routed_inputs(layout.hidden_size, layout.num_experts, tokens=96)
+    x = x * torch.logspace(-2, 2, 96).unsqueeze(-1)
+    with torch.no_grad():
+        got = fp8(x, index, weights)
+        ref = _reference(fp8, source, x, index, weights)
+        assert _rel(got, ref) < 1e-5
+        fp8.to(torch.bfloat16)
+        xb = x.bfloat16()
+        got16 = fp8(xb, index, weights.bfloat16())
+        ref16 = _reference(fp8, source, xb.float(), index, weights.bfloat16().float())
+    assert got16.dtype == torch.bfloat16 and _rel(got16, ref16) < 2e-2
+
+
 def test_each_expert_has_its_own_scales() -> None:
     source = build_tiny(FAMILIES["GptOssExperts"])
     with torch.no_grad():
@@ -190,8 +223,13 @@ def test_only_routed_experts_compute(monkeypatch) -> None:
         fp8.down_proj[4] = float("nan")
     calls = []
     real = grouped.fp8_linear
-    monkeypatch.setattr(grouped, "fp8_linear", lambda x, w, *a, **k: calls.append(x.shape[0])
-                        or real(x, w, *a, **k))  # fmt: skip
+
+    def spy(x, w, *a, **k):
+        calls.append(x.shape[0])
+        return real(x, w, *a, **k)
+
+    monkeypatch.setattr(grouped, "fp8_linear", spy)
+    monkeypatch.setattr(grouped_cpu, "fp8_linear", spy)  # the CPU route's small experts
     x = torch.randn(5, 32)
     index = torch.tensor([[0, 1], [1, 0], [0, 3], [3, 1], [1, 0]])
     out = fp8(x, index, torch.full((5, 2), 0.5))

@@ -1,0 +1,141 @@
+"""Grouped FP8 projection of MoE experts on the CPU, with the C kernels (``cpu_kernel``).
+
+The per-expert route of :func:`hf_fp8.kernels.grouped.grouped_fp8_linear` runs one
+``fp8_linear`` per expert present. On the CPU, for an expert that received more rows than
+the fused GEMV takes (``cpu_linear.gemv_limit``), that call decodes the weight tile by tile,
+multiplies each tile, joins the tiles with a ``cat`` and runs the epilogue, and the grouped
+route joins the experts with another ``cat``. :func:`grouped_linear` does the same math with
+less around it:
+
+* token-local activation scales (dynamic per token, or 1 × bk blocks) are computed for all
+  rows in one pass, and, given the token rows (``tokens``), once per *token* rather than
+  once per (token, expert) pair, then gathered: a row's scale never depends on its expert,
+  so the numbers are those of quantizing each pair. Per-tensor dynamic scales (one per
+  expert's group of rows) and static scales (one per expert) are computed per expert, as
+  ``fp8_linear`` computes them;
+* each expert's weight is decoded once, whole, into one reused buffer (``cpu_kernel.decode``,
+  unscaled where the emulation applies the scale after the matmul), multiplied by
+  ``torch.mm`` straight into the expert's rows of one preallocated output, then the
+  emulation's epilogue (``emulated._epilogue``: scales, bias, one rounding);
+* experts with at most ``gemv_limit`` rows take ``fp8_linear`` (the fused GEMV) as before.
+
+Numbers: the emulation's (``emulated._mm_forward``) up to fp32 reassociation inside the
+matmul. ``None`` is returned where this path does not apply (not CPU, C kernels off or
+unavailable, fp16 compute, under ``torch.compile``, ``kernel="scaled_mm"``): the caller runs
+the per-expert route then.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hf_fp8.kernels import cpu_kernel, cpu_linear
+from hf_fp8.kernels import emulated as _emu
+from hf_fp8.kernels.fp8_linear import LinearPlan, fp8_linear
+from hf_fp8.recipe import Granularity, Kernel
+
+_TOKEN_LOCAL = (Granularity.ROW.value, Granularity.BLOCK.value)  # a row's scale is its own
+_SCALED_MM = Kernel.SCALED_MM.value
+
+
+def cpu_path(x: torch.Tensor, w_fp8: torch.Tensor, plan: LinearPlan) -> str | None:
+    """The C kernel path :func:`grouped_linear` would use for ``x`` and ``w_fp8``, or ``None``."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    if plan.kernel == _SCALED_MM and plan.act_dtype is not None:
+        return None  # fp8_linear says why torch._scaled_mm cannot run here
+    if x.dtype not in (torch.bfloat16, torch.float32) or w_fp8.dtype not in cpu_kernel.FORMATS:
+        return None
+    return cpu_kernel.active_path()
+
+
+def _quantize(
+    x: torch.Tensor, plan: LinearPlan, input_scale: torch.Tensor | None, post: bool, path: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The emulation's activation operand of ``x`` (``cpu_linear._quantize_act``)."""
+    return cpu_linear._quantize_act(
+        x, input_scale, plan.act_dtype, plan.act_granularity, plan.block_size[1], x.dtype, post,
+        path,
+    )  # fmt: skip
+
+
+def grouped_linear(
+    x_sorted: torch.Tensor | None,
+    routing,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    plan: LinearPlan,
+    input_scale: torch.Tensor | None,
+    path: str,
+    tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[S, N]``: each expert's rows of ``x_sorted`` through its FP8 weight (see the module
+    docstring). ``tokens`` ``[T, K]``: the rows ``x_sorted`` is gathered from
+    (``tokens[routing.token_index]``); with it ``x_sorted`` may be ``None``. ``path``: from
+    :func:`cpu_path`. No autograd (the caller routes gradients elsewhere)."""
+    rows_of = routing.token_index
+    source = x_sorted if x_sorted is not None else tokens
+    assert source is not None
+    dtype = source.dtype
+    _, n, k = w_fp8.shape
+    s = len(routing.expert_ids)
+    w_gran, block = plan.weight_granularity, plan.block_size
+    a_gran = plan.act_granularity  # "tensor" for static scales; None: weight-only
+    w_post = _emu.post_scaled(w_gran, dtype)
+    a_post = a_gran is not None and _emu.post_scaled(a_gran, dtype)
+    limit = cpu_linear.gemv_limit(path, dtype, a_gran == Granularity.BLOCK.value)
+    present = routing.present()
+    out = torch.empty(s, n, dtype=dtype)
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        if x_sorted is not None:
+            return x_sorted[start:end]
+        return tokens[rows_of[start:end]]
+
+    # token-local activation scales: one pass over every row, or over the tokens
+    a_all = a_scale_all = None
+    token_local = a_gran in _TOKEN_LOCAL and not plan.static
+    if token_local and any(end - start > limit for _, start, end in present):
+        if x_sorted is not None:
+            a_all, a_scale_all = _quantize(x_sorted.contiguous(), plan, None, a_post, path)
+        else:
+            a_tok, s_tok = _quantize(tokens.contiguous(), plan, None, a_post, path)
+            a_all = a_tok[rows_of]
+            a_scale_all = None if s_tok is None else s_tok[rows_of]
+
+    scales = w_scale.detach().float()
+    buffer = torch.empty(n * k, dtype=dtype)
+    for expert, start, end in present:
+        b = None if bias is None else bias[expert].detach().to(dtype)
+        e_scale = None if input_scale is None else input_scale[expert : expert + 1]
+        if end - start <= limit:  # the fused GEMV
+            out[start:end] = fp8_linear(
+                rows(start, end), w_fp8[expert], w_scale[expert], b, plan=plan,
+                input_scale=e_scale,
+            )  # fmt: skip
+            continue
+        if plan.act_dtype is None:
+            a, a_scale = rows(start, end), None
+        elif a_all is not None:
+            a = a_all[start:end]
+            a_scale = None if a_scale_all is None else a_scale_all[start:end]
+        else:  # one scale for the expert's rows: its group amax, or its static scale
+            a, a_scale = _quantize(rows(start, end).contiguous(), plan, e_scale, a_post, path)
+        w_e = scales[expert].reshape(-1).contiguous()
+        w = cpu_kernel.decode(
+            w_fp8[expert].detach().contiguous(), None if w_post else w_e, w_gran, block, dtype,
+            out=buffer, path=path,
+        )  # fmt: skip
+        if not (w_post or a_post):
+            if b is None:
+                torch.mm(a, w.t(), out=out[start:end])
+            else:
+                out[start:end] = F.linear(a, w, b)
+            continue
+        acc = torch.mm(a, w.t()).float()
+        out[start:end] = _emu._epilogue(
+            acc, a_scale if a_post else None, w_e if w_post else None, b, dtype
+        )
+    return out
