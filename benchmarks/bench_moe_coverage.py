@@ -11,7 +11,10 @@ experts), and measure
   embeddings and the output head are left out of both, as the issue counts);
 * ``rel_error``: ``||logits_fp8 - logits_fp32|| / ||logits_fp32||`` on one fixed batch;
 * ``reload_identical``: ``save_pretrained`` then ``from_pretrained`` gives the same tensors
-  (bits) and the same logits.
+  (bits) and the same logits;
+* ``high_precision`` / ``full_size_high_precision``: the largest parts left in high
+  precision (tiny model as loaded / default config on meta), their share and why
+  (``hf_fp8.modules.selection.high_precision_parts``: the keep rules' words).
 
 Families that do not build, load or run tiny are listed with the error. Writes
 ``benchmarks/results/moe_coverage.json`` and ``moe_coverage.png``. Target: fp8_share >= 0.99.
@@ -46,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from hf_fp8 import Fp8Config  # noqa: E402
 from hf_fp8.modules.fp8_experts import Fp8Experts, is_experts_module  # noqa: E402
+from hf_fp8.modules.selection import high_precision_parts  # noqa: E402
 from hf_fp8.numerics import is_fp8  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -144,10 +148,27 @@ def _embedding_params(model: nn.Module) -> set[int]:
     return out
 
 
-def fp8_share(model: nn.Module, embedding_ids: set[int]) -> tuple[int, int, list[str]]:
-    """(fp8 elements, non-embedding elements, names of the largest high-precision parts)."""
+_NOT_COUNTED = ("embeddings", "output head")  # out of the share, as the issue counts
+
+
+def why_high_precision(model: nn.Module, total: int, *, skip: list[str], top: int = 3) -> list:
+    """The largest parts of ``model`` that stay high precision, with their share of the
+    ``total`` non-embedding parameters and the reason (``selection.high_precision_parts``)."""
+    parts = [g for g in high_precision_parts(model, skip=skip) if g["what"] not in _NOT_COUNTED]
+    return [
+        {
+            "what": g["what"],
+            "share": g["parameters"] / total if total else 0.0,
+            "why": g["why"],
+            "examples": g["examples"][:2],
+        }
+        for g in parts[:top]
+    ]
+
+
+def fp8_share(model: nn.Module, embedding_ids: set[int]) -> tuple[int, int, list[dict]]:
+    """(fp8 elements, non-embedding elements, the largest high-precision parts and why)."""
     fp8 = total = 0
-    high: dict[str, int] = {}
     for module in model.modules():
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in embedding_ids or "scale" in pname:
@@ -155,11 +176,7 @@ def fp8_share(model: nn.Module, embedding_ids: set[int]) -> tuple[int, int, list
             total += p.numel()
             if is_fp8(p.dtype):
                 fp8 += p.numel()
-            else:
-                key = type(module).__name__
-                high[key] = high.get(key, 0) + p.numel()
-    top = sorted(high, key=lambda k: -high[k])[:3]
-    return fp8, total, [f"{k} ({high[k]})" for k in top]
+    return fp8, total, why_high_precision(model, total, skip=[])
 
 
 def full_size_share(model_type: str) -> dict:
@@ -185,7 +202,11 @@ def full_size_share(model_type: str) -> dict:
                 seen.add(id(p))
                 fp8 += p.numel()
     total = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
-    return {"full_size_fp8_share": fp8 / total, "full_size_parameters": total}
+    return {
+        "full_size_fp8_share": fp8 / total,
+        "full_size_parameters": total,
+        "full_size_high_precision": why_high_precision(model, total, skip=["lm_head"]),
+    }
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -242,7 +263,7 @@ def measure(model_type: str, workdir: Path) -> dict:
         "fp8_experts": sum(isinstance(m, Fp8Experts) for m in model.modules()),
         "fp8_share": fp8 / total if total else 0.0,
         "non_embedding_parameters": total,
-        "largest_high_precision": high,
+        "high_precision": high,
         "rel_error": float((got - want).norm() / want.norm()),
         "reload_identical": _same(model.state_dict(), back.state_dict())
         and torch.equal(got, again),
@@ -349,6 +370,15 @@ def main(argv: list[str] | None = None) -> dict:
         "full_size_measured": len(full),
         "full_size_min_fp8_share": min(full.values()) if full else math.nan,
         "full_size_below_0.99": sorted(k for k, v in full.items() if v < 0.99),
+        # for each family below the target at full size: its largest high-precision part
+        "full_size_below_0.99_why": {
+            k: [
+                f"{g['what']} {g['share']:.3f}: {g['why']}"
+                for g in rows[k]["full_size_high_precision"][:1]
+            ]
+            for k in sorted(full)
+            if full[k] < 0.99
+        },
         "reload_not_identical": sorted(k for k, v in ok.items() if not v["reload_identical"]),
         "median_rel_error": sorted(v["rel_error"] for v in ok.values())[len(ok) // 2]
         if ok
