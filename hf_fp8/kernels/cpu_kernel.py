@@ -12,6 +12,11 @@ hardened loader; cached per machine):
   tile by tile (``cpu_fp8_mm``), followed by ``fp8_epilogue`` (the emulation's scales and
   bias in one pass).
 * ``fp8_quant_act``: the activation fake-quantization, bit-identical to ``hf_fp8.numerics``.
+* ``fp8_mm_bf16`` (``avx512bf16`` path): decode and matmul fused for many bf16 tokens: a
+  register-blocked bf16 GEMM whose weight panels are decoded from fp8 straight into the
+  layout its dot-product instruction reads (a bf16 GEMM packs its weight anyway; this packing
+  reads half the bytes), then the same epilogue. It replaces decode + ``F.linear`` per tile
+  where oneDNN has no AMX to beat it (:func:`fused_mm_enabled`).
 
 Work is spread over ``torch.get_num_threads()`` threads of torch's own OpenMP team.
 
@@ -159,6 +164,9 @@ def _build(path: str) -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.fp8_epilogue.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64]
     lib.fp8_epilogue.restype = ctypes.c_int
+    lib.fp8_mm_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64]
+    lib.fp8_mm_bf16.argtypes += [ptr, ptr, i64, i64]
+    lib.fp8_mm_bf16.restype = ctypes.c_int
     lib.fp8_set_openmp.argtypes = [ptr]
     lib.fp8_set_openmp.restype = None
     gomp = _torch_openmp()
@@ -188,6 +196,20 @@ def failure(path: str) -> str | None:
 
 
 _ACTIVE: dict[str, str | None] = {}
+
+# The fused decode + GEMM (``fp8_mm_bf16``) for many tokens: ``None`` picks it where it runs
+# (the ``avx512bf16`` path) unless the CPU has AMX, whose oneDNN matmul a vdpbf16ps GEMM
+# cannot match; ``True`` / ``False`` force it on / off (tests, benchmarks).
+FUSED_MM: bool | None = None
+
+
+def fused_mm_enabled(path: str) -> bool:
+    """Whether many-token bf16 products take the fused decode + GEMM on ``path``."""
+    if path not in BF16_ACTIVATION_PATHS:
+        return False
+    if FUSED_MM is not None:
+        return FUSED_MM
+    return "amx_bf16" not in cpu_features()
 
 
 @torch.compiler.assume_constant_result
@@ -429,6 +451,8 @@ def _fp8_mm_impl(
         a.dtype == torch.bfloat16 or not (w_post or a_scale is not None),
         "scales after the matmul need bf16",
     )
+    if a.dtype == torch.bfloat16 and k % 2 == 0 and fused_mm_enabled(path):
+        return _fused_mm(a, w, w_scale, a_scale, bias, w_gran, bn, bk, w_post, path)
     rows = max(16, min(n, TILE_BYTES // (k * a.element_size()) // 16 * 16))
     # out.T tile by tile (tile @ a.T: rows of out.T), joined by one cat. Measured with 2
     # threads: torch.mm(..., out=) and a @ tile.T per tile ran 5-10x slower than this.
@@ -466,6 +490,56 @@ def _fp8_mm_impl(
         _ptr(ws), 0 if ws is None else ws.numel(), _ptr(b), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     _check(rc == 0, f"fp8_epilogue failed with code {rc}")
+    return out
+
+
+def _fused_mm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    w_gran: str,
+    bn: int,
+    bk: int,
+    w_post: bool,
+    path: str,
+) -> torch.Tensor:
+    """``_fp8_mm_impl`` for bf16 ``a`` and even K in one C call (``fp8_mm_bf16``): the
+    same operands, products and epilogue; only the fp32 summation order differs."""
+    _check_weight(w, w_scale, w_gran, bn, bk)
+    n, k = w.shape
+    m = a.shape[0]
+    _check(
+        a.dtype == torch.bfloat16 and a.is_contiguous() and a.device.type == "cpu" and m >= 1,
+        f"activation must be contiguous CPU bf16, got {tuple(a.shape)} {a.dtype}",
+    )
+    _check(k % 2 == 0, f"the fused matmul needs an even K, got {k}")
+    ws = w_scale if w_post else None
+    _check(
+        a_scale is None
+        or (
+            a_scale.dtype == torch.float32 and a_scale.is_contiguous() and a_scale.numel() in (1, m)
+        ),
+        f"activation scale must be float32 with 1 or {m} values",
+    )
+    _check(ws is None or ws.numel() in (1, n), f"a post weight scale has 1 or {n} values")
+    _check(
+        bias is None
+        or (bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.numel() == n),
+        f"bias must be {n} contiguous bf16 values",
+    )
+    lib = library(path)
+    _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    folded = None if w_post else w_scale
+    rc = lib.fp8_mm_bf16(
+        a.data_ptr(), m, k, w.data_ptr(), n, _ptr(folded), GRANULARITIES[w_gran], bn, bk,
+        _ptr(a_scale), 0 if a_scale is None else a_scale.numel(), _ptr(ws),
+        0 if ws is None else ws.numel(), _ptr(bias), out.data_ptr(), FORMATS[w.dtype],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    _check(rc == 0, f"fp8_mm_bf16 failed with code {rc} (-4: out of memory for its scratch)")
     return out
 
 

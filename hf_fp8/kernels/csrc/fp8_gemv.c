@@ -30,6 +30,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifndef FP8_PATH
@@ -898,6 +899,305 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
     int64_t blocks = (N + 31) / 32, useful = (M * N) / 65536;
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
     return run_split(epi_worker, &e, sizeof e, blocks, nthreads, epi_range);
+}
+
+/* ---------------------------------------------------------------- fused decode + GEMM (path 4) */
+/* out[m, n] = epilogue(bf16(sum_k x[m, k] * w[n, k])) for many tokens, bf16 activations:
+ * a register-blocked GEMM (MM_MR tokens x MM_NR weight rows per micro-tile, vdpbf16ps)
+ * whose weight panels are decoded from fp8 straight into the pair-interleaved layout the
+ * instruction reads (the packing any bf16 GEMM does, here from half the bytes). The sum is
+ * the bf16 matmul's (exact bf16 products, fp32 sums, one rounding to bf16), then the
+ * epilogue of fp8_epilogue: bf16((acc * (a_scale[m] * w_scale[n])) + bias[n]).
+ * Blocking: per thread a chunk of MM_NC weight rows; its fp32 partial sums [MM_MC, MM_NC]
+ * stay in L2 across the K blocks (MM_KC); a packed panel (MM_KC x MM_NR) stays in L1 while
+ * every token tile passes over it. K must be even (the Python side checks). */
+#if FP8_PATH == 4
+#ifndef MM_KC /* overridable for tuning builds only */
+#define MM_KC 512
+#endif
+#ifndef MM_NC
+#define MM_NC 512
+#endif
+#define MM_MR 14
+#define MM_NR 32
+#define MM_MC 256
+
+typedef struct {
+    const uint16_t *x;    /* [M, K] bf16 */
+    const uint8_t *w;     /* [N, K] fp8 codes */
+    const float *ws;      /* folded into the decode (NULL: unscaled codes) */
+    const float *as, *ps; /* post scales: activation [1] / [M], weight [1] / [N]; or NULL */
+    const uint16_t *bias; /* [N] bf16 or NULL */
+    uint16_t *out;        /* [M, N] bf16 */
+    int *err;             /* set when a worker cannot allocate its scratch */
+    int64_t M, K, N, bn, bk, n0, n1, as_n, ps_n;
+    int fmt, wgran;
+} mm_t;
+
+/* 16 x 16 transpose of 32-bit elements (rows r[0..15] -> columns). */
+AI void tr16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int q = 0; q < 4; ++q) {
+        __m512i u0 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x88);
+        __m512i u1 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xdd);
+        __m512i u2 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x88);
+        __m512i u3 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xdd);
+        t[q] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[8 + q] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
+        t[4 + q] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + q] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+/* Decode weight rows [p0, p0 + MM_NR) x codes [k0, k0 + kc) (rows past N: zeros) into
+ * bp[kc / 2][MM_NR] bf16 pairs (k, k + 1) of each row; tmp: MM_NR x kcp bf16 scratch. */
+static void mm_pack(const mm_t *g, int64_t p0, int64_t k0, int64_t kc, uint16_t *tmp,
+                    uint32_t *bp) {
+    int64_t kcp = (kc + 31) & ~(int64_t)31, kblocks = (g->K + g->bk - 1) / g->bk;
+    decode_t d = {NULL, g->ws, NULL, g->K, 0, g->bn, g->bk, 0, 0, g->fmt, g->wgran, OUT_BF16};
+    float factor = dec_factor(g->fmt);
+    for (int64_t r = 0; r < MM_NR; ++r) {
+        uint16_t *row = tmp + r * kcp;
+        int64_t n = p0 + r;
+        if (n >= g->N) {
+            memset(row, 0, (size_t)kcp * 2);
+            continue;
+        }
+        const uint8_t *w = g->w + n * g->K + k0;
+        if (g->ws == NULL || g->wgran != GRAN_BLOCK) {
+            float s = g->ws == NULL ? 1.0f : g->wgran == GRAN_ROW ? g->ws[n] : g->ws[0];
+            decode_span(&d, w, kc, s, factor, row);
+        } else {
+            for (int64_t k = k0; k < k0 + kc;) {
+                int64_t b = k / g->bk, end = (b + 1) * g->bk;
+                end = end < k0 + kc ? end : k0 + kc;
+                decode_span(&d, g->w + n * g->K + k, end - k, g->ws[(n / g->bn) * kblocks + b],
+                            factor, row + (k - k0));
+                k = end;
+            }
+        }
+        if (kcp > kc) memset(row + kc, 0, (size_t)(kcp - kc) * 2);
+    }
+    int64_t pairs = kcp / 2; /* a multiple of 16 */
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t *src = (const uint32_t *)tmp + h * 16 * pairs;
+        for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * pairs + j0);
+            tr16x16(r);
+            int64_t jn = pairs - j0 < 16 ? pairs - j0 : 16;
+            for (int64_t j = 0; j < jn; ++j) _mm512_storeu_si512(bp + (j0 + j) * MM_NR + 16 * h, r[j]);
+        }
+    }
+}
+
+AI __m512 mm_round_bf16(__m512 v) { /* the bf16 value nearest v (RNE), as fp32; NaN kept */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+
+/* The epilogue of 16 outputs out[m, n .. n + 16) (mask: the columns inside N). */
+AI void mm_store(const mm_t *g, __m512 v, int64_t m, int64_t n, __mmask16 mask) {
+    v = mm_round_bf16(v); /* the bf16 matmul's own rounding */
+    if (g->as || g->ps) {
+        __m512 sc;
+        if (g->ps) sc = g->ps_n == 1 ? _mm512_set1_ps(g->ps[0]) : _mm512_maskz_loadu_ps(mask, g->ps + n);
+        if (g->as) {
+            __m512 am = _mm512_set1_ps(g->as[g->as_n == 1 ? 0 : m]);
+            sc = g->ps ? _mm512_mul_ps(am, sc) : am;
+        }
+        v = _mm512_mul_ps(v, sc);
+    }
+    if (g->bias) {
+        __m256i b = _mm256_maskz_loadu_epi16(mask, g->bias + n);
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+    }
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_mask_storeu_epi16(g->out + m * g->N + n, mask, _mm512_cvtepi32_epi16(r));
+}
+
+/* MR tokens x MM_NR rows over `pairs` k-pairs; partial sums in c (row stride ldc) unless
+ * first (start at 0) / last (the epilogue writes out instead). */
+#define DEFINE_MMK(MR)                                                                        \
+    static void mmk_##MR(const mm_t *g, const uint16_t *x, int64_t ldx, const uint32_t *bp,  \
+                         int64_t pairs, float *c, int64_t ldc, int first, int last, int64_t m0, \
+                         int64_t n0) {                                                         \
+        __m512 acc[MR][2];                                                                    \
+        for (int t = 0; t < MR; ++t) {                                                        \
+            acc[t][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + t * ldc);           \
+            acc[t][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + t * ldc + 16);      \
+        }                                                                                     \
+        for (int64_t j = 0; j < pairs; ++j) {                                                 \
+            __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + j * MM_NR);                      \
+            __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + j * MM_NR + 16);                 \
+            for (int t = 0; t < MR; ++t) {                                                    \
+                int32_t pair;                                                                 \
+                memcpy(&pair, x + t * ldx + 2 * j, 4);                                        \
+                __m512bh a = (__m512bh)_mm512_set1_epi32(pair);                              \
+                acc[t][0] = _mm512_dpbf16_ps(acc[t][0], a, b0);                               \
+                acc[t][1] = _mm512_dpbf16_ps(acc[t][1], a, b1);                               \
+            }                                                                                 \
+        }                                                                                     \
+        if (!last) {                                                                          \
+            for (int t = 0; t < MR; ++t) {                                                    \
+                _mm512_storeu_ps(c + t * ldc, acc[t][0]);                                     \
+                _mm512_storeu_ps(c + t * ldc + 16, acc[t][1]);                                \
+            }                                                                                 \
+            return;                                                                           \
+        }                                                                                     \
+        int64_t left = g->N - n0;                                                             \
+        __mmask16 k0 = left >= 16 ? 0xffff : (__mmask16)((1u << (left > 0 ? left : 0)) - 1); \
+        __mmask16 k1 = left >= 32 ? 0xffff                                                    \
+                       : (__mmask16)((1u << (left > 16 ? left - 16 : 0)) - 1);               \
+        for (int t = 0; t < MR; ++t) {                                                        \
+            mm_store(g, acc[t][0], m0 + t, n0, k0);                                           \
+            if (k1) mm_store(g, acc[t][1], m0 + t, n0 + 16, k1);                              \
+        }                                                                                     \
+    }
+DEFINE_MMK(1)
+DEFINE_MMK(2)
+DEFINE_MMK(3)
+DEFINE_MMK(4)
+DEFINE_MMK(5)
+DEFINE_MMK(6)
+DEFINE_MMK(7)
+DEFINE_MMK(8)
+DEFINE_MMK(9)
+DEFINE_MMK(10)
+DEFINE_MMK(11)
+DEFINE_MMK(12)
+DEFINE_MMK(13)
+DEFINE_MMK(14)
+
+typedef void (*mmk_fn)(const mm_t *, const uint16_t *, int64_t, const uint32_t *, int64_t,
+                       float *, int64_t, int, int, int64_t, int64_t);
+static const mmk_fn MMK[MM_MR + 1] = {NULL, mmk_1, mmk_2, mmk_3, mmk_4, mmk_5, mmk_6, mmk_7,
+                                      mmk_8, mmk_9, mmk_10, mmk_11, mmk_12, mmk_13, mmk_14};
+
+/* Where the panel after (p0, k0) starts: its first row and K offset (-1: none left). */
+AI void mm_next(const mm_t *g, int64_t p0, int64_t k0, int64_t nc0, int64_t nc1, int64_t r1,
+                int64_t *q0, int64_t *qk, int64_t *qn) {
+    if (p0 + MM_NR < nc1) *q0 = p0 + MM_NR, *qk = k0;
+    else if (k0 + MM_KC < g->K) *q0 = nc0, *qk = k0 + MM_KC;
+    else if (nc1 < r1) *q0 = nc1, *qk = 0;
+    else *q0 = -1, *qk = 0;
+    int64_t end = *q0 < 0 ? 0 : *q0 >= nc1 ? (nc1 + MM_NC < r1 ? nc1 + MM_NC : r1) : nc1;
+    *qn = *q0 < 0 ? 0 : end - *q0 < MM_NR ? end - *q0 : MM_NR;
+}
+
+static void *mm_worker(void *arg) {
+    const mm_t *g = (const mm_t *)arg;
+    int64_t r0 = g->n0 * MM_NR, r1 = g->n1 * MM_NR < g->N ? g->n1 * MM_NR : g->N;
+    if (r0 >= r1) return NULL;
+    int64_t mc_max = g->M < MM_MC ? g->M : MM_MC, kblocks = (g->K + MM_KC - 1) / MM_KC;
+    int multi = kblocks > 1;
+    uint16_t *tmp = NULL, *xp = NULL;
+    uint32_t *bp = NULL;
+    float *c = NULL;
+    /* scratch per thread: MM_MC x K bf16 activations, MM_MC x MM_NC fp32 partial sums
+       (only when K > MM_KC), 2 x 32 KiB for a panel */
+    if (posix_memalign((void **)&tmp, 64, (size_t)MM_NR * MM_KC * 2) ||
+        posix_memalign((void **)&xp, 64, (size_t)mc_max * kblocks * MM_KC * 2) ||
+        posix_memalign((void **)&bp, 64, (size_t)MM_KC / 2 * MM_NR * 4) ||
+        (multi && posix_memalign((void **)&c, 64, (size_t)mc_max * MM_NC * 4))) {
+        free(tmp), free(xp), free(bp), free(c);
+        __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
+        return NULL;
+    }
+    for (int64_t mc0 = 0; mc0 < g->M; mc0 += MM_MC) {
+        int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC;
+        int64_t tiles = (mc + MM_MR - 1) / MM_MR;
+        /* the activation rows, K block by K block, each block [mc, kc] contiguous: rows
+           K * 2 bytes apart would share L1 sets when K * 2 is a multiple of 4 KiB */
+        for (int64_t k0 = 0; k0 < g->K; k0 += MM_KC) {
+            int64_t kc = g->K - k0 < MM_KC ? g->K - k0 : MM_KC;
+            uint16_t *xb = xp + (k0 / MM_KC) * mc_max * MM_KC;
+            for (int64_t m = 0; m < mc; ++m)
+                memcpy(xb + m * kc, g->x + (mc0 + m) * g->K + k0, (size_t)kc * 2);
+        }
+        for (int64_t nc0 = r0; nc0 < r1; nc0 += MM_NC) {
+            int64_t nc1 = nc0 + MM_NC < r1 ? nc0 + MM_NC : r1;
+            for (int64_t k0 = 0; k0 < g->K; k0 += MM_KC) {
+                int64_t kc = g->K - k0 < MM_KC ? g->K - k0 : MM_KC;
+                int first = k0 == 0, last = k0 + kc == g->K;
+                const uint16_t *xb = xp + (k0 / MM_KC) * mc_max * MM_KC;
+                for (int64_t p0 = nc0; p0 < nc1; p0 += MM_NR) {
+                    mm_pack(g, p0, k0, kc, tmp, bp);
+                    /* the next panel's codes, a few rows after each token tile: short row
+                       pieces that the hardware prefetcher does not pick up */
+                    int64_t q0, qk, qn;
+                    mm_next(g, p0, k0, nc0, nc1, r1, &q0, &qk, &qn);
+                    int64_t qkc = g->K - qk < MM_KC ? g->K - qk : MM_KC;
+                    for (int64_t t = 0, m = 0; t < tiles; ++t) { /* even tile sizes */
+                        int64_t m1 = mc * (t + 1) / tiles;
+                        float *ct = c ? c + m * MM_NC + (p0 - nc0) : NULL;
+                        MMK[m1 - m](g, xb + m * kc, kc, bp, kc / 2, ct, MM_NC, first, last,
+                                    mc0 + m, p0);
+                        m = m1;
+                        for (int64_t r = qn * t / tiles; r < qn * (t + 1) / tiles; ++r)
+                            for (int64_t k = 0; k < qkc; k += 64)
+                                _mm_prefetch((const char *)(g->w + (q0 + r) * g->K + qk + k),
+                                             _MM_HINT_T0);
+                    }
+                }
+            }
+        }
+    }
+    free(tmp), free(xp), free(bp), free(c);
+    return NULL;
+}
+
+static void mm_range(void *p, int64_t n0, int64_t n1) {
+    ((mm_t *)p)->n0 = n0;
+    ((mm_t *)p)->n1 = n1;
+}
+#endif
+
+/* out [M, N] bf16 = epilogue(bf16(x @ decode(w).T)): see above. ws: folded into the decode
+ * (NULL: unscaled codes); as / ps: post scales. Returns -3 where the path lacks the kernel. */
+int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                const float *ws, int64_t wgran, int64_t bn, int64_t bk, const float *as,
+                int64_t as_n, const float *ps, int64_t ps_n, const uint16_t *bias,
+                uint16_t *out, int64_t fmt, int64_t nthreads) {
+#if FP8_PATH == 4
+    if (M < 1 || K < 2 || (K & 1) || N < 1 || bn < 1 || bk < 1 || (fmt != 0 && fmt != 1) ||
+        (as && as_n != 1 && as_n != M) || (ps && ps_n != 1 && ps_n != N))
+        return -1;
+    pthread_once(&LUT_ONCE, lut_init);
+    int err = 0;
+    mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, (int)fmt,
+              (int)wgran};
+    int64_t panels = (N + MM_NR - 1) / MM_NR;
+    /* whole MM_NC chunks per thread where there are enough of them */
+    int64_t useful = (M * N * K) / (1 << 22);
+    if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
+    int rc = run_split(mm_worker, &g, sizeof g, panels, nthreads, mm_range);
+    return rc ? rc : err ? -4 : 0;
+#else
+    (void)x, (void)M, (void)K, (void)w, (void)N, (void)ws, (void)wgran, (void)bn, (void)bk;
+    (void)as, (void)as_n, (void)ps, (void)ps_n, (void)bias, (void)out, (void)fmt, (void)nthreads;
+    return -3;
+#endif
 }
 
 /* The path this library was built for (checked by the loader). */

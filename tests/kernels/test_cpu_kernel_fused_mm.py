@@ -1,0 +1,133 @@
+"""The fused decode + GEMM (``fp8_mm_bf16``, the ``avx512bf16`` path) for many bf16 tokens.
+
+Shapes cross every blocking edge of the kernel: K over several K blocks and not a multiple
+of 32, N over several row chunks with a partial 32-row panel, M over a token block with
+uneven token tiles. References: the float64 product of the exact operands (the bound of
+tests/kernels/test_cpu_kernel.py for the bf16 matmul: one bf16 rounding of the product,
+one of the result, fp32 reassociation, block scales folded into bf16) and the tiled
+decode + ``F.linear`` path it replaces (``FUSED_MM = False``), within twice that bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fp8.kernels import cpu_kernel, emulated
+from tests.kernels.test_cpu_kernel import (
+    BLOCK,
+    FORMATS,
+    SCHEMES,
+    _activation,
+    _all_codes_weight,
+    _bound,
+    _expand64,
+    _weight_scale,
+)
+
+PATH = "avx512bf16"
+pytestmark = pytest.mark.skipif(
+    PATH not in cpu_kernel.supported_paths() or cpu_kernel.library(PATH) is None,
+    reason="the fused matmul runs on the avx512bf16 path only",
+)
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV, PATH)
+    monkeypatch.setattr(cpu_kernel, "FUSED_MM", True)
+    calls = []
+    real = cpu_kernel._fused_mm
+    monkeypatch.setattr(cpu_kernel, "_fused_mm", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def _run(x, w8, ws, bias, gran, kwargs, monkeypatch, use_fused: bool):
+    monkeypatch.setattr(cpu_kernel, "FUSED_MM", use_fused)
+    return emulated.emulated_linear(x, w8, ws, bias, gran, BLOCK, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+@pytest.mark.parametrize(("m", "k", "n"), [(17, 1100, 75), (270, 96, 40), (33, 64, 1100)])
+def test_fused_matches_float64_and_the_tiled_path(fused, monkeypatch, fmt, gran, m, k, n):
+    dtype = FORMATS[fmt]
+    w8 = _all_codes_weight(n, k, dtype)
+    ws = _weight_scale(n, k, gran)
+    w64 = w8.double() * _expand64(ws, n, k, gran, BLOCK)
+    bias = torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    for scheme in SCHEMES:
+        a64, kwargs = _activation(x, scheme, dtype)
+        ref = a64 @ w64.T + bias.double()
+        blocky = 2.0**-8 if "block" in (gran, SCHEMES[scheme][0]) else 0.0
+        before = len(fused)
+        out = _run(x, w8, ws, bias, gran, kwargs, monkeypatch, True)
+        assert len(fused) == before + 1, "the fused kernel did not run"
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        bound = _bound(a64, w64, ref, 2.0**-8, 2.0**-16 + blocky) + 2.0**-8 * (a64 @ w64.T).abs()
+        err = (out.double() - ref).abs()
+        assert bool((err <= bound).all()), f"{scheme}: {float((err / bound).max()):.2f}x bound"
+        tiled = _run(x, w8, ws, bias, gran, kwargs, monkeypatch, False)
+        assert len(fused) == before + 1, "FUSED_MM = False still ran the fused kernel"
+        diff = (out.double() - tiled.double()).abs()
+        assert bool((diff <= 2 * bound).all()), f"{scheme} vs the tiled path"
+
+
+def test_odd_k_takes_the_tiled_path(fused, monkeypatch):
+    w8 = _all_codes_weight(40, 77, torch.float8_e4m3fn)
+    ws = _weight_scale(40, 77, "row")
+    x = torch.randn(24, 77).to(torch.bfloat16)
+    out = _run(x, w8, ws, None, "row", {}, monkeypatch, True)
+    assert not fused
+    ref = x.double() @ (w8.double() * ws.double()).T
+    assert float(((out.double() - ref).abs() / (ref.abs() + 1e-3)).max()) < 2**-6
+
+
+def test_nan_code_and_subnormal_codes(fused, monkeypatch):
+    """A NaN weight code poisons its output column only; subnormal codes multiply exactly
+    (no flush to zero: every fp8 value is a normal bf16 number)."""
+    w8 = torch.zeros(64, 96, dtype=torch.uint8)
+    w8[:, :8] = torch.arange(8, dtype=torch.uint8)  # E4M3 subnormals 0 .. 7 * 2**-9
+    w8[5, 40] = 0x7F  # NaN
+    w8 = w8.view(torch.float8_e4m3fn)
+    ws = torch.ones(64, 1)
+    x = torch.zeros(20, 96, dtype=torch.bfloat16)
+    x[:, :8] = 1.0
+    out = _run(x, w8, ws, None, "row", {}, monkeypatch, True)
+    assert fused
+    want = float(sum(range(8))) * 2.0**-9
+    nan = torch.zeros(20, 64, dtype=torch.bool)
+    nan[:, 5] = True
+    assert torch.equal(out.isnan(), nan)
+    assert bool((out[:, [c for c in range(64) if c != 5]].float() == want).all())
+
+
+def test_threads_do_not_change_a_bit(fused, monkeypatch):
+    """Threads split whole 32-row panels: each output is one thread's sum, in one order."""
+    w8 = _all_codes_weight(700, 1030, torch.float8_e4m3fn)
+    ws = _weight_scale(700, 1030, "row")
+    x = torch.randn(40, 1030).to(torch.bfloat16)
+    saved = torch.get_num_threads()
+    lib = cpu_kernel.library(PATH)
+    outs = []
+    try:
+        for threads, openmp in ((1, True), (2, True), (2, False)):
+            torch.set_num_threads(threads)
+            lib.fp8_set_openmp(cpu_kernel._torch_openmp() if openmp else None)
+            outs.append(_run(x, w8, ws, None, "row", {}, monkeypatch, True))
+    finally:
+        torch.set_num_threads(saved)
+        lib.fp8_set_openmp(cpu_kernel._torch_openmp())
+    assert len(fused) == 3
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_amx_machines_keep_onednn(monkeypatch):
+    """With AMX, oneDNN's bf16 matmul is faster than any vdpbf16ps GEMM: auto keeps it."""
+    monkeypatch.setattr(cpu_kernel, "FUSED_MM", None)
+    monkeypatch.setattr(cpu_kernel, "cpu_features", lambda: frozenset({"amx_bf16"}))
+    assert not cpu_kernel.fused_mm_enabled(PATH)
+    monkeypatch.setattr(cpu_kernel, "cpu_features", lambda: frozenset({"avx512bf16"}))
+    assert cpu_kernel.fused_mm_enabled(PATH)
+    assert not cpu_kernel.fused_mm_enabled("avx512")
