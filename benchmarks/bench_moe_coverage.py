@@ -181,10 +181,10 @@ def fp8_share(model: nn.Module, embedding_ids: set[int]) -> tuple[int, int, list
 
 def full_size_share(model_type: str) -> dict:
     """The FP8 share the quantizer's swap gives the *default* (full-size) config, counted on
-    the meta device with the same rules (``convertible_modules``, ``convertible_experts``;
+    the meta device with the same rules (``convertible_modules``, ``experts_to_convert``;
     ``lm_head`` and embeddings out of both counts)."""
     from hf_fp8.modules import convertible_modules
-    from hf_fp8.modules.fp8_experts import convertible_experts
+    from hf_fp8.quantizer.experts import experts_to_convert
 
     cls = getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     with torch.device("meta"):
@@ -196,7 +196,7 @@ def full_size_share(model_type: str) -> dict:
         if id(module.weight) not in seen:
             seen.add(id(module.weight))
             fp8 += module.weight.numel()
-    for _, module, _ in convertible_experts(model, skip=["lm_head"]):
+    for _, module, _, _ in experts_to_convert(model, skip=["lm_head"]):
         for n, p in module.named_parameters(recurse=False):
             if not n.endswith("bias") and id(p) not in seen:
                 seen.add(id(p))

@@ -10,8 +10,10 @@ or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules
   ``Qwen3MoeExperts``) are not linears: they become ``Fp8Experts``, not ``Fp8Linear``. The
   experts rule is ``hf_fp8.modules.fp8_experts.experts_keep_reason`` (walked by
   ``convertible_experts``): a module built on transformers' ``use_experts_implementation``
-  converts; any other (``Llama4TextExperts``, ``JetMoeParallelExperts``, …) stays in high
-  precision with ``unsupported_reason`` naming what is missing. The quantizer and
+  converts; so does one that multiplies tokens pre-grouped per expert with ``bmm``
+  (``Llama4TextExperts``: ``hf_fp8.modules.fp8_bmm_experts``, recognised from its structure);
+  any other (``JetMoeParallelExperts``, ``LongcatFlashExperts``, …) stays in high precision
+  with ``unsupported_reason`` naming what is missing. The quantizer and
   ``quantize_model`` apply both rules.
 * ``router``: MoE routers stay in high precision on purpose — they pick the experts each token
   reaches, and a flipped top-k choice costs more than the tiny gemm saves. A router is a linear
@@ -60,6 +62,7 @@ from typing import Any
 
 from torch import nn
 
+from hf_fp8.modules.fp8_bmm_experts import bmm_experts_layout, convertible_bmm_experts
 from hf_fp8.modules.fp8_experts import (
     Fp8Experts,
     convertible_experts,
@@ -170,6 +173,9 @@ def keep_reason(
     if isinstance(module, (Fp8Linear, Fp8Experts)):
         return "already FP8"
     if is_experts_module(module):
+        if bmm_experts_layout(module) is not None:  # Llama-4 style, outside the interface
+            reason = _skip_reason(module, name, skip, module_filter_fn)
+            return f"MoE experts: {reason or 'converted by Fp8BmmExperts'}"
         reason = experts_keep_reason(module, name, skip=skip, module_filter_fn=module_filter_fn)
         return f"MoE experts: {reason or 'converted by Fp8Experts (convertible_experts)'}"
     if not (isinstance(module, nn.Linear) or is_conv1d(module)):
@@ -180,6 +186,13 @@ def keep_reason(
         return f"{type(module).__name__} is an nn.Linear subclass with its own behaviour"
     if reads_child_weight(parent, name.rpartition(".")[2]):
         return f"{type(parent).__name__} reads its .weight directly"
+    return _skip_reason(module, name, skip, module_filter_fn)
+
+
+def _skip_reason(
+    module: nn.Module, name: str, skip: Sequence[str], module_filter_fn: ModuleFilter | None
+) -> str | None:
+    """The user's rules: a ``skip`` pattern or ``module_filter_fn``."""
     if matches_module(name, skip):
         return "named in modules_to_not_convert / skip"
     if module_filter_fn is not None and not module_filter_fn(module, name):
@@ -335,7 +348,8 @@ def high_precision_parts(
     if not any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules()):
         for _, module, _ in convertible_modules(model, skip=skip):
             will_convert.add(id(module.weight))
-        for _, module, _ in convertible_experts(model, skip=skip):
+        experts = convertible_experts(model, skip=skip) + convertible_bmm_experts(model, skip=skip)
+        for _, module, _ in experts:
             for pname, p in module.named_parameters(recurse=False):
                 if not pname.endswith("bias"):
                     will_convert.add(id(p))

@@ -12,16 +12,37 @@ the mapping and keeps the scale names fused, which the next load merges back bit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from hf_fp8.modules.fp8_bmm_experts import Fp8BmmExperts, convertible_bmm_experts
 from hf_fp8.modules.fp8_experts import Fp8Experts, convertible_experts
 from hf_fp8.numerics import is_fp8
 
 EXPERTS_SCALE_SUFFIXES = ("_weight_scale", "_input_scale")
+
+
+def experts_to_convert(
+    model: nn.Module,
+    *,
+    skip: Sequence[str] = (),
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> list[tuple[str, nn.Module, nn.Module, type[Fp8Experts]]]:
+    """``(name, module, parent, fp8_class)`` of every experts module of ``model`` that
+    converts: ``Fp8Experts`` for transformers' experts interface, ``Fp8BmmExperts`` for the
+    bmm experts outside it (Llama-4). Both classes have ``from_experts`` / ``empty_like``."""
+    found = [
+        (n, m, p, Fp8Experts)
+        for n, m, p in convertible_experts(model, skip=skip, module_filter_fn=module_filter_fn)
+    ]
+    found += [
+        (n, m, p, Fp8BmmExperts)
+        for n, m, p in convertible_bmm_experts(model, skip=skip, module_filter_fn=module_filter_fn)
+    ]
+    return found
 
 
 def swap_experts(
@@ -32,10 +53,10 @@ def swap_experts(
     room for its ``[E]`` input scales."""
     swapped: dict[int, Fp8Experts] = {}
     out: dict[str, Fp8Experts] = {}
-    for name, module, parent in convertible_experts(model, skip=skip):
+    for name, module, parent, cls in experts_to_convert(model, skip=skip):
         new = swapped.get(id(module))
         if new is None:
-            new = Fp8Experts.empty_like(module, config, module_name=name, device="meta")
+            new = cls.empty_like(module, config, module_name=name, device="meta")
             if pre_quantized and new.recipe.is_static:
                 for proj in new.layout.projections:
                     if getattr(new, f"{proj}_input_scale") is None:

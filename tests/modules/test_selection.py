@@ -263,21 +263,43 @@ def test_high_precision_parts_of_a_quantized_model_leave_out_fp8_codes_and_scale
 
 
 def test_high_precision_parts_of_families_below_the_coverage_target() -> None:
-    """What keeps XLNet, Mamba and Llama-4 below 0.99 FP8, in words (built on meta)."""
-    from transformers import MambaConfig, MambaForCausalLM, XLNetConfig, XLNetLMHeadModel
+    """What keeps XLNet, Mamba and JetMoE below 0.99 FP8, in words (built on meta); Llama-4's
+    experts convert (Fp8BmmExperts)."""
+    from transformers import (
+        JetMoeConfig,
+        JetMoeForCausalLM,
+        MambaConfig,
+        MambaForCausalLM,
+        XLNetConfig,
+        XLNetLMHeadModel,
+    )
     from transformers.models.llama4.modeling_llama4 import Llama4ForCausalLM
+
+    from hf_fp8.modules.selection import high_precision_parts
 
     with torch.device("meta"):
         xlnet = XLNetLMHeadModel(XLNetConfig(d_model=64, n_layer=1, n_head=4, d_inner=64))
         mamba = MambaForCausalLM(MambaConfig(hidden_size=32, num_hidden_layers=1))
         llama4 = Llama4ForCausalLM(Llama4TextConfig(**SMALL_MOE, num_hidden_layers=1))
-    from hf_fp8.modules.selection import high_precision_parts
-
+        jetmoe = JetMoeForCausalLM(
+            JetMoeConfig(
+                hidden_size=32,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_key_value_heads=2,
+                kv_channels=8,
+                num_local_experts=4,
+            )
+        )
     own = [g for g in high_precision_parts(xlnet) if "XLNetRelativeAttention" in g["why"]]
     assert own[0]["what"] == "parameters used by their module's own code"
     assert own[0]["parameters"] == 5 * 64 * 64  # q, k, v, o, r: [64, 4, 16] each
     kept = _parts(mamba)["linears kept in high precision"]
     assert kept["why"] == "MambaMixer reads its .weight directly"
-    experts = _parts(llama4)["MoE experts not converted"]
-    assert "Llama4TextExperts is not built on" in experts["why"]
-    assert experts["parameters"] == 4 * 16 * 64 + 4 * 32 * 16
+    experts = _parts(jetmoe)["MoE experts not converted"]
+    assert "JetMoeParallelExperts is not built on" in experts["why"]
+    expected = sum(
+        m.weight.numel() for m in jetmoe.modules() if type(m).__name__ == "JetMoeParallelExperts"
+    )
+    assert experts["parameters"] == expected
+    assert "MoE experts not converted" not in _parts(llama4)

@@ -1,0 +1,156 @@
+"""Fp8BmmExperts: Llama-4's experts (outside transformers' experts interface, 91 % of Llama-4
+Scout) in FP8, recognised from their structure; the reference is the source module on the
+dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+from transformers.models.jetmoe.modeling_jetmoe import JetMoeParallelExperts
+from transformers.models.llama4.modeling_llama4 import Llama4TextExperts, Llama4TextMoe
+
+import hf_fp8
+from hf_fp8 import Fp8Config
+from hf_fp8.modules import keep_reason
+from hf_fp8.modules.fp8_bmm_experts import (
+    Fp8BmmExperts,
+    bmm_experts_layout,
+    convertible_bmm_experts,
+)
+from tests.bitwise import assert_states_bit_equal
+from tests.modules.moe_zoo import build_tiny, experts_classes
+
+TEXT = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    intermediate_size_mlp=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    max_position_embeddings=64,
+)
+
+
+def _moe(seed: int = 0) -> Llama4TextMoe:
+    torch.manual_seed(seed)
+    moe = Llama4TextMoe(tf.Llama4TextConfig(**TEXT)).eval()
+    for p in moe.parameters():
+        nn.init.normal_(p, std=0.1)
+    return moe
+
+
+class UpFirstExperts(Llama4TextExperts):
+    """Same parameters, but the activation on the second half: not Llama-4's math."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+        up, gate = torch.bmm(hidden_states, self.gate_up_proj).chunk(2, dim=-1)
+        return torch.bmm(up * self.act_fn(gate), self.down_proj).view(-1, self.hidden_size)
+
+
+def test_the_layout_is_read_from_the_module() -> None:
+    experts = _moe().experts
+    layout = bmm_experts_layout(experts)
+    assert layout is not None and layout.source_class is Llama4TextExperts
+    assert (layout.num_experts, layout.hidden_size, layout.intermediate_size) == (4, 32, 48)
+    assert layout.is_transposed and layout.has_gate and not layout.has_bias
+    assert bmm_experts_layout(UpFirstExperts(tf.Llama4TextConfig(**TEXT))) is None
+    assert bmm_experts_layout(JetMoeParallelExperts(4, 8, 16)) is None
+    qwen3 = next(c for c in experts_classes() if c.__name__ == "Qwen3MoeExperts")
+    assert bmm_experts_layout(build_tiny(qwen3)) is None  # on the interface: Fp8Experts
+
+
+@pytest.mark.parametrize("scheme", ["weight_only", "dynamic"])
+def test_forward_equals_the_source_on_dequantized_weights(scheme: str) -> None:
+    moe = _moe()
+    x = torch.randn(2, 5, 32)
+    fp8 = Fp8BmmExperts.from_experts(moe.experts, Fp8Config(scheme))
+    reference = fp8.dequantize()
+    assert type(reference) is Llama4TextExperts
+    with torch.no_grad():
+        moe.experts = reference
+        want, _ = moe(x)
+        moe.experts = fp8
+        got, _ = moe(x)
+    if scheme == "weight_only":  # same weights, same math, only the zero rows skipped
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:  # activations rounded to e4m3 per token (~2^-4 relative each)
+        assert float((got - want).norm() / want.norm()) < 0.05
+
+
+def test_rows_not_routed_stay_zero_and_nan_rows_stay_nan() -> None:
+    fp8 = Fp8BmmExperts.from_experts(_moe().experts, Fp8Config("dynamic"))
+    rows = torch.randn(4 * 3, 32)
+    rows[[1, 5, 6]] = 0.0  # tokens no expert was routed: zero inputs
+    rows[7, 0] = float("nan")
+    out = fp8(rows)
+    assert out.shape == rows.shape
+    assert torch.equal(out[[1, 5, 6]], torch.zeros(3, 32))
+    assert torch.isnan(out[7]).all() and torch.isfinite(out[[0, 2, 3, 4, 8]]).all()
+
+
+def test_selection_converts_it_and_skip_keeps_it() -> None:
+    moe = _moe()
+    assert keep_reason(moe.experts, "experts", parent=moe) == (
+        "MoE experts: converted by Fp8BmmExperts"
+    )
+    assert [n for n, _, _ in convertible_bmm_experts(moe)] == ["experts"]
+    assert convertible_bmm_experts(moe, skip=["experts"]) == []
+    assert "modules_to_not_convert" in keep_reason(moe.experts, "experts", skip=["experts"])
+
+
+def test_static_scales_are_calibrated_per_expert_on_routed_rows() -> None:
+    moe = _moe()
+    fp8 = Fp8BmmExperts.from_experts(moe.experts, Fp8Config("static"))
+    moe.experts = fp8
+    x = torch.randn(3, 4, 32)
+    scores, _ = moe.router(x.reshape(-1, 32))  # [T, E], 0 where not routed
+    scales = hf_fp8.calibrate(moe, [x], progress=False)
+    routed_in = x.reshape(-1, 32).repeat(4, 1) * scores.T.reshape(-1, 1)
+    per_expert = routed_in.view(4, -1, 32)
+    for e in range(4):
+        live = per_expert[e][(per_expert[e] != 0).any(-1)]
+        if len(live):
+            expected = float(live.abs().max()) / 448
+            assert scales[f"experts.gate_up_proj[{e}]"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_from_pretrained_quantizes_saves_and_reloads_bit_exact(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = tf.Llama4ForCausalLM(tf.Llama4TextConfig(**TEXT)).eval()
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    model.save_pretrained(tmp_path / "hp")
+    fp8 = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hp", quantization_config=Fp8Config("dynamic")
+    ).eval()
+    assert all(isinstance(layer.feed_forward.experts, Fp8BmmExperts) for layer in fp8.model.layers)
+    assert fp8.model.layers[0].feed_forward.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    with torch.no_grad():
+        got = fp8(ids).logits
+    assert float((got - want).norm() / want.norm()) < 0.1
+    fp8.save_pretrained(tmp_path / "fp8")
+    back = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8").eval()
+    assert_states_bit_equal(fp8, back)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, got)
+    deq = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8", quantization_config=Fp8Config(dequantize=True)
+    )
+    assert type(deq.model.layers[0].feed_forward.experts) is Llama4TextExperts
+
+
+@pytest.mark.xfail(
+    strict=True, reason="quantize_model needs quantizer.experts.experts_to_convert (convert.py)"
+)
+def test_quantize_model_converts_llama4_experts() -> None:
+    model = tf.Llama4ForCausalLM(tf.Llama4TextConfig(**TEXT))
+    hf_fp8.quantize_model(model, Fp8Config(), skip=["lm_head"])
+    assert isinstance(model.model.layers[0].feed_forward.experts, Fp8BmmExperts)
