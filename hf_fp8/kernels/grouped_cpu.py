@@ -89,21 +89,16 @@ def grouped_linear(
     present = routing.present()
     out = torch.empty(s, n, dtype=dtype)
 
-    def rows(start: int, end: int) -> torch.Tensor:
-        if x_sorted is not None:
-            return x_sorted[start:end]
-        return tokens[rows_of[start:end]]
+    def rows(values: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """An expert's rows of ``values`` (sorted rows, or per-token rows gathered here: one
+        expert's worth at a time, while it is in cache)."""
+        return values[start:end] if x_sorted is not None else values[rows_of[start:end]]
 
     # token-local activation scales: one pass over every row, or over the tokens
-    a_all = a_scale_all = None
+    a_src = a_scale_src = None
     token_local = a_gran in _TOKEN_LOCAL and not plan.static
     if token_local and any(end - start > limit for _, start, end in present):
-        if x_sorted is not None:
-            a_all, a_scale_all = _quantize(x_sorted.contiguous(), plan, None, a_post, path)
-        else:
-            a_tok, s_tok = _quantize(tokens.contiguous(), plan, None, a_post, path)
-            a_all = a_tok[rows_of]
-            a_scale_all = None if s_tok is None else s_tok[rows_of]
+        a_src, a_scale_src = _quantize(source.contiguous(), plan, None, a_post, path)
 
     scales = w_scale.detach().float()
     buffer = torch.empty(n * k, dtype=dtype)
@@ -112,17 +107,19 @@ def grouped_linear(
         e_scale = None if input_scale is None else input_scale[expert : expert + 1]
         if end - start <= limit:  # the fused GEMV
             out[start:end] = fp8_linear(
-                rows(start, end), w_fp8[expert], w_scale[expert], b, plan=plan,
+                rows(source, start, end), w_fp8[expert], w_scale[expert], b, plan=plan,
                 input_scale=e_scale,
             )  # fmt: skip
             continue
         if plan.act_dtype is None:
-            a, a_scale = rows(start, end), None
-        elif a_all is not None:
-            a = a_all[start:end]
-            a_scale = None if a_scale_all is None else a_scale_all[start:end]
+            a, a_scale = rows(source, start, end), None
+        elif a_src is not None:
+            a = rows(a_src, start, end)
+            a_scale = None if a_scale_src is None else rows(a_scale_src, start, end)
         else:  # one scale for the expert's rows: its group amax, or its static scale
-            a, a_scale = _quantize(rows(start, end).contiguous(), plan, e_scale, a_post, path)
+            a, a_scale = _quantize(
+                rows(source, start, end).contiguous(), plan, e_scale, a_post, path
+            )
         w_e = scales[expert].reshape(-1).contiguous()
         w = cpu_kernel.decode(
             w_fp8[expert].detach().contiguous(), None if w_post else w_e, w_gran, block, dtype,
@@ -134,7 +131,7 @@ def grouped_linear(
             else:
                 out[start:end] = F.linear(a, w, b)
             continue
-        acc = torch.mm(a, w.t()).float()
+        acc = torch.mm(a, w.t())  # bf16 x fp32 scale promotes to fp32: no .float() pass
         out[start:end] = _emu._epilogue(
             acc, a_scale if a_post else None, w_e if w_post else None, b, dtype
         )

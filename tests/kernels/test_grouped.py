@@ -476,3 +476,47 @@ def test_from_tokens_checks_the_shape() -> None:
     with pytest.raises(ValueError, match=r"\[2, K\] \(one row per token\)"):
         grouped.grouped_fp8_linear(torch.zeros(4, 48), routing, w_fp8, w_scale, recipe=DYNAMIC,
                                    from_tokens=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("gran", ["row", "tensor", "block"])
+@pytest.mark.parametrize(
+    ("act", "a_gran"),
+    [("weight_only", None), ("dynamic", "token"), ("dynamic", "tensor"), ("dynamic", "block"),
+     ("static", "tensor")],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_route_is_the_emulation_bit_for_bit(gran, act, a_gran, dtype, with_bias) -> None:
+    """Experts above the GEMV limit: the same numbers as the emulation's own torch code
+    (``emulated._mm_forward``, eager: fake-quantized activation, decoded weight, matmul,
+    epilogue) run on that expert's rows alone."""
+    from hf_fp8.kernels import cpu_kernel, emulated
+    from hf_fp8.kernels.fp8_linear import LinearPlan
+
+    if cpu_kernel.active_path() is None:
+        pytest.skip("the C CPU kernels are unavailable here")
+    w_fp8, w_scale = _experts(gran=gran)
+    bias = torch.randn(5, 32).to(dtype) if with_bias else None
+    x, index = _skewed_routing()
+    x = x.to(dtype)
+    scales = torch.tensor([30.0, 0.02, 0.03, 20.0, 10.0]) / 448 if act == "static" else None
+    recipe = Fp8Recipe.resolve(act, weight_granularity=gran, activation_granularity=a_gran,
+                               block_size=(16, 16))  # fmt: skip
+    plan = LinearPlan.from_recipe(recipe)
+    routing = grouped.route(index, 5)
+    got = grouped.grouped_fp8_linear(x, routing, w_fp8, w_scale, bias, recipe=recipe,
+                                     input_scale=scales, from_tokens=True)  # fmt: skip
+    compared = 0
+    for e, start, end in routing.present():
+        if end - start <= 16:
+            continue
+        expected = emulated._mm_forward(
+            x[routing.token_index[start:end]], w_fp8[e], w_scale[e],
+            None if bias is None else bias[e], None if scales is None else scales[e : e + 1],
+            w_gran=gran, block_size=(16, 16), act_dtype=plan.act_dtype,
+            a_gran=plan.act_granularity, w_post=emulated.post_scaled(gran, dtype),
+            a_post=plan.act_dtype is not None and emulated.post_scaled(plan.act_granularity, dtype),
+        )  # fmt: skip
+        assert torch.equal(got[start:end], expected), f"expert {e}"
+        compared += 1
+    assert compared == 3
