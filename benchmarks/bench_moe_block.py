@@ -8,16 +8,20 @@ interleaved, round by round, and the best round is kept (robust to other process
     python benchmarks/bench_moe_block.py                 # 64 experts, top-8, H 2048, I 768
     python benchmarks/bench_moe_block.py --quick          # fewer rounds
     python benchmarks/bench_moe_block.py --experts 16     # a smaller block
-    python benchmarks/bench_moe_block.py --clock thread   # one thread, its own CPU time
+    python benchmarks/bench_moe_block.py --threads 1 2    # the default: 1, then 2 threads
 
-Writes ``benchmarks/results/moe_block.json`` (``--output``): seconds per call for 1 token
-(decode) and 512 tokens (prefill), the ratio to bf16, and bytes per expert parameter.
+One thread is timed by its own CPU time (``--clock thread``, the default: stable on a shared
+machine); more threads by the wall clock (``--clock wall`` times one thread by the wall clock
+too). Writes ``benchmarks/results/moe_block.json`` (``--output``): seconds per call for 1 token
+(decode) and 512 tokens (prefill) per thread count, the ratio to bf16 in the same round-robin,
+the load average before and after, and bytes per expert parameter.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -90,19 +94,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 512])
     parser.add_argument("--schemes", nargs="+", default=["weight_only", "dynamic"])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument(
         "--clock",
         choices=["wall", "thread"],
         default="thread",
-        help="thread (default): one thread timed by its own CPU time (stable on a shared "
-        "machine); wall: wall clock with torch's threads",
+        help="thread (default): a one-thread run is timed by its own CPU time (stable on a "
+        "shared machine); wall: by the wall clock. Runs on more threads use the wall clock.",
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "moe_block.json")
     args = parser.parse_args(argv)
-    clock = time.perf_counter
-    if args.clock == "thread":
-        torch.set_num_threads(1)
-        clock = time.thread_time
+    load_before = os.getloadavg()
 
     bf16 = build(args.experts, args.hidden, args.intermediate, args.top_k)
     candidates = {"bf16 grouped_mm": bf16}
@@ -115,17 +117,32 @@ def main(argv: list[str] | None = None) -> None:
         bytes_pp[scheme] = bytes_per_parameter(fp8)
 
     rows = []
-    for tokens in args.tokens:
-        inputs = routing(tokens, args.hidden, args.experts, args.top_k)
-        rounds = 3 if args.quick else 7
-        calls = max(1, (20 if tokens == 1 else 2) // (2 if args.quick else 1))
-        best = best_times(candidates, inputs, rounds, calls, clock)
-        base = best["bf16 grouped_mm"]
-        for name, seconds in best.items():
-            rows.append(
-                {"tokens": tokens, "candidate": name, "seconds": seconds, "ratio": seconds / base}
-            )
-            print(f"tokens={tokens:4d}  {name:18s} {seconds * 1e3:9.2f} ms  {seconds / base:5.2f}x")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        clock_name = "thread" if args.clock == "thread" and threads == 1 else "wall"
+        clock = time.thread_time if clock_name == "thread" else time.perf_counter
+        for tokens in args.tokens:
+            inputs = routing(tokens, args.hidden, args.experts, args.top_k)
+            rounds = 3 if args.quick else 7
+            calls = max(1, (20 if tokens == 1 else 2) // (2 if args.quick else 1))
+            best = best_times(candidates, inputs, rounds, calls, clock)
+            base = best["bf16 grouped_mm"]
+            for name, seconds in best.items():
+                rows.append(
+                    {
+                        "threads": threads,
+                        "clock": clock_name,
+                        "tokens": tokens,
+                        "candidate": name,
+                        "seconds": seconds,
+                        "ratio": seconds / base,
+                    }
+                )
+                print(
+                    f"threads={threads} ({clock_name:6s}) tokens={tokens:4d}  {name:18s} "
+                    f"{seconds * 1e3:9.2f} ms  {seconds / base:5.2f}x",
+                    flush=True,
+                )
 
     result = {
         "block": {
@@ -136,8 +153,11 @@ def main(argv: list[str] | None = None) -> None:
         },
         "machine": {
             "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(),
+            "cores": os.cpu_count(),
+            "threads": args.threads,
             "clock": args.clock,
+            "load_average_before": [round(v, 2) for v in load_before],
+            "load_average_after": [round(v, 2) for v in os.getloadavg()],
             "torch": torch.__version__,
         },
         "bytes_per_expert_parameter": bytes_pp,
