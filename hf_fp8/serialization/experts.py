@@ -274,6 +274,21 @@ class ExpertMerger:
             raise ValueError(f"incomplete fp8 experts in the checkpoint: {left[:4]}")
 
 
+def fused_experts(tensors: dict[str, TensorInfo]) -> tuple[set[str], set[str]]:
+    """``(codes, scales)``: the FP8 expert tensors of an hf_fp8 checkpoint stored fused,
+    whatever their names — every 3-D fp8 tensor (a linear's weight is 2-D; ``Fp8Experts``
+    stores ``[E, out, in]``) and every ``*_weight_scale`` / ``*_input_scale`` (an
+    ``Fp8Linear``'s scales are ``.weight_scale`` / ``.input_scale``, after a dot). This
+    covers what :func:`experts_view` cannot pair: families without a plain merge mapping
+    (gpt-oss, Llama-4: stored fused) and renamed ones (GraniteMoE saves the codes as
+    ``input_linear.weight``, the scales under the model's ``experts.gate_up_proj_*``)."""
+    codes = {n for n, i in tensors.items() if i.dtype in FP8_DTYPE_NAMES and len(i.shape) == 3}
+    scales = (
+        {n for n in tensors if n.rpartition(".")[2].endswith(_MERGED_SUFFIXES)} if codes else set()
+    )
+    return codes, scales
+
+
 def merged_scale_names(groups: dict[str, ExpertGroup]) -> list[str]:
     """The merged scale names the expert groups may have (``..._weight_scale`` …)."""
     return [f"{name}{s}" for name in groups for s in _MERGED_SUFFIXES]

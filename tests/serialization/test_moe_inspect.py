@@ -1,0 +1,77 @@
+"""``inspect`` / the model card count FP8 experts as FP8 whatever the family's checkpoint
+names (issue 11 'seeing it'). Reference: the dtypes of the saved tensors themselves.
+
+Families whose experts transformers merges with a plain mapping (Qwen3-MoE) are counted
+right. Families whose checkpoints store the experts fused already (gpt-oss, Llama-4: no
+mapping) or rename them (GraniteMoE: ``input_linear`` <-> ``experts.gate_up_proj``) are not:
+``serialization.experts.experts_view`` only knows plain merges, so ``summarize`` reports the
+fused fp8 codes as "experts not in FP8" / "other" (gpt-oss tiny: 0.10 FP8 share instead of
+0.95). Marked strict xfail until the summary recognises fused fp8 experts (see HT's report).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from safetensors import safe_open
+
+from hf_fp8 import Fp8Config
+from hf_fp8.serialization.summary import inspect_checkpoint
+
+SIZES = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+FAMILIES = {
+    "qwen3_moe": (tf.Qwen3MoeConfig, dict(moe_intermediate_size=32, num_experts=4)),
+    "gpt_oss": (tf.GptOssConfig, dict(intermediate_size=32, num_local_experts=4)),
+    "llama4_text": (
+        tf.Llama4TextConfig,
+        dict(intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4),
+    ),
+    "granitemoe": (tf.GraniteMoeConfig, dict(intermediate_size=32, num_local_experts=4)),
+}
+FUSED = pytest.mark.xfail(strict=True, reason="summary misses fused / renamed fp8 experts")
+
+
+def _stored_fp8_share(folder) -> float:
+    fp8 = total = 0
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            if "scale" in key:
+                continue
+            info = f.get_slice(key)
+            numel = int(torch.tensor(info.get_shape()).prod()) if info.get_shape() else 1
+            total += numel
+            fp8 += numel if info.get_dtype().startswith("F8") else 0
+    return fp8 / total
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3_moe",
+        pytest.param("gpt_oss", marks=FUSED),
+        pytest.param("llama4_text", marks=FUSED),
+        pytest.param("granitemoe", marks=FUSED),
+    ],
+)
+def test_inspect_counts_fp8_experts_as_fp8(family: str, tmp_path) -> None:
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_cls(**SIZES, num_experts_per_tok=2, **extra)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "hp")
+    fp8 = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hp", quantization_config=Fp8Config("dynamic")
+    )
+    fp8.save_pretrained(tmp_path / "fp8")
+    summary = inspect_checkpoint(tmp_path / "fp8")
+    assert summary.fp8_share == pytest.approx(_stored_fp8_share(tmp_path / "fp8"), rel=1e-9)
+    assert all(part["what"] != "experts not in FP8" for part in summary.high_precision_parts)
