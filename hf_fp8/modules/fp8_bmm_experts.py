@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,27 +104,6 @@ def _check_source(module: nn.Module, module_name: str) -> ExpertsLayout:
         if is_fp8(tensor.dtype) or not tensor.is_floating_point():
             raise ValueError(f"cannot convert {name}: {proj} is {tensor.dtype}, not high precision")
     return layout
-
-
-def convertible_bmm_experts(
-    model: nn.Module,
-    *,
-    skip: Sequence[str] = (),
-    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-) -> list[tuple[str, nn.Module, nn.Module]]:
-    """``(name, module, parent)`` of every bmm experts module of ``model`` that converts to
-    ``Fp8BmmExperts`` (not named in ``skip``, accepted by ``module_filter_fn``)."""
-    from hf_fp8.modules.selection import matches_module
-
-    found = []
-    for parent_name, parent in model.named_modules():
-        for child_name, child in parent.named_children():
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if bmm_experts_layout(child) is None or matches_module(name, skip):
-                continue
-            if module_filter_fn is None or module_filter_fn(child, name):
-                found.append((name, child, parent))
-    return found
 
 
 class Fp8BmmExperts(Fp8Experts):

@@ -10,10 +10,12 @@ or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules
   ``Qwen3MoeExperts``) are not linears: they become ``Fp8Experts``, not ``Fp8Linear``. The
   experts rule is ``hf_fp8.modules.fp8_experts.experts_keep_reason`` (walked by
   ``convertible_experts``): a module built on transformers' ``use_experts_implementation``
-  converts; so does one that multiplies tokens pre-grouped per expert with ``bmm``
-  (``Llama4TextExperts``: ``hf_fp8.modules.fp8_bmm_experts``, recognised from its structure);
-  any other (``JetMoeParallelExperts``, ``LongcatFlashExperts``, …) stays in high precision
-  with ``unsupported_reason`` naming what is missing. The quantizer and
+  converts; so do two kinds outside it, recognised from their structure
+  (``hf_fp8.modules.experts_kinds``): experts that multiply tokens pre-grouped per expert with
+  ``bmm`` (``Llama4TextExperts`` -> ``Fp8BmmExperts``) and parallel experts linears
+  (``JetMoeParallelExperts`` -> ``Fp8ParallelExperts``); any other (``LongcatFlashExperts``
+  with its identity "zero experts", ``DbrxExperts`` …) stays in high precision with
+  ``unsupported_reason`` naming what is missing. The quantizer and
   ``quantize_model`` apply both rules.
 * ``router``: MoE routers stay in high precision on purpose — they pick the experts each token
   reaches, and a flipped top-k choice costs more than the tiny gemm saves. A router is a linear
@@ -62,7 +64,7 @@ from typing import Any
 
 from torch import nn
 
-from hf_fp8.modules.fp8_bmm_experts import bmm_experts_layout, convertible_bmm_experts
+from hf_fp8.modules.experts_kinds import convertible_outside_experts, outside_interface_class
 from hf_fp8.modules.fp8_experts import (
     Fp8Experts,
     convertible_experts,
@@ -172,10 +174,11 @@ def keep_reason(
     """
     if isinstance(module, (Fp8Linear, Fp8Experts)):
         return "already FP8"
+    outside = outside_interface_class(module)  # Llama-4 / JetMoE experts: no interface
+    if outside is not None:
+        reason = _skip_reason(module, name, skip, module_filter_fn)
+        return f"MoE experts: {reason or f'converted by {outside.__name__}'}"
     if is_experts_module(module):
-        if bmm_experts_layout(module) is not None:  # Llama-4 style, outside the interface
-            reason = _skip_reason(module, name, skip, module_filter_fn)
-            return f"MoE experts: {reason or 'converted by Fp8BmmExperts'}"
         reason = experts_keep_reason(module, name, skip=skip, module_filter_fn=module_filter_fn)
         return f"MoE experts: {reason or 'converted by Fp8Experts (convertible_experts)'}"
     if not (isinstance(module, nn.Linear) or is_conv1d(module)):
@@ -348,7 +351,8 @@ def high_precision_parts(
     if not any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules()):
         for _, module, _ in convertible_modules(model, skip=skip):
             will_convert.add(id(module.weight))
-        experts = convertible_experts(model, skip=skip) + convertible_bmm_experts(model, skip=skip)
+        experts = convertible_experts(model, skip=skip)
+        experts += [e[:3] for e in convertible_outside_experts(model, skip=skip)]
         for _, module, _ in experts:
             for pname, p in module.named_parameters(recurse=False):
                 if not pname.endswith("bias"):

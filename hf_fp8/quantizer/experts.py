@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_fp8.modules.fp8_bmm_experts import Fp8BmmExperts, convertible_bmm_experts
+from hf_fp8.modules.experts_kinds import convertible_outside_experts
 from hf_fp8.modules.fp8_experts import Fp8Experts, convertible_experts
 from hf_fp8.numerics import is_fp8
 
@@ -32,17 +32,14 @@ def experts_to_convert(
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> list[tuple[str, nn.Module, nn.Module, type[Fp8Experts]]]:
     """``(name, module, parent, fp8_class)`` of every experts module of ``model`` that
-    converts: ``Fp8Experts`` for transformers' experts interface, ``Fp8BmmExperts`` for the
-    bmm experts outside it (Llama-4). Both classes have ``from_experts`` / ``empty_like``."""
+    converts: ``Fp8Experts`` for transformers' experts interface, ``Fp8BmmExperts`` /
+    ``Fp8ParallelExperts`` for the kinds outside it (Llama-4, JetMoE:
+    ``hf_fp8.modules.experts_kinds``). Every class has ``from_experts`` / ``empty_like``."""
     found = [
         (n, m, p, Fp8Experts)
         for n, m, p in convertible_experts(model, skip=skip, module_filter_fn=module_filter_fn)
     ]
-    found += [
-        (n, m, p, Fp8BmmExperts)
-        for n, m, p in convertible_bmm_experts(model, skip=skip, module_filter_fn=module_filter_fn)
-    ]
-    return found
+    return found + convertible_outside_experts(model, skip=skip, module_filter_fn=module_filter_fn)
 
 
 def swap_experts(

@@ -14,11 +14,8 @@ from transformers.models.llama4.modeling_llama4 import Llama4TextExperts, Llama4
 import hf_fp8
 from hf_fp8 import Fp8Config
 from hf_fp8.modules import keep_reason
-from hf_fp8.modules.fp8_bmm_experts import (
-    Fp8BmmExperts,
-    bmm_experts_layout,
-    convertible_bmm_experts,
-)
+from hf_fp8.modules.experts_kinds import convertible_outside_experts
+from hf_fp8.modules.fp8_bmm_experts import Fp8BmmExperts, bmm_experts_layout
 from tests.bitwise import assert_states_bit_equal
 from tests.modules.moe_zoo import build_tiny, experts_classes
 
@@ -100,8 +97,10 @@ def test_selection_converts_it_and_skip_keeps_it() -> None:
     assert keep_reason(moe.experts, "experts", parent=moe) == (
         "MoE experts: converted by Fp8BmmExperts"
     )
-    assert [n for n, _, _ in convertible_bmm_experts(moe)] == ["experts"]
-    assert convertible_bmm_experts(moe, skip=["experts"]) == []
+    assert [(n, c) for n, _, _, c in convertible_outside_experts(moe)] == [
+        ("experts", Fp8BmmExperts)
+    ]
+    assert convertible_outside_experts(moe, skip=["experts"]) == []
     assert "modules_to_not_convert" in keep_reason(moe.experts, "experts", skip=["experts"])
 
 

@@ -263,11 +263,13 @@ def test_high_precision_parts_of_a_quantized_model_leave_out_fp8_codes_and_scale
 
 
 def test_high_precision_parts_of_families_below_the_coverage_target() -> None:
-    """What keeps XLNet, Mamba and JetMoE below 0.99 FP8, in words (built on meta); Llama-4's
-    experts convert (Fp8BmmExperts)."""
+    """What keeps XLNet, Mamba and LongCat-Flash below 0.99 FP8, in words (built on meta);
+    the experts of Llama-4 and JetMoE convert (Fp8BmmExperts, Fp8ParallelExperts)."""
     from transformers import (
         JetMoeConfig,
         JetMoeForCausalLM,
+        LongcatFlashConfig,
+        LongcatFlashForCausalLM,
         MambaConfig,
         MambaForCausalLM,
         XLNetConfig,
@@ -277,18 +279,26 @@ def test_high_precision_parts_of_families_below_the_coverage_target() -> None:
 
     from hf_fp8.modules.selection import high_precision_parts
 
+    mla = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8)
     with torch.device("meta"):
         xlnet = XLNetLMHeadModel(XLNetConfig(d_model=64, n_layer=1, n_head=4, d_inner=64))
         mamba = MambaForCausalLM(MambaConfig(hidden_size=32, num_hidden_layers=1))
         llama4 = Llama4ForCausalLM(Llama4TextConfig(**SMALL_MOE, num_hidden_layers=1))
         jetmoe = JetMoeForCausalLM(
-            JetMoeConfig(
+            JetMoeConfig(hidden_size=32, num_hidden_layers=1, kv_channels=8, num_local_experts=4)
+        )
+        longcat = LongcatFlashForCausalLM(
+            LongcatFlashConfig(
                 hidden_size=32,
-                intermediate_size=32,
-                num_hidden_layers=1,
-                num_key_value_heads=2,
-                kv_channels=8,
-                num_local_experts=4,
+                num_layers=1,
+                num_attention_heads=4,
+                ffn_hidden_size=32,
+                expert_ffn_hidden_size=16,
+                n_routed_experts=4,
+                zero_expert_num=2,
+                moe_topk=2,
+                v_head_dim=8,
+                **mla,
             )
         )
     own = [g for g in high_precision_parts(xlnet) if "XLNetRelativeAttention" in g["why"]]
@@ -296,10 +306,9 @@ def test_high_precision_parts_of_families_below_the_coverage_target() -> None:
     assert own[0]["parameters"] == 5 * 64 * 64  # q, k, v, o, r: [64, 4, 16] each
     kept = _parts(mamba)["linears kept in high precision"]
     assert kept["why"] == "MambaMixer reads its .weight directly"
-    experts = _parts(jetmoe)["MoE experts not converted"]
-    assert "JetMoeParallelExperts is not built on" in experts["why"]
-    expected = sum(
-        m.weight.numel() for m in jetmoe.modules() if type(m).__name__ == "JetMoeParallelExperts"
-    )
-    assert experts["parameters"] == expected
+    experts = _parts(longcat)["MoE experts not converted"]
+    assert "LongcatFlashExperts is not built on" in experts["why"]
+    # gate_up [6 (4 routed + 2 zero experts), 32, 32] and down [4, 32, 16]
+    assert experts["parameters"] == 6 * 32 * 32 + 4 * 32 * 16
     assert "MoE experts not converted" not in _parts(llama4)
+    assert "MoE experts not converted" not in _parts(jetmoe)
