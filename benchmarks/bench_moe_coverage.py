@@ -65,6 +65,11 @@ SHRINK = {
     "ffn_dim": 128,
     "n_inner": 128,
     "moe_intermediate_size": 32,
+    "ffn_hidden_size": 128,  # LongCat-Flash
+    "expert_ffn_hidden_size": 32,
+    "zero_expert_num": 2,
+    "attention_hidden_size": 128,  # Zamba: 2 x hidden
+    "attention_head_dim": 32,
     "expert_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
     "num_hidden_layers": 2,
