@@ -13,14 +13,18 @@ less around it:
   so the numbers are those of quantizing each pair. Per-tensor dynamic scales (one per
   expert's group of rows) and static scales (one per expert) are computed per expert, as
   ``fp8_linear`` computes them;
-* each expert's weight is decoded once, whole, into one reused buffer (``cpu_kernel.decode``,
-  unscaled where the emulation applies the scale after the matmul), multiplied by
-  ``torch.mm`` straight into the expert's rows of one preallocated output, then the
-  emulation's epilogue (``emulated._epilogue``: scales, bias, one rounding);
+* each expert's rows are multiplied into its rows of one preallocated output: with bf16
+  compute where ``cpu_kernel.fused_mm_enabled`` (AVX-512 BF16 without AMX), by the C decode +
+  GEMM + epilogue (``cpu_kernel.cpu_fp8_mm``, the same call ``fp8_linear`` makes there, with
+  the activation already quantized); elsewhere the expert's weight is decoded once, whole, into
+  one reused buffer (``cpu_kernel.decode``, unscaled where the emulation applies the scale
+  after the matmul), multiplied by ``torch.mm`` (``F.linear(w, a)``, the tiled path's form,
+  is 10-40 % slower at 48-96 rows except at multiples of 16), then the emulation's epilogue
+  (``emulated._epilogue``: scales, bias, one rounding);
 * experts with at most ``gemv_limit`` rows take ``fp8_linear`` (the fused GEMV) as before.
 
-Numbers: the emulation's (``emulated._mm_forward``) up to fp32 reassociation inside the
-matmul. ``None`` is returned where this path does not apply (not CPU, C kernels off or
+Numbers: the emulation's (``emulated._mm_forward``); bit for bit with the decode +
+``torch.mm`` route, up to the fp32 summation order inside the fused C GEMM. ``None`` is returned where this path does not apply (not CPU, C kernels off or
 unavailable, fp16 compute, under ``torch.compile``, ``kernel="scaled_mm"``): the caller runs
 the per-expert route then.
 """
@@ -101,7 +105,8 @@ def grouped_linear(
         a_src, a_scale_src = _quantize(source.contiguous(), plan, None, a_post, path)
 
     scales = w_scale.detach().float()
-    buffer = torch.empty(n * k, dtype=dtype)
+    fused = dtype == torch.bfloat16 and k % 2 == 0 and cpu_kernel.fused_mm_enabled(path)
+    buffer = None if fused else torch.empty(n * k, dtype=dtype)
     for expert, start, end in present:
         b = None if bias is None else bias[expert].detach().to(dtype)
         e_scale = None if input_scale is None else input_scale[expert : expert + 1]
@@ -121,10 +126,18 @@ def grouped_linear(
                 rows(source, start, end).contiguous(), plan, e_scale, a_post, path
             )
         w_e = scales[expert].reshape(-1).contiguous()
+        codes = w_fp8[expert].detach().contiguous()
+        if fused:  # the C decode + GEMM + epilogue in one call (cpu_kernel.fused_mm_enabled)
+            if a_scale is not None:
+                a_scale = a_scale.reshape(-1).contiguous()
+            out[start:end] = cpu_kernel.cpu_fp8_mm(
+                a.contiguous(), codes, w_e, a_scale if a_post else None, b, w_gran, block[0],
+                block[1], w_post, path,
+            )  # fmt: skip
+            continue
         w = cpu_kernel.decode(
-            w_fp8[expert].detach().contiguous(), None if w_post else w_e, w_gran, block, dtype,
-            out=buffer, path=path,
-        )  # fmt: skip
+            codes, None if w_post else w_e, w_gran, block, dtype, out=buffer, path=path
+        )
         if not (w_post or a_post):
             if b is None:
                 torch.mm(a, w.t(), out=out[start:end])

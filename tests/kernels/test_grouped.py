@@ -398,20 +398,28 @@ def _dense_per_expert(x, index, w_fp8, w_scale, bias, recipe, scales):
     [("weight_only", None), ("dynamic", "token"), ("dynamic", "tensor"), ("dynamic", "block"),
      ("static", "tensor")],
 )  # fmt: skip
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "fused"), [(torch.float32, False), (torch.bfloat16, False),
+                                              (torch.bfloat16, True)])  # fmt: skip
 @pytest.mark.parametrize("from_tokens", [False, True])
-def test_cpu_route_equals_the_reference(monkeypatch, gran, act, a_gran, dtype, from_tokens):
-    """Every expert above the GEMV limit is decoded once and multiplied once; the result is
-    the fp32 dequantize-then-matmul reference (fp32 compute) or the per-expert FP8 linear
-    (bf16 compute: same numerics, up to fp32 reassociation inside the matmul)."""
+def test_cpu_route_equals_the_reference(monkeypatch, gran, act, a_gran, dtype, fused, from_tokens):
+    """Every expert above the GEMV limit is decoded once and multiplied once (decode +
+    torch.mm, or the fused C decode + GEMM); the result is the fp32 dequantize-then-matmul
+    reference (fp32 compute) or the per-expert FP8 linear (bf16 compute: same numerics, up to
+    fp32 reassociation inside the matmul)."""
     from hf_fp8.kernels import cpu_kernel
 
-    if cpu_kernel.active_path() is None:
+    path = cpu_kernel.active_path()
+    if path is None:
         pytest.skip("the C CPU kernels are unavailable here")
+    if fused and path not in cpu_kernel.BF16_ACTIVATION_PATHS:
+        pytest.skip(f"the fused C decode + GEMM needs {cpu_kernel.BF16_ACTIVATION_PATHS}")
+    monkeypatch.setattr(cpu_kernel, "FUSED_MM", fused)
     decoded = []
-    real_decode = cpu_kernel.decode
+    real_decode, real_mm = cpu_kernel.decode, cpu_kernel.cpu_fp8_mm
     monkeypatch.setattr(cpu_kernel, "decode", lambda w, *a, **k: decoded.append(w.data_ptr())
                         or real_decode(w, *a, **k))  # fmt: skip
+    monkeypatch.setattr(cpu_kernel, "cpu_fp8_mm", lambda a, w, *r: decoded.append(w.data_ptr())
+                        or real_mm(a, w, *r))  # fmt: skip
     w_fp8, w_scale = _experts(gran=gran)
     bias = torch.randn(5, 32)
     x, index = _skewed_routing()
@@ -486,7 +494,9 @@ def test_from_tokens_checks_the_shape() -> None:
 )  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_cpu_route_is_the_emulation_bit_for_bit(gran, act, a_gran, dtype, with_bias) -> None:
+def test_cpu_route_is_the_emulation_bit_for_bit(
+    monkeypatch, gran, act, a_gran, dtype, with_bias
+) -> None:
     """Experts above the GEMV limit: the same numbers as the emulation's own torch code
     (``emulated._mm_forward``, eager: fake-quantized activation, decoded weight, matmul,
     epilogue) run on that expert's rows alone."""
@@ -495,6 +505,7 @@ def test_cpu_route_is_the_emulation_bit_for_bit(gran, act, a_gran, dtype, with_b
 
     if cpu_kernel.active_path() is None:
         pytest.skip("the C CPU kernels are unavailable here")
+    monkeypatch.setattr(cpu_kernel, "FUSED_MM", False)  # the decode + torch.mm route
     w_fp8, w_scale = _experts(gran=gran)
     bias = torch.randn(5, 32).to(dtype) if with_bias else None
     x, index = _skewed_routing()
