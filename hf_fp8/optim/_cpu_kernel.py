@@ -34,15 +34,25 @@ from pathlib import Path
 import torch
 
 from hf_fp8.numerics import coat
+from hf_fp8.numerics import log_moments as lm
 from hf_fp8.optim import _step
 from hf_fp8.utils import native
 
 SOURCE = Path(__file__).with_name("csrc") / "adamw_fp8.c"
 
 # Variant flag bits (one library per combination).
-FLAGS = {"P_BF16": 1, "G_BF16": 2, "E5M2": 4, "EXPAND": 8, "SR_M": 16, "SR_V": 32, "SQRT_V": 64}
+FLAGS = {
+    "P_BF16": 1,
+    "G_BF16": 2,
+    "E5M2": 4,
+    "EXPAND": 8,
+    "SR_M": 16,
+    "SR_V": 32,
+    "SQRT_V": 64,
+    "LOG": 128,  # moment_format="log" (hf_fp8.numerics.log_moments)
+}
 P_BF16, G_BF16, E5M2, EXPAND = (FLAGS[k] for k in ("P_BF16", "G_BF16", "E5M2", "EXPAND"))
-SR_M, SR_V, SQRT_V = FLAGS["SR_M"], FLAGS["SR_V"], FLAGS["SQRT_V"]
+SR_M, SR_V, SQRT_V, LOG = FLAGS["SR_M"], FLAGS["SR_V"], FLAGS["SQRT_V"], FLAGS["LOG"]
 # One task = these int64 fields, in this order: pointers, the [rows, cols] view, the group
 # size, the variant flags, the stochastic-rounding stream keys of the two moments (uint32,
 # already offset by the shard's first element), then the element count of every tensor.
@@ -110,6 +120,16 @@ def kernel_defines(variant: int) -> dict[str, object]:
     d["INV_STEPS"] = 1.0 / coat.EXPONENT_STEPS
     d["K_MIN"] = float(coat.EXPONENT_MIN)
     d["K_MAX"] = float(coat.EXPONENT_MAX)
+    d["LOG_V_MAX"] = lm.V_CODE_MAX
+    d["LOG_M_MAX"] = lm.M_CODE_MAX
+    d["LOG_V_RANGE_STEPS"] = float(lm.V_RANGE_STEPS)
+    d["LOG_V_ENC"] = lm.V_ENC
+    d["LOG_V_DEC"] = lm.V_DEC
+    d["LOG_M_MIN"] = lm.M_MIN
+    d["LOG_BITS_FLOOR"] = float(lm.BITS_FLOOR)
+    d["LOG_INV_2_23"] = 2.0**-23
+    d["LOG_SR_SHIFT"] = lm.SR_SHIFT
+    d["LOG_SR_UNIT"] = 2.0**-24
     return d
 
 
@@ -122,8 +142,17 @@ def variant(
     sqrt_v: bool = False,
     sr_m: bool = False,
     sr_v: bool = False,
+    log: bool = False,
 ) -> int:
     """Kernel variant (bit field of :data:`FLAGS`) for these dtypes and options."""
+    if log:  # the codes are int8 / uint8: no fp8 format, no COAT flag
+        return (
+            (P_BF16 if param_dtype == torch.bfloat16 else 0)
+            | (G_BF16 if grad_dtype == torch.bfloat16 else 0)
+            | LOG
+            | (SR_M if sr_m else 0)
+            | (SR_V if sr_v else 0)
+        )
     return (
         (P_BF16 if param_dtype == torch.bfloat16 else 0)
         | (G_BF16 if grad_dtype == torch.bfloat16 else 0)
@@ -181,8 +210,12 @@ def check_tensors(
     cols: int,
     group_size: int,
     expand: bool,
+    log: bool = False,
 ) -> None:
     """Raise ``ValueError`` unless every tensor is exactly what the kernel will address.
+
+    ``log``: ``moment_format="log"`` (int8 ``exp_avg`` codes without exponent, uint8
+    ``exp_avg_sq`` codes with one).
 
     Cheap (metadata only); run right before each launch so that no state, however it was
     loaded or modified, reaches the C code with a size that does not match the parameter.
@@ -207,12 +240,16 @@ def check_tensors(
     if grad.device.type != "cpu":
         problems.append("the gradient is not on the CPU")
     fp8 = states[0].dtype if states[0] is not None else None
-    if fp8 not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if log:
+        want["exp_avg_fp8"] = (want["exp_avg_fp8"][0], torch.int8)
+        want["exp_avg_sq_fp8"] = (want["exp_avg_sq_fp8"][0], torch.uint8)
+    elif fp8 not in (torch.float8_e4m3fn, torch.float8_e5m2):
         problems.append(f"exp_avg_fp8 has dtype {fp8}, not an fp8 dtype")
     for (key, (shape, dtype)), t in zip(want.items(), states, strict=True):
-        if "exponent" in key and not expand:
+        absent = key == "exp_avg_exponent" if log else ("exponent" in key and not expand)
+        if absent:
             if t is not None:
-                problems.append(f"{key} is present without dynamic range expansion")
+                problems.append(f"{key} is present in this moment format")
             continue
         if t is None:
             problems.append(f"{key} is missing")
@@ -256,12 +293,13 @@ class Batch:
         sqrt_v: bool = False,
         sr_m: bool = False,
         sr_v: bool = False,
+        log: bool = False,
     ) -> None:
         """Queue the step of a contiguous ``param``; ``copy_to`` receives it after the run.
 
         ``keys``: the uint32 stream keys of the two moments (stochastic rounding)."""
         grad = grad.contiguous()
-        check_tensors(param, grad, states, hp, cols, group_size, expand)
+        check_tensors(param, grad, states, hp, cols, group_size, expand, log)
         self.keep_alive += [param, grad, hp]
         tensors = dict(zip(("m_q", "m_s", "m_k", "v_q", "v_s", "v_k"), states, strict=True))
         tensors.update(p=param, g=grad, hp=hp)
@@ -277,6 +315,7 @@ class Batch:
                 sqrt_v=sqrt_v,
                 sr_m=sr_m,
                 sr_v=sr_v,
+                log=log,
             ),
             "key_m": keys[0] & 0xFFFFFFFF,
             "key_v": keys[1] & 0xFFFFFFFF,

@@ -23,6 +23,26 @@ QUANT_KEYS = (
 )
 
 
+MOMENT_FORMATS = ("auto", "log", "fp8")
+
+
+def resolved_format(group: dict[str, Any]) -> str:
+    """``"log"`` or ``"fp8"``: the moment format of a param group.
+
+    ``"auto"`` is ``"log"`` (:mod:`hf_fp8.numerics.log_moments`) unless an option only the fp8
+    codes have is set: ``dynamic_range_expansion=False``, ``fp8_format="e5m2"`` or
+    ``sqrt_second_moment=True`` (then ``"fp8"``, the COAT / plain FP8 format)."""
+    fmt = group.get("moment_format", "fp8")
+    if fmt != "auto":
+        return fmt
+    fp8_only = (
+        not group["dynamic_range_expansion"]
+        or group["fp8_format"] != "e4m3"
+        or group["sqrt_second_moment"]
+    )
+    return "fp8" if fp8_only else "log"
+
+
 def _dtensor_cls() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
@@ -85,13 +105,23 @@ def _new(p: torch.Tensor, cols: int, dtype: torch.dtype, fill: float) -> torch.T
 
 
 def new_quantized_state(
-    p: torch.Tensor, *, group_size: int, fp8: torch.dtype, expand: bool
+    p: torch.Tensor, *, group_size: int, fp8: torch.dtype, expand: bool, log: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Zero moments in fp8 with their per-group metadata (``scale = 0``, ``k = 1``)."""
+    """Zero moments with their per-group metadata (``scale = 0``, ``k = 1``).
+
+    ``log`` (``moment_format="log"``): int8 ``exp_avg`` codes (no exponent) and uint8
+    ``exp_avg_sq`` codes (with one); ``fp8`` and ``expand`` are ignored."""
     rows = p.shape[0]
     cols = p.numel() // rows
     gc = -(-cols // group_size)
     state = {}
+    if log:
+        state["exp_avg_fp8"] = _new(p, gc * group_size, torch.int8, 0.0)
+        state["exp_avg_scale"] = _new(p, gc, torch.float32, 0.0)
+        state["exp_avg_sq_fp8"] = _new(p, gc * group_size, torch.uint8, 0.0)
+        state["exp_avg_sq_scale"] = _new(p, gc, torch.float32, 0.0)
+        state["exp_avg_sq_exponent"] = _new(p, gc, torch.float32, 1.0)
+        return state
     for name in ("exp_avg", "exp_avg_sq"):
         state[f"{name}_fp8"] = _new(p, gc * group_size, fp8, 0.0)
         state[f"{name}_scale"] = _new(p, gc, torch.float32, 0.0)

@@ -16,9 +16,15 @@ from typing import Any
 
 import torch
 
-from hf_fp8.numerics import coat
+from hf_fp8.numerics import coat, log_moments
 from hf_fp8.numerics.formats import fp8_dtype
-from hf_fp8.optim._layout import QUANT_KEYS, is_dtensor, local, new_quantized_state
+from hf_fp8.optim._layout import (
+    QUANT_KEYS,
+    is_dtensor,
+    local,
+    new_quantized_state,
+    resolved_format,
+)
 
 FP32_KEYS = ("exp_avg", "exp_avg_sq")
 FIX = (
@@ -85,9 +91,57 @@ def _check_range(t: torch.Tensor, pid: Any, key: str, lo: float, hi: float) -> N
         raise _fail(pid, key, f"holds values outside [{lo}, {hi}] or non-finite values")
 
 
+# moment_format="log": exactly these entries, dtypes and value ranges.
+LOG_LAYOUT = {
+    "exp_avg_fp8": (torch.int8, None),
+    "exp_avg_scale": (torch.float32, (0.0, math.inf)),
+    "exp_avg_sq_fp8": (torch.uint8, None),
+    "exp_avg_sq_scale": (torch.float32, (0.0, math.inf)),
+    "exp_avg_sq_exponent": (torch.float32, (coat.EXPONENT_MIN, coat.EXPONENT_MAX)),
+}
+
+
+def _check_log(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], pid: Any) -> None:
+    extra = set(state) - set(LOG_LAYOUT) - {"step"}
+    if "exp_avg_exponent" in extra or any(
+        isinstance(state.get(k), torch.Tensor) and state[k].is_floating_point()
+        for k in ("exp_avg_fp8", "exp_avg_sq_fp8")
+    ):
+        raise _fail(
+            pid,
+            None,
+            "it holds fp8 moment codes (moment_format='fp8'), this optimizer uses "
+            "moment_format='log'; create the optimizer with moment_format='fp8'",
+        )
+    if extra:
+        raise _fail(pid, None, f"unexpected entries {sorted(extra)} beside the moment codes")
+    if p.dim() == 0:
+        raise _fail(pid, None, "a 0-d parameter cannot have quantized moments")
+    rows, _, gc = layout(p, group["group_size"])
+    gs = group["group_size"]
+    for key, (dtype, bounds) in LOG_LAYOUT.items():
+        if key not in state:
+            raise _fail(pid, key, "is missing")
+        shape = (rows, gc * gs) if key.endswith("_fp8") else (rows, gc)
+        _check(state[key], pid, key, shape, (dtype,))
+        if bounds is not None:
+            _check_range(state[key], pid, key, *bounds)
+
+
 def _check_quantized(
     state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], pid: Any
 ) -> None:
+    if resolved_format(group) == "log":
+        _check_log(state, p, group, pid)
+        return
+    codes = state.get("exp_avg_fp8")
+    if isinstance(codes, torch.Tensor) and codes.dtype in (torch.int8, torch.uint8):
+        raise _fail(
+            pid,
+            None,
+            "it holds integer moment codes (moment_format='log'), this optimizer uses "
+            "moment_format='fp8'; create the optimizer with moment_format='log'",
+        )
     want = fp8_dtype(group["fp8_format"])
     expand = bool(group["dynamic_range_expansion"])
     has_exp = "exp_avg_exponent" in state or "exp_avg_sq_exponent" in state
@@ -137,6 +191,8 @@ def _to_fp8(
     fp8 = fp8_dtype(group["fp8_format"])
     expand = group["dynamic_range_expansion"]
     rows, cols, gc = layout(p, gs)
+    if resolved_format(group) == "log":
+        return _to_log(m, v, p, gs)
     state = new_quantized_state(p, group_size=gs, fp8=fp8, expand=expand)
     if group.get("sqrt_second_moment"):
         v = v.sqrt()
@@ -148,6 +204,27 @@ def _to_fp8(
         if k is not None:
             state[f"{name}_exponent"].copy_(k.reshape(rows, gc))
     return state
+
+
+def _to_log(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, gs: int) -> dict[str, torch.Tensor]:
+    """fp32 moments as ``moment_format="log"`` codes (round-to-nearest; v first, then m)."""
+    rows, cols, gc = layout(p, gs)
+
+    def groups(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x.float().reshape(rows, cols), (0, gc * gs - cols)).reshape(
+            -1, gs
+        )
+
+    vq, amax, k = log_moments.quantize_v(groups(v))
+    _, s_inv = log_moments.m_scales(log_moments.dequantize_v_bits(vq, amax, k))
+    mq, ms = log_moments.quantize_m(groups(m) * s_inv)
+    return {
+        "exp_avg_fp8": mq.reshape(rows, gc * gs),
+        "exp_avg_scale": ms.reshape(rows, gc),
+        "exp_avg_sq_fp8": vq.reshape(rows, gc * gs),
+        "exp_avg_sq_scale": amax.reshape(rows, gc),
+        "exp_avg_sq_exponent": k.reshape(rows, gc),
+    }
 
 
 def validated_state(
@@ -167,6 +244,9 @@ def validated_state(
     out: dict[str, Any] = {"step": _step(saved["step"], pid)}
     if any(k in saved for k in QUANT_KEYS):
         _check_quantized(saved, p, group, pid)
+        if resolved_format(group) == "log":
+            out.update({k: _to_device(saved[k], p) for k in LOG_LAYOUT})
+            return out, False
         out.update({k: _to_device(saved[k], p) for k in QUANT_KEYS if k in saved})
         return out, False
     extra = set(saved) - set(FP32_KEYS) - {"step"}

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hf_fp8.numerics import log_moments
 from hf_fp8.numerics.coat import dequantize_groups, quantize_groups, random_bits
 
 # Order of the fields of the hyper-parameter tensor: the one table, shared with the C kernel
@@ -68,8 +69,11 @@ def grouped_step(
     sqrt_v: bool = False,
     sr_m: bool = False,
     sr_v: bool = False,
+    log: bool = False,
 ) -> None:
     """One AdamW step on ``[G, group_size]`` tensors with quantized moments, in place.
+
+    ``log``: ``moment_format="log"`` (:func:`grouped_step_log`; ``m_exp`` is ``None``).
 
     ``m_q`` / ``v_q``: fp8 codes ``[G, group_size]``; ``*_scale`` / ``*_exp``: fp32 ``[G]``
     (``*_exp`` is ``None`` without dynamic range expansion). ``sqrt_v``: the second moment is
@@ -77,6 +81,11 @@ def grouped_step(
     int64 stream keys ``keys = [key_m, key_v]`` (see :func:`hf_fp8.numerics.coat.random_bits`).
     Every operation is fp32 and in the order the C kernel uses.
     """
+    if log:
+        grouped_step_log(
+            param, grad, m_q, m_scale, v_q, v_scale, v_exp, hp, keys=keys, sr_m=sr_m, sr_v=sr_v
+        )
+        return
     h = dict(zip(HP_FIELDS, hp.unbind(0), strict=True))
     decay, step_size, w1, beta2 = h["decay"], h["step_size"], h["one_minus_beta1"], h["beta2"]
     w2, eps, inv_bc2 = h["one_minus_beta2"], h["eps"], h["inv_bc2"]
@@ -106,6 +115,50 @@ def grouped_step(
         scale.copy_(scale_new)
         if exp is not None and exp_new is not None:
             exp.copy_(exp_new)
+
+
+def grouped_step_log(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m_q: torch.Tensor,
+    m_scale: torch.Tensor,
+    v_q: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_exp: torch.Tensor,
+    hp: torch.Tensor,
+    keys: torch.Tensor | None = None,
+    sr_m: bool = False,
+    sr_v: bool = False,
+) -> None:
+    """The step of ``moment_format="log"`` (:mod:`hf_fp8.numerics.log_moments`), in place.
+
+    ``m_q`` int8 / ``v_q`` uint8 codes ``[G, group_size]``; ``m_scale``, ``v_scale`` (``amax``
+    of v) and ``v_exp`` (k) fp32 ``[G]``. v is requantized first: m is stored relative to the
+    new ``v̂``. Every operation is fp32 / int32 and in the order of the C kernel."""
+    h = dict(zip(HP_FIELDS, hp.unbind(0), strict=True))
+    decay, step_size, w1, beta2 = h["decay"], h["step_size"], h["one_minus_beta1"], h["beta2"]
+    w2, eps, inv_bc2 = h["one_minus_beta2"], h["eps"], h["inv_bc2"]
+    g = grad.float()
+    v_bits = log_moments.dequantize_v_bits(v_q, v_scale, v_exp)
+    s, _ = log_moments.m_scales(v_bits)
+    m = log_moments.dequantize_m(m_q, m_scale, s)
+    v = v_bits.view(torch.float32)
+    m = m + w1 * (g - m)
+    v = v * beta2 + w2 * g * g
+    denom = _sqrt_rn(v) * inv_bc2 + eps
+    param.copy_(param.float() * decay - step_size * m / denom)
+    if (sr_m or sr_v) and keys is None:
+        raise ValueError("stochastic rounding needs the stream keys")
+    bits_v = random_bits(keys[1], v.shape) if sr_v else None
+    vq, amax, k = log_moments.quantize_v(v, bits_v)
+    _, s_inv = log_moments.m_scales(log_moments.dequantize_v_bits(vq, amax, k))
+    bits_m = random_bits(keys[0], m.shape) if sr_m else None
+    mq, ms = log_moments.quantize_m(m * s_inv, bits_m)
+    v_q.copy_(vq)
+    v_scale.copy_(amax)
+    v_exp.copy_(k)
+    m_q.copy_(mq)
+    m_scale.copy_(ms)
 
 
 def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:

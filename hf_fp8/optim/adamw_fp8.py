@@ -1,28 +1,31 @@
-"""``AdamWFp8``: AdamW whose two moments are stored in FP8 per group (COAT).
+"""``AdamWFp8``: AdamW whose two moments are stored in 8 bits per element, per group.
 
 State of a quantized parameter ``p`` (``rows = p.shape[0]``, ``cols = p.numel() // rows``,
 ``Gc = ceil(cols / group_size)``; groups are ``group_size`` consecutive elements of a row,
-so they survive FSDP2's dim-0 sharding)::
+so they survive FSDP2's dim-0 sharding). Default ``moment_format="log"``
+(:mod:`hf_fp8.numerics.log_moments`)::
 
     step                  fp32 scalar (CPU)
-    exp_avg_fp8           fp8 [rows, Gc·group_size]   (zero padding past cols)
-    exp_avg_scale         fp32 [rows, Gc]             amax / fp8_max
-    exp_avg_exponent      fp32 [rows, Gc]             COAT's k (expansion only)
-    exp_avg_sq_fp8 / exp_avg_sq_scale / exp_avg_sq_exponent    the same for the 2nd moment
+    exp_avg_fp8           int8 [rows, Gc·group_size]  m·2^-e, absmax per group (zero padding)
+    exp_avg_scale         fp32 [rows, Gc]             amax(m·2^-e) / 127
+    exp_avg_sq_fp8        uint8 [rows, Gc·group_size] v, codes uniform in Mitchell's log
+    exp_avg_sq_scale      fp32 [rows, Gc]             amax(v)
+    exp_avg_sq_exponent   fp32 [rows, Gc]             COAT's k
 
-≈ 2.13 bytes/parameter with expansion, 2.06 without (fp32 AdamW: 8). A parameter is
-quantized when it has ≥ 2 dims, ≥ ``min_quantize_numel`` (4096) elements and rows long
-enough that the padded FP8 state is smaller than fp32 (≥ 35 columns at group_size 128); the others
-(biases, norms, tiny tensors) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and follow
-``torch.optim.AdamW`` exactly.
+≈ 2.09 bytes/parameter (fp32 AdamW: 8). ``moment_format="fp8"`` keeps both moments as
+float8 codes (COAT's paper format: ``*_fp8`` float8, ``*_scale = amax / fp8_max`` and, with
+expansion, ``*_exponent`` for both moments; ≈ 2.13 bytes/parameter, 2.06 without expansion).
+A parameter is quantized when it has ≥ 2 dims, ≥ ``min_quantize_numel`` (4096) elements and
+rows long enough that the padded state is smaller than fp32 (≥ 35 columns at group_size
+128); the others (biases, norms, tiny tensors) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and
+follow ``torch.optim.AdamW`` exactly.
 
 The second moment is written back with stochastic rounding by default
-(``stochastic_rounding="exp_avg_sq"``): with β2 = 0.999 it moves by 0.1 % a step while one E4M3
-step is 6–12 %, so round-to-nearest keeps returning the old code and the stored moment stops
-following its decay (measured on a small Llama: update error ×1.78 from step 300 to 1000 with
-round-to-nearest, ×1.45 with it; ``benchmarks/bench_optim_fidelity.py``). The random bits are
-a hash of (``seed``, step, parameter index, element): resuming and FSDP2 sharding draw the
-same bits.
+(``stochastic_rounding="exp_avg_sq"``): with β2 = 0.999 it moves by 0.1 % a step while one
+code step is 4–12 %, so round-to-nearest keeps returning the old code and the stored moment
+stops following its decay. The random bits are a hash of (``seed``, step, parameter index,
+element): resuming and FSDP2 sharding draw the same bits. Measured update-direction errors:
+``benchmarks/bench_optim_fidelity.py`` and the oracle study ``bench_optim_oracle.py``.
 """
 
 from __future__ import annotations
@@ -34,16 +37,18 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from hf_fp8.numerics import coat
+from hf_fp8.numerics import coat, log_moments
 from hf_fp8.numerics.formats import fp8_dtype
 from hf_fp8.optim import _cpu_kernel, _step
 from hf_fp8.optim._layout import (
+    MOMENT_FORMATS,
     is_quantized_state,
     local,
     new_fp32_state,
     new_quantized_state,
     quantizable_placements,
     quantized_states,
+    resolved_format,
     row_offset,
 )
 from hf_fp8.optim._state_check import OptimizerStateError, validated_state, wants_quantized
@@ -52,6 +57,7 @@ IMPLEMENTATIONS = ("auto", "cpu_kernel", "compile", "reference")
 DEFAULT_MIN_QUANTIZE_NUMEL = 4096
 # Options that define the state format: loading a state saved with others is an error.
 FORMAT_OPTIONS = ("group_size", "fp8_format", "dynamic_range_expansion", "sqrt_second_moment")
+# (moment_format is compared resolved: "auto" and what it stands for are the same format)
 STOCHASTIC_ROUNDING = (False, True, "exp_avg_sq")
 
 
@@ -74,8 +80,16 @@ class AdamWFp8(Optimizer):
             moments; ``False``: round-to-nearest (the COAT paper). Reproducible: the random bits
             are a hash of (``seed``, step, parameter index, element), so a resumed or
             FSDP2-sharded run draws the same bits.
-        sqrt_second_moment: store ``sqrt(v)`` instead of ``v`` (half the log-range; free: the
-            step computes the root anyway).
+        sqrt_second_moment: store ``sqrt(v)`` instead of ``v`` (``moment_format="fp8"`` only;
+            measured worse: stochastic rounding of the root biases ``v`` upwards).
+        moment_format: ``"auto"`` (default): ``"log"`` unless an fp8-only option is set
+            (``dynamic_range_expansion=False``, ``fp8_format="e5m2"``,
+            ``sqrt_second_moment=True``), then ``"fp8"``. ``"log"``: ``v`` as unsigned 8-bit
+            codes uniform in Mitchell's logarithm with COAT's per-group exponent, ``m`` as int8
+            absmax of ``m·2^-e`` (``2^e ≈ sqrt(v̂)``) — no log2/exp2 in the step, 2.09
+            bytes/parameter, about half the update error of the fp8 codes
+            (:mod:`hf_fp8.numerics.log_moments`). ``"fp8"``: both moments as E4M3/E5M2 codes
+            (COAT's paper format with expansion, plain absmax without).
         seed: seed of the stochastic rounding streams.
         amsgrad: must be ``False`` (not supported).
         implementation: ``"auto"`` (fused C kernel for CPU tensors, else ``torch.compile``
@@ -109,6 +123,7 @@ class AdamWFp8(Optimizer):
         min_quantize_numel: int = DEFAULT_MIN_QUANTIZE_NUMEL,
         stochastic_rounding: bool | str = "exp_avg_sq",
         sqrt_second_moment: bool = False,
+        moment_format: str = "auto",
         seed: int = 0,
         amsgrad: bool = False,
         implementation: str = "auto",
@@ -133,6 +148,7 @@ class AdamWFp8(Optimizer):
             "min_quantize_numel": min_quantize_numel,
             "stochastic_rounding": stochastic_rounding,
             "sqrt_second_moment": sqrt_second_moment,
+            "moment_format": moment_format,
             "seed": seed,
         }
         _validate_group(defaults)
@@ -319,6 +335,7 @@ class AdamWFp8(Optimizer):
                     group_size=group["group_size"],
                     fp8=fp8_dtype(group["fp8_format"]),
                     expand=group["dynamic_range_expansion"],
+                    log=resolved_format(group) == "log",
                 )
             )
         else:
@@ -334,13 +351,26 @@ class AdamWFp8(Optimizer):
             return local(state["exp_avg"]).float(), local(state["exp_avg_sq"]).float()
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         rows = loc.shape[0]
+        cols = loc.numel() // max(rows, 1)
+
+        def unpad(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(rows, -1)[:, :cols].reshape(loc.shape)
+
+        if resolved_format(group) == "log":
+            vs = local(state["exp_avg_sq_scale"])
+            vq = local(state["exp_avg_sq_fp8"]).view(rows, vs.shape[1], -1)
+            v_bits = log_moments.dequantize_v_bits(vq, vs, local(state["exp_avg_sq_exponent"]))
+            ms = local(state["exp_avg_scale"])
+            mq = local(state["exp_avg_fp8"]).view(rows, ms.shape[1], -1)
+            m = log_moments.dequantize_m(mq, ms, log_moments.m_scales(v_bits)[0])
+            return unpad(m), unpad(v_bits.view(torch.float32))
         out = []
         for name in ("exp_avg", "exp_avg_sq"):
             scale = local(state[f"{name}_scale"])
             exp = state.get(f"{name}_exponent")
             q = local(state[f"{name}_fp8"]).view(rows, scale.shape[1], -1)
             x = coat.dequantize_groups(q, scale, None if exp is None else local(exp))
-            out.append(x.view(rows, -1)[:, : loc.numel() // max(rows, 1)].reshape(loc.shape))
+            out.append(unpad(x))
         m, v = out
         return m, v * v if group["sqrt_second_moment"] else v
 
@@ -416,13 +446,21 @@ class AdamWFp8(Optimizer):
         merged = []
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
             if "group_size" in saved:  # an AdamWFp8 state from before an option existed
-                saved = {"sqrt_second_moment": False, **saved}
+                saved = {"sqrt_second_moment": False, "moment_format": "fp8", **saved}
             for option in FORMAT_OPTIONS:
                 if option in saved and saved[option] != group[option]:
                     raise ValueError(
                         f"cannot load an AdamWFp8 state saved with {option}={saved[option]!r} "
                         f"into param group {i} configured with {option}={group[option]!r}; "
                         f"create the optimizer with {option}={saved[option]!r}"
+                    )
+            if "group_size" in saved:
+                mine, theirs = resolved_format(group), resolved_format({**group, **saved})
+                if theirs != mine:
+                    raise ValueError(
+                        f"cannot load an AdamWFp8 state saved with moment_format={theirs!r} "
+                        f"into param group {i}, whose moment format is {mine!r}; create the "
+                        f"optimizer with moment_format={theirs!r}"
                     )
             for option in ("amsgrad", "maximize"):
                 if saved.get(option):
@@ -443,7 +481,12 @@ class AdamWFp8(Optimizer):
 def step_options(group: dict[str, Any]) -> dict[str, bool]:
     """The per-group options of the quantized step (flags of the C kernel)."""
     sr = group["stochastic_rounding"]
-    return {"sqrt_v": bool(group["sqrt_second_moment"]), "sr_m": sr is True, "sr_v": bool(sr)}
+    return {
+        "sqrt_v": bool(group["sqrt_second_moment"]),
+        "sr_m": sr is True,
+        "sr_v": bool(sr),
+        "log": resolved_format(group) == "log",
+    }
 
 
 def _stream_keys(
@@ -488,6 +531,25 @@ def _validate_group(group: dict[str, Any]) -> None:
         )
     if not isinstance(group["sqrt_second_moment"], bool):
         raise ValueError("sqrt_second_moment must be a bool")
+    fmt = group["moment_format"]
+    if not isinstance(fmt, str) or fmt not in MOMENT_FORMATS:
+        raise ValueError(f"moment_format must be one of {MOMENT_FORMATS}, got {fmt!r}")
+    if fmt == "log":
+        conflicts = [
+            f"{name}={group[name]!r}"
+            for name, ok in (
+                ("dynamic_range_expansion", group["dynamic_range_expansion"]),
+                ("fp8_format", group["fp8_format"] == "e4m3"),
+                ("sqrt_second_moment", not group["sqrt_second_moment"]),
+            )
+            if not ok
+        ]
+        if conflicts:
+            raise ValueError(
+                f"moment_format='log' has its own codes and always expands v; "
+                f"{', '.join(conflicts)} applies to moment_format='fp8' only: pass "
+                "moment_format='fp8' (or 'auto')"
+            )
     seed = group["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")

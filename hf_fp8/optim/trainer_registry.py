@@ -52,6 +52,7 @@ OPTIM_ARGS: dict[str, Callable[[str], Any]] = {
     "implementation": str,
     "stochastic_rounding": _parse_rounding,
     "sqrt_second_moment": _parse_bool,
+    "moment_format": str,
     "seed": int,
 }
 

@@ -25,12 +25,12 @@ from hf_fp8.optim import AdamWFp8
 
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 # stochastic rounding on: the ranks must draw the bits of their rows in the full tensor
-OPTIM_KWARGS = {
-    "lr": 1e-2,
-    "weight_decay": 0.01,
-    "min_quantize_numel": 1024,
-    "stochastic_rounding": True,
-    "sqrt_second_moment": True,
+_BASE = {"lr": 1e-2, "weight_decay": 0.01, "min_quantize_numel": 1024}
+# Optimizer options per test variant: the default "log" moment format (stochastic rounding of
+# v) and the fp8 codes with every stream option on.
+OPTIM_VARIANTS = {
+    "log": {**_BASE, "stochastic_rounding": True},
+    "fp8": {**_BASE, "stochastic_rounding": True, "sqrt_second_moment": True},
 }
 
 
@@ -66,20 +66,20 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def sharded(mesh_world: int) -> tuple[nn.Module, AdamWFp8]:
+def sharded(mesh_world: int, variant: str = "fp8") -> tuple[nn.Module, AdamWFp8]:
     model = build_model()
     for layer in model:
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
     fully_shard(model)
-    return model, AdamWFp8(model.parameters(), **OPTIM_KWARGS)
+    return model, AdamWFp8(model.parameters(), **OPTIM_VARIANTS[variant])
 
 
-def main(rank: int, world: int, port: int, outdir: str) -> None:
+def main(rank: int, world: int, port: int, outdir: str, variant: str = "fp8") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        model, opt = sharded(world)
+        model, opt = sharded(world, variant)
         train_steps(model, opt, range(STEPS_BEFORE))
         phase1 = full_params(model)
         ckpt = os.path.join(outdir, "dcp")
@@ -88,7 +88,7 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
         train_steps(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
         uninterrupted = full_params(model)
 
-        model2, opt2 = sharded(world)
+        model2, opt2 = sharded(world, variant)
         model2.load_state_dict(model_state)
         state = {"optim": get_optimizer_state_dict(model2, opt2)}
         dcp.load(state, checkpoint_id=ckpt)
@@ -112,4 +112,4 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

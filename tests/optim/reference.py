@@ -68,3 +68,63 @@ def adamw_reference(
     v_hat = v / (1 - b2**step)
     p = p * (1 - lr * weight_decay) - lr * m_hat / (v_hat.sqrt() + eps)
     return p, m, v
+
+
+# ---------------------------------------------------------------- moment_format="log"
+def mitchell_log(x: np.ndarray) -> np.ndarray:
+    """Mitchell's log2 of positive ``x``: ``E + mu`` for ``x = 2^E·(1 + mu)`` (float64)."""
+    fr, ex = np.frexp(x.astype(np.float64))
+    return (ex - 1) + (2.0 * fr - 1.0)
+
+
+def mitchell_exp(lg: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`mitchell_log`."""
+    e = np.floor(lg)
+    return np.ldexp(1.0 + (lg - e), e.astype(np.int64))
+
+
+def log_v_dequant_reference(
+    codes: torch.Tensor, amax: torch.Tensor, k: torch.Tensor
+) -> torch.Tensor:
+    """float64 ``v̂``: codes uniform in Mitchell's log, 16·k codes per octave below amax."""
+    c = codes.double().numpy()
+    a = amax.double().numpy()[..., None]
+    kk = k.double().numpy()[..., None]
+    with np.errstate(divide="ignore"):
+        lg = mitchell_log(np.where(a > 0, a, 1.0)) + (c - 255.0) / (16.0 * kk)
+    out = np.where((c > 0) & (a > 0) & (lg >= -126), mitchell_exp(lg), 0.0)
+    return torch.from_numpy(out)
+
+
+def log_m_dequant_reference(
+    codes: torch.Tensor, scale: torch.Tensor, v_hat: torch.Tensor
+) -> torch.Tensor:
+    """float64 ``m̂ = q · scale · 2^floor(E/2)``, ``E`` the binary exponent of ``v̂`` (0 if 0)."""
+    _, ex = np.frexp(v_hat.double().numpy())
+    e = np.where(v_hat.numpy() > 0, np.floor((ex - 1) / 2.0), 0.0)
+    return torch.from_numpy(codes.double().numpy() * scale.double().numpy()[..., None] * 2.0**e)
+
+
+def log_v_quant_reference(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pre-rounding codes ``255 + 16·k·(L(v) - L(amax))`` (0 for v = 0) and ``k`` per row."""
+    t, ks = np.zeros(v.shape), np.ones(v.shape[0])
+    for i, row in enumerate(v.astype(np.float64)):
+        nz = row[row >= FLT_MIN]
+        if nz.size == 0:
+            continue
+        lmax, lmin = mitchell_log(nz.max()), mitchell_log(nz.min())
+        k = 1.0 if lmax == lmin else math.floor(254.0 / (lmax - lmin)) / 16
+        k = min(max(k, K_MIN), K_MAX)
+        with np.errstate(divide="ignore"):
+            t[i] = np.where(row >= FLT_MIN, 255 + 16 * k * (mitchell_log(row) - lmax), 0.0)
+        ks[i] = k
+    return t, ks
+
+
+def log_m_quant_reference(m: np.ndarray, v_hat: np.ndarray) -> np.ndarray:
+    """Pre-rounding int8 codes of ``m·2^-e`` (``e`` from ``v̂`` as above), absmax 127 per row."""
+    _, ex = np.frexp(v_hat)
+    e = np.where(v_hat > 0, np.floor((ex - 1) / 2.0), 0.0)
+    mn = m.astype(np.float64) * 2.0**-e
+    amax = np.abs(mn).max(axis=1, keepdims=True)
+    return np.where(amax > 0, mn / np.where(amax > 0, amax, 1.0) * 127.0, 0.0)

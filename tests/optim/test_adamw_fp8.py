@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from hf_fp8.optim import AdamWFp8
 from hf_fp8.optim._layout import is_quantized_state, state_bytes
-from tests.optim.reference import FMAX, adamw_reference, coat_reference, dequant_reference
+from tests.optim.reference import (
+    FMAX,
+    adamw_reference,
+    coat_reference,
+    dequant_reference,
+    log_m_dequant_reference,
+    log_m_quant_reference,
+    log_v_dequant_reference,
+    log_v_quant_reference,
+)
 
 HP = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.05}
 
@@ -65,6 +75,7 @@ def test_quantized_step_matches_float64_reference(expand, shape, implementation)
     opt = AdamWFp8(
         [p],
         dynamic_range_expansion=expand,
+        moment_format="fp8",
         implementation=implementation,
         stochastic_rounding=False,  # the paper's round-to-nearest codes are compared below
         **HP,
@@ -102,6 +113,62 @@ def test_quantized_step_matches_float64_reference(expand, shape, implementation)
             ref_q = torch.from_numpy(values).float().clamp(-448, 448).to(q.dtype).view(torch.uint8)
             agree = (q.reshape(-1, q.shape[2]).view(torch.uint8) == ref_q).float().mean()
             assert agree > 0.97
+
+
+def log_moments_reference(state: dict, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """float64 ``(m̂, v̂)`` ``[rows, cols]`` of a ``moment_format="log"`` state (tests' own
+    decoding of the documented format) and the padded ``v̂`` groups."""
+    vs, ms = state["exp_avg_sq_scale"], state["exp_avg_scale"]
+    gc = vs.shape[1]
+    vq = state["exp_avg_sq_fp8"].view(rows, gc, -1)
+    v = log_v_dequant_reference(vq, vs, state["exp_avg_sq_exponent"])
+    m = log_m_dequant_reference(state["exp_avg_fp8"].view(rows, gc, -1), ms, v)
+    return m.view(rows, -1)[:, :cols], v.view(rows, -1)[:, :cols]
+
+
+@pytest.mark.parametrize("implementation", ["cpu_kernel", "reference"])
+@pytest.mark.parametrize("shape", [(64, 256), (48, 200)])  # whole groups / padded last group
+def test_log_step_matches_float64_reference(shape, implementation):
+    """moment_format="log": each step, from the stored codes decoded by the tests' own float64
+    reference, equals AdamW in float64; the new codes round the reference's exact code values
+    (v first; m relative to the new v̂)."""
+    (p,) = make_params([shape])
+    opt = AdamWFp8([p], implementation=implementation, stochastic_rounding=False, **HP)
+    assert opt.param_groups[0]["moment_format"] == "auto"  # the default resolves to "log"
+    rows, cols = shape
+    for step in range(1, 6):
+        state = opt.state[p]
+        if state:
+            m, v = log_moments_reference(state, rows, cols)
+        else:
+            m = v = torch.zeros(shape, dtype=torch.float64)
+        p_before = p.detach().double().clone()
+        grads_for([p], step)
+        opt.step()
+        p_ref, m_ref, v_ref = adamw_reference(p_before, p.grad, m, v, step, **HP)
+        update = p_ref - p_before
+        err = (p.detach().double() - p_ref).abs()
+        bound = 1e-4 * update.abs() + 2e-6 * update.abs().max() + 1e-6 * p_ref.abs()
+        assert (err <= bound).all()
+        state = opt.state[p]
+        assert state["exp_avg_fp8"].dtype == torch.int8
+        assert state["exp_avg_sq_fp8"].dtype == torch.uint8
+        assert "exp_avg_exponent" not in state
+        gs = state["exp_avg_fp8"].shape[1] // state["exp_avg_scale"].shape[1]
+
+        padded_cols = state["exp_avg_fp8"].shape[1]
+
+        def groups(x: torch.Tensor, gs: int = gs, width: int = padded_cols) -> np.ndarray:
+            return torch.nn.functional.pad(x, (0, width - cols)).reshape(-1, gs).numpy()
+
+        t_v, k = log_v_quant_reference(groups(v_ref))
+        assert (state["exp_avg_sq_exponent"].flatten().numpy() == k).mean() > 0.95
+        codes_v = state["exp_avg_sq_fp8"].reshape(-1, gs).numpy().astype(np.float64)
+        assert (np.abs(codes_v - t_v) <= 0.5 + 1e-3).mean() > 0.99
+        _, v_new = log_moments_reference(state, rows, cols)
+        t_m = log_m_quant_reference(groups(m_ref), groups(v_new))
+        codes_m = state["exp_avg_fp8"].reshape(-1, gs).numpy().astype(np.float64)
+        assert (np.abs(codes_m - t_m) <= 0.5 + 1e-3).mean() > 0.99
 
 
 def test_trajectory_close_to_torch_adamw_and_coat_closer_than_plain():
@@ -198,8 +265,13 @@ def test_state_is_compact_and_small_tensors_stay_fp32():
     grads_for(ps, 0)
     opt.step()
     big, odd, vec, tiny = (opt.state[p] for p in ps)
-    assert state_bytes(big) / ps[0].numel() <= 2.2
-    assert state_bytes(big) == 2 * 256 * 1024 + 4 * 4 * 256 * 8  # fp8 + 4 fp32 per group
+    assert state_bytes(big) / ps[0].numel() <= 2.1
+    assert state_bytes(big) == 2 * 256 * 1024 + 3 * 4 * 256 * 8  # 2 codes + 3 fp32 per group
+    fp8 = AdamWFp8(make_params([(256, 1024)]), moment_format="fp8")
+    p = fp8.param_groups[0]["params"][0]
+    p.grad = torch.ones_like(p)
+    fp8.step()
+    assert state_bytes(fp8.state[p]) == 2 * 256 * 1024 + 4 * 4 * 256 * 8  # 4 fp32 per group
     assert is_quantized_state(odd) and odd["exp_avg_fp8"].shape == (100, 128)  # padded row
     assert not is_quantized_state(vec) and not is_quantized_state(tiny)
     assert vec["exp_avg"].dtype == torch.float32
@@ -226,6 +298,10 @@ def test_state_is_compact_and_small_tensors_stay_fp32():
         ({"amsgrad": True}, "amsgrad"),
         ({"implementation": "triton"}, "implementation"),
         ({"lr": torch.tensor([1e-3, 1e-3])}, "one element"),
+        ({"moment_format": "int4"}, "moment_format"),
+        ({"moment_format": "log", "dynamic_range_expansion": False}, "moment_format='fp8'"),
+        ({"moment_format": "log", "fp8_format": "e5m2"}, "fp8_format"),
+        ({"moment_format": "log", "sqrt_second_moment": True}, "sqrt_second_moment"),
     ],
 )
 def test_invalid_arguments_raise(kwargs, message):

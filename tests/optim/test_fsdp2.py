@@ -28,12 +28,21 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_fsdp2_two_ranks_match_single_process_and_dcp_resume(tmp_path):
+@pytest.mark.parametrize("variant", list(worker.OPTIM_VARIANTS))
+def test_fsdp2_two_ranks_match_single_process_and_dcp_resume(tmp_path, variant):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(Path(worker.__file__)), str(rank), "2", str(port), str(tmp_path)],
+            [
+                sys.executable,
+                str(Path(worker.__file__)),
+                str(rank),
+                "2",
+                str(port),
+                str(tmp_path),
+                variant,
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -57,7 +66,7 @@ def test_fsdp2_two_ranks_match_single_process_and_dcp_resume(tmp_path):
     torch.set_num_threads(1)  # as the ranks: matmul reduction order depends on the thread count
     try:
         model = worker.build_model()
-        opt = AdamWFp8(model.parameters(), **worker.OPTIM_KWARGS)
+        opt = AdamWFp8(model.parameters(), **worker.OPTIM_VARIANTS[variant])
         worker.train_steps(model, opt, range(worker.STEPS_BEFORE))
         single = {k: v.detach().clone() for k, v in model.named_parameters()}
         end = worker.STEPS_BEFORE + worker.STEPS_AFTER
@@ -66,6 +75,9 @@ def test_fsdp2_two_ranks_match_single_process_and_dcp_resume(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert any("exp_avg_fp8" in st for st in opt.state.values())
+    quantized = [st for st in opt.state.values() if "exp_avg_sq_fp8" in st]
+    want = torch.uint8 if variant == "log" else torch.float8_e4m3fn  # the format under test
+    assert quantized and all(st["exp_avg_sq_fp8"].dtype == want for st in quantized)
     for name in single:
         # same batch on both ranks: averaged gradients equal the single-process ones exactly,
         # and groups never straddle a shard boundary (they follow rows)

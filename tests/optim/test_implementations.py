@@ -84,17 +84,31 @@ def assert_bit_identical(run_a, run_b) -> None:
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+# (fp8_format, dynamic_range_expansion, moment_format): "auto" resolves to "log" only for
+# e4m3 with expansion
+FORMATS = [
+    ("e4m3", True, "log"),
+    ("e4m3", True, "fp8"),
+    ("e5m2", True, "auto"),
+    ("e4m3", False, "auto"),
+    ("e5m2", False, "auto"),
+]
+
+
 @needs_kernel
 @pytest.mark.parametrize(
-    ("param_dtype", "grad_dtype", "fp8_format", "expand"),
-    list(itertools.product(DTYPES, DTYPES, ["e4m3", "e5m2"], [True, False])),
+    ("param_dtype", "grad_dtype", "fmt"),
+    list(itertools.product(DTYPES, DTYPES, FORMATS)),
+    ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else str(x),
 )
-def test_cpu_kernel_is_bit_identical_to_reference(
-    param_dtype, grad_dtype, fp8_format, expand, count_launches
-):
-    reference = run("reference", param_dtype, grad_dtype, fp8_format, expand)
+def test_cpu_kernel_is_bit_identical_to_reference(param_dtype, grad_dtype, fmt, count_launches):
+    fp8_format, expand, moment_format = fmt
+    options = {"moment_format": moment_format}
+    reference = run("reference", param_dtype, grad_dtype, fp8_format, expand, **options)
     assert not count_launches
-    kernel = run("cpu_kernel", param_dtype, grad_dtype, fp8_format, expand)
+    kernel = run("cpu_kernel", param_dtype, grad_dtype, fp8_format, expand, **options)
+    codes = kernel[1].state[kernel[0][0]]["exp_avg_fp8"].dtype
+    assert (codes == torch.int8) == (moment_format == "log")
     assert_bit_identical(reference, kernel)
     quantized = [p for p in kernel[0] if QUANT_KEYS[0] in kernel[1].state[p]]
     assert len(quantized) == 4  # the 1-D tensor keeps fp32 states
@@ -103,6 +117,8 @@ def test_cpu_kernel_is_bit_identical_to_reference(
 
 OPTIONS = [
     {"stochastic_rounding": True},
+    {"stochastic_rounding": "exp_avg_sq", "moment_format": "fp8"},
+    {"stochastic_rounding": "exp_avg_sq", "seed": 3},
     {"stochastic_rounding": "exp_avg_sq", "sqrt_second_moment": True},
     {"sqrt_second_moment": True},
     {"stochastic_rounding": True, "sqrt_second_moment": True, "seed": 7},

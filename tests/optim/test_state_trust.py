@@ -28,10 +28,14 @@ CRASH_SCRIPT = textwrap.dedent(
     import io, json, sys, torch
     from hf_fp8.optim import AdamWFp8, _cpu_kernel
 
+    FMT = sys.argv[2]  # moment_format
+    EXP = "exp_avg_exponent" if FMT == "fp8" else "exp_avg_sq_exponent"
+    WRONG = torch.uint8 if FMT == "fp8" else torch.int8  # a code dtype of the other format
+
     def make(rows=256):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(rows, 300) * 0.1)
-        return p, AdamWFp8([p], lr=1e-2, implementation=sys.argv[1])
+        return p, AdamWFp8([p], lr=1e-2, implementation=sys.argv[1], moment_format=FMT)
 
     def saved():
         p, opt = make()
@@ -50,9 +54,9 @@ CRASH_SCRIPT = textwrap.dedent(
         "fp16_scales": tamper("exp_avg_scale", lambda t: t.half()),
         "rows_by_1_scales": tamper("exp_avg_sq_scale", lambda t: t[:, :1].contiguous()),
         "short_codes": tamper("exp_avg_fp8", lambda t: t.reshape(-1)[:1000].clone()),
-        "uint8_codes": tamper("exp_avg_sq_fp8", lambda t: t.view(torch.uint8)),
+        "wrong_code_dtype": tamper("exp_avg_sq_fp8", lambda t: t.view(WRONG)),
         "nan_scale": tamper("exp_avg_scale", lambda t: t.fill_(float("nan"))),
-        "zero_exponent": tamper("exp_avg_exponent", lambda t: t.zero_()),
+        "zero_exponent": tamper(EXP, lambda t: t.zero_()),
         "missing_exponent": lambda: (
             {"state": {0: {k: v for k, v in saved()["state"][0].items()
                            if k != "exp_avg_sq_exponent"}},
@@ -87,10 +91,10 @@ CRASH_SCRIPT = textwrap.dedent(
         st = opt.state[p]
         from hf_fp8.optim import _step
         hp = _step.hyperparams(opt.param_groups[0], 2.0, p.device)
-        states = tuple(st[k] for k in ("exp_avg_fp8", "exp_avg_scale", "exp_avg_exponent",
-                                       "exp_avg_sq_fp8", "exp_avg_sq_scale",
-                                       "exp_avg_sq_exponent"))
-        batch.add(p.data, p.grad, states, hp, 300, 128, True)
+        states = tuple(st.get(k) for k in ("exp_avg_fp8", "exp_avg_scale", "exp_avg_exponent",
+                                           "exp_avg_sq_fp8", "exp_avg_sq_scale",
+                                           "exp_avg_sq_exponent"))
+        batch.add(p.data, p.grad, states, hp, 300, 128, True, log=FMT == "log")
         task = batch.tasks[0]
         task[_cpu_kernel.TASK_FIELDS.index("m_s_n")] = 3  # a lying size
         try:
@@ -102,15 +106,16 @@ CRASH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("fmt", ["log", "fp8"])
 @pytest.mark.parametrize("implementation", ["cpu_kernel", "reference"])
-def test_tampered_states_are_refused_without_native_crash(implementation):
+def test_tampered_states_are_refused_without_native_crash(implementation, fmt):
     if implementation == "cpu_kernel":
         from hf_fp8.utils import native
 
         if native.compiler() is None:
             pytest.skip("no C compiler")
     proc = subprocess.run(
-        [sys.executable, "-c", CRASH_SCRIPT, implementation],
+        [sys.executable, "-c", CRASH_SCRIPT, implementation, fmt],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -154,7 +159,8 @@ def _grads(params, step):
         )
 
 
-def test_torch_adamw_state_becomes_fp8_and_resumes_like_adamw():
+@pytest.mark.parametrize("fmt", ["log", "fp8"])
+def test_torch_adamw_state_becomes_fp8_and_resumes_like_adamw(fmt):
     hp = {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1}
     ref = _params()
     adamw = torch.optim.AdamW(ref, **hp)
@@ -163,19 +169,23 @@ def test_torch_adamw_state_becomes_fp8_and_resumes_like_adamw():
         adamw.step()
     saved = _roundtrip(adamw.state_dict())
     ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
-    opt = AdamWFp8(ours, **hp)
+    opt = AdamWFp8(ours, moment_format=fmt, **hp)
     with pytest.warns(RuntimeWarning, match="converted the fp32 moments of 1 parameter"):
         opt.load_state_dict(saved)
     big, small = opt.state[ours[0]], opt.state[ours[1]]
     assert is_quantized_state(big) and not is_quantized_state(small)
     assert float(big["step"]) == 3.0
-    m = dequantize_groups(
-        big["exp_avg_fp8"].view(-1, 128),
-        big["exp_avg_scale"].view(-1),
-        big["exp_avg_exponent"].view(-1),
-    ).view(64, 256)
-    m_ref = adamw.state[ref[0]]["exp_avg"]
+    m, v = opt.moments(ours[0])
+    if fmt == "fp8":  # the paper's decoding, independent of moments()
+        m_paper = dequantize_groups(
+            big["exp_avg_fp8"].view(-1, 128),
+            big["exp_avg_scale"].view(-1),
+            big["exp_avg_exponent"].view(-1),
+        ).view(64, 256)
+        assert torch.equal(m, m_paper)
+    m_ref, v_ref = adamw.state[ref[0]]["exp_avg"], adamw.state[ref[0]]["exp_avg_sq"]
     assert (m - m_ref).norm() / m_ref.norm() < 0.05
+    assert (v - v_ref).norm() / v_ref.norm() < 0.1
     assert torch.equal(small["exp_avg_sq"], adamw.state[ref[1]]["exp_avg_sq"])
     before = [p.detach().clone() for p in ref]
     _grads(ref, 3)
@@ -228,7 +238,7 @@ def test_load_hooks_see_the_real_state():
     other.register_load_state_dict_pre_hook(pre)
     other.register_load_state_dict_post_hook(post)
     other.load_state_dict(saved)
-    assert seen == {"pre": 2, "post": [3, 7]}  # fp32 (step + 2) and FP8 (step + 6) states
+    assert seen == {"pre": 2, "post": [3, 6]}  # fp32 (step + 2) and log (step + 5) states
 
 
 def test_refused_load_changes_nothing():

@@ -330,8 +330,172 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
     }
 }
 
+/* ---------------------------------------------------------------- moment_format="log"
+   hf_fp8.numerics.log_moments, operation by operation: v as unsigned 8-bit codes uniform in
+   Mitchell's log (the float's bit pattern), m as int8 absmax of m·2^-e (2^e ≈ sqrt(v̂), a
+   power of two read from v̂'s exponent). No log2 / exp2: int32 and fp32 operations only. */
+
+/* v̂ bit pattern of code c (0 when c == 0 or below FLT_MIN), from amax bits and 2^19/k.
+   c is passed as an (integer-valued) float: (float)(c - 255) == c - 255.0f exactly. */
+AI int32_t log_v_bits(float c, int32_t amax_bits, float dv) {
+    float off = (c - (float)LOG_V_MAX) * dv;
+    off = (off < LOG_BITS_FLOOR) ? LOG_BITS_FLOOR : off;
+    int32_t b = amax_bits + (int32_t)rintf(off);
+    return ((c != 0.0f) & (b >= (int32_t)FLT_MIN_BITS)) ? b : 0;
+}
+
+/* 2^e (inv = 0) or 2^-e (inv = 1) with e = floor(E / 2), E the exponent of v̂ (1 when v̂ = 0). */
+AI float log_m_scale(int32_t vb, const int inv) {
+    int32_t e = ((vb >> 23) - 127) >> 1;
+    int32_t sb = inv ? ((127 - e) << 23) : ((e + 127) << 23);
+    return b2f((uint32_t)((vb != 0) ? sb : (127 << 23)));
+}
+
+AI void update_group_log(char* p_, const char* g_, const int8_t* restrict qm,
+                         const uint8_t* restrict qv, float* restrict m_out,
+                         float* restrict v_out, float sm, int32_t av, float dv,
+                         const float* restrict hp, int64_t n, uint32_t* restrict red,
+                         const int PB, const int GB) {
+    const float decay = hp[HP_DECAY], step_size = hp[HP_STEP_SIZE], w1 = hp[HP_ONE_MINUS_BETA1];
+    const float b2 = hp[HP_BETA2], w2 = hp[HP_ONE_MINUS_BETA2];
+    const float eps = hp[HP_EPS], inv_bc2s = hp[HP_INV_BC2];
+    float* restrict p32 = (float*)p_;
+    uint16_t* restrict pbf = (uint16_t*)p_;
+    const float* restrict g32 = (const float*)g_;
+    const uint16_t* restrict gbf = (const uint16_t*)g_;
+    uint32_t avx = 0u, avn = INF_BITS;
+    for (int64_t i = 0; i < n; ++i) {
+        int32_t vb = log_v_bits((float)qv[i], av, dv);
+        float vo = b2f((uint32_t)vb);
+        float mo = ((float)qm[i] * sm) * log_m_scale(vb, 0);
+        float g = GB ? bf16_to_f(gbf[i]) : g32[i];
+        float p = PB ? bf16_to_f(pbf[i]) : p32[i];
+        float mn = mo + w1 * (g - mo);
+        float vn = vo * b2 + w2 * g * g;
+        float rt = sqrtf(vn);
+        float den = rt * inv_bc2s + eps;
+        float pn = p * decay - step_size * mn / den;
+        if (PB) pbf[i] = f_to_bf16(pn); else p32[i] = pn;
+        m_out[i] = mn;
+        v_out[i] = vn;
+        uint32_t b = f2b(vn) & 0x7FFFFFFFu;
+        avx = (b > avx) ? b : avx;
+        uint32_t bn = (b >= FLT_MIN_BITS) ? b : INF_BITS;
+        avn = (bn < avn) ? bn : avn;
+    }
+    red[0] = avx; red[1] = avn;
+}
+
+AI float log_v_exponent(uint32_t vmax, uint32_t vmin) {
+    int valid = vmax >= FLT_MIN_BITS;
+    uint32_t lo = (vmin < vmax) ? vmin : vmax;
+    float lr = (float)(int32_t)(vmax - lo) * LOG_INV_2_23;
+    int ex = valid & (lr > 0.0f);
+    float k = ex ? floorf(LOG_V_RANGE_STEPS / (ex ? lr : 1.0f)) * INV_STEPS : 1.0f;
+    k = (k < K_MIN) ? K_MIN : k;
+    k = (k > K_MAX) ? K_MAX : k;
+    return k;
+}
+
+/* Requantize one group: v (codes, amax, k) first, then m·2^-e from the new v̂ (in place in
+   mb), then m's int8 codes and scale. vb is overwritten with the new codes. */
+AI void requant_log(float* restrict mb, float* restrict vb, int8_t* restrict qm,
+                    uint8_t* restrict qv, float* restrict ms, float* restrict vs,
+                    float* restrict vk, uint32_t vmax, uint32_t vmin, int64_t n, int64_t gs,
+                    uint32_t key_m, uint32_t key_v, const int SRM, const int SRV) {
+    const float k = log_v_exponent(vmax, vmin);
+    const int32_t amax = (vmax >= FLT_MIN_BITS) ? (int32_t)vmax : 0;
+    const float ev = k * LOG_V_ENC, dv = LOG_V_DEC / k;
+    uint32_t mmax = 0u;
+    for (int64_t i = 0; i < n; ++i) {
+        float x = vb[i];
+        int32_t a = (int32_t)(f2b(x) & 0x7FFFFFFFu);
+        float t = (float)(a - (int32_t)vmax) * ev + (float)LOG_V_MAX;
+        float c;
+        if (SRV) {
+            float u = (float)(int32_t)(hash32(key_v + (uint32_t)i) >> LOG_SR_SHIFT) * LOG_SR_UNIT;
+            c = floorf(t + u);
+        } else {
+            c = rintf(t);
+        }
+        c = (c < 0.0f) ? 0.0f : c;
+        c = (c > (float)LOG_V_MAX) ? (float)LOG_V_MAX : c;
+        c = (a >= (int32_t)FLT_MIN_BITS) ? c : 0.0f;
+        qv[i] = (uint8_t)(int32_t)c;
+        vb[i] = c; /* the code, for the loop below (two loops: each one vectorizes) */
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        float mn = mb[i] * log_m_scale(log_v_bits(vb[i], amax, dv), 1);
+        mb[i] = mn;
+        uint32_t b = f2b(mn) & 0x7FFFFFFFu;
+        mmax = (b > mmax) ? b : mmax;
+    }
+    for (int64_t i = n; i < gs; ++i) qv[i] = 0;
+    *vs = b2f((uint32_t)amax);
+    *vk = k;
+    const float am = b2f(mmax);
+    const int valid = am >= LOG_M_MIN;
+    const float inv = (float)LOG_M_MAX / (valid ? am : 1.0f);
+    for (int64_t i = 0; i < n; ++i) {
+        float t = mb[i] * inv;
+        float q;
+        if (SRM) {
+            float u = (float)(int32_t)(hash32(key_m + (uint32_t)i) >> LOG_SR_SHIFT) * LOG_SR_UNIT;
+            q = copysignf(floorf(fabsf(t) + u), t);
+        } else {
+            q = rintf(t);
+        }
+        q = (q < -(float)LOG_M_MAX) ? -(float)LOG_M_MAX : q;
+        q = (q > (float)LOG_M_MAX) ? (float)LOG_M_MAX : q;
+        qm[i] = (int8_t)(int32_t)(valid ? q : 0.0f);
+    }
+    for (int64_t i = n; i < gs; ++i) qm[i] = 0;
+    *ms = valid ? am / (float)LOG_M_MAX : 0.0f;
+}
+
+AI void run_groups_log(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
+                       float* restrict vb, const int PB, const int GB, const int SRM,
+                       const int SRV) {
+    const int64_t cols = t[T_COLS], gs = t[T_GROUP_SIZE];
+    const int64_t gc = (cols + gs - 1) / gs;
+    char* pbase = (char*)(intptr_t)t[T_P];
+    const char* gbase = (const char*)(intptr_t)t[T_G];
+    int8_t* mq = (int8_t*)(intptr_t)t[T_M_Q];
+    float* ms = (float*)(intptr_t)t[T_M_S];
+    uint8_t* vq = (uint8_t*)(intptr_t)t[T_V_Q];
+    float* vs = (float*)(intptr_t)t[T_V_S];
+    float* vk = (float*)(intptr_t)t[T_V_K];
+    const float* hp = (const float*)(intptr_t)t[T_HP];
+    const uint32_t key_m = (uint32_t)t[T_KEY_M], key_v = (uint32_t)t[T_KEY_V];
+    const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
+    for (int64_t gi = lo; gi < hi; ++gi) {
+        const int64_t r = gi / gc, c0 = (gi - r * gc) * gs, off = r * cols + c0;
+        int64_t n = cols - c0;
+        n = (n < gs) ? n : gs;
+        uint32_t red[2];
+        const uint32_t e0 = (uint32_t)(gi * gs); /* flat index of the group */
+#define LOG_GROUP(N, GS)                                                                          \
+        update_group_log(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs, mb, vb, \
+                         ms[gi], (int32_t)f2b(vs[gi]), LOG_V_DEC / vk[gi], hp, N, red, PB, GB);   \
+        requant_log(mb, vb, mq + gi * gs, vq + gi * gs, ms + gi, vs + gi, vk + gi, red[0],       \
+                    red[1], N, GS, key_m + e0, key_v + e0, SRM, SRV)
+        if (n == 128 && gs == 128) { /* the default group size: constant trip counts */
+            LOG_GROUP(128, 128);
+        } else {
+            LOG_GROUP(n, gs);
+        }
+#undef LOG_GROUP
+    }
+}
+
 /* One variant per library: VARIANT is a combination of the FLAG_* bits. */
 static int dispatch(const int64_t* t, int64_t lo, int64_t hi, float* mb, float* vb) {
+    if (VARIANT & FLAG_LOG) {
+        run_groups_log(t, lo, hi, mb, vb, (VARIANT & FLAG_P_BF16) != 0,
+                       (VARIANT & FLAG_G_BF16) != 0, (VARIANT & FLAG_SR_M) != 0,
+                       (VARIANT & FLAG_SR_V) != 0);
+        return 0;
+    }
     run_groups(t, lo, hi, mb, vb, (VARIANT & FLAG_P_BF16) != 0, (VARIANT & FLAG_G_BF16) != 0,
                (VARIANT & FLAG_E5M2) != 0, (VARIANT & FLAG_EXPAND) != 0,
                (VARIANT & FLAG_SQRT_V) != 0, (VARIANT & FLAG_SR_M) != 0,
@@ -353,7 +517,10 @@ static int check_task(const int64_t* t) {
     const int64_t gc = (cols + gs - 1) / gs;
     if (rows > 0 && (cols > INT64_MAX / rows || gc > INT64_MAX / gs / rows)) return 3;
     const int64_t n = rows * cols, nq = rows * gc * gs, ns = rows * gc;
-    const int ex = (VARIANT & FLAG_EXPAND) != 0;
+    const int ex = (VARIANT & FLAG_EXPAND) != 0, lg = (VARIANT & FLAG_LOG) != 0;
+    if (lg && (VARIANT & (FLAG_EXPAND | FLAG_E5M2 | FLAG_SQRT_V))) return 2;
+    if (lg && (t[T_M_K_N] != 0 || t[T_V_K_N] != ns)) return 3;
+    if (n > 0 && lg && !t[T_V_K]) return 4;
     if (t[T_P_N] != n || t[T_G_N] != n || t[T_M_Q_N] != nq || t[T_V_Q_N] != nq) return 3;
     if (t[T_M_S_N] != ns || t[T_V_S_N] != ns || t[T_HP_N] != HP_FIELDS) return 3;
     if (ex && (t[T_M_K_N] != ns || t[T_V_K_N] != ns)) return 3;

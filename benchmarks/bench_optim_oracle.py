@@ -1,0 +1,303 @@
+"""What dominates the update-direction error of ``AdamWFp8``? Oracle shadows (issue 15).
+
+The training run of :mod:`bench_optim_fidelity` (fp32 AdamW on the small stdlib-text Llama)
+feeds its gradients to *simulated* quantized optimizers: fp32 AdamW whose stored moments are
+rounded after every step by an emulated format (any mantissa width, round-to-nearest or
+stochastic, COAT expansion or plain absmax, any group size), or kept exact. Each moment is
+chosen on its own, so "m exact + v quantized" and the reverse separate the two sources.
+The emulation uses exact ``log2`` / ``exp2`` (not the package's kernels): it measures formats,
+not code. Reported: the accumulated update-direction error (same definition as the fidelity
+benchmark: shadows restart from the reference parameters every step) averaged over the 50
+steps before step 300 (and 1000 when run that long), and the one-shot error.
+
+    python benchmarks/bench_optim_oracle.py --steps 300      # optim_oracle.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import bench_optim_fidelity as fid  # noqa: E402
+
+# Unsigned / signed 8-bit float grids: mantissa bits, smallest normal exponent, largest value.
+FORMATS = {
+    "e4m3": (3, -6, 448.0),  # float8_e4m3fn (sign bit used by m)
+    "e4m4u": (4, -6, 496.0),  # unsigned: the sign bit of a v >= 0 becomes a mantissa bit
+    "e5m3u": (3, -14, 61440.0),  # unsigned: the sign bit becomes an exponent bit
+    "e3m5u": (5, -2, 252.0),
+    "e3m4": (4, -2, 31.0),  # signed, bias 3
+    "e2m5": (5, 0, 7.875),  # signed, bias 1
+}
+# Mitchell-log codes: magnitude code c in [1, C] uniform in L(x) = E + mu (the float's bit
+# pattern read as a number), S codes per octave at k = 1; 0 = zero.
+MLOG = {"mlog8": (127, 8), "mlog16u": (255, 16)}
+
+
+def mitchell_log(x: torch.Tensor) -> torch.Tensor:
+    fr, ex = torch.frexp(x.double())
+    return (ex - 1).double() + (2 * fr - 1)
+
+
+def mitchell_exp(lg: torch.Tensor) -> torch.Tensor:
+    e = torch.floor(lg)
+    return torch.ldexp(1 + (lg - e), e.to(torch.int32)).float()
+
+
+def round_grid(y: torch.Tensor, fmt: str, u: torch.Tensor | None) -> torch.Tensor:
+    """Round magnitudes ``y >= 0`` to the grid of ``fmt`` (``u``: uniform noise = stochastic)."""
+    mbits, emin, fmax = FORMATS[fmt]
+    _, exp = torch.frexp(y)
+    e = (exp - 1).clamp(min=emin).float()
+    ulp = torch.exp2(e - mbits)
+    r = y / ulp
+    q = torch.floor(r + u) if u is not None else torch.round(r)
+    return (q * ulp).clamp(max=fmax)
+
+
+def roundtrip(x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
+    """``x`` (``[rows, cols]``) stored in ``spec``'s format and read back (fp32)."""
+    fmt, gs = spec["fmt"], spec.get("gs", 128)
+    rows, cols = x.shape
+    if fmt in MLOG:
+        return mlog_roundtrip(x, spec, gen)
+    if fmt == "int8":  # linear absmax, 127 levels a sign
+        xg = x.reshape(rows, cols // gs, gs).float()
+        amax = xg.abs().amax(-1, keepdim=True)
+        safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+        y = xg.abs() / safe * 127
+        u = torch.rand(xg.shape, generator=gen) if spec.get("sr") else None
+        q = torch.floor(y + u) if u is not None else torch.round(y)
+        return (torch.sign(xg) * q * safe / 127).reshape(rows, cols)
+    fmax = FORMATS[fmt][2]
+    xg = x.reshape(rows, cols // gs, gs).float()
+    ax = xg.abs()
+    amax = ax.amax(-1, keepdim=True)
+    u = torch.rand(xg.shape, generator=gen) if spec.get("sr") else None
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    if spec.get("expand", True):
+        amin = torch.where(ax > 0, ax, torch.full_like(ax, math.inf)).amin(-1, keepdim=True)
+        lr = torch.log2(safe) - torch.log2(torch.where(torch.isinf(amin), safe, amin))
+        target = spec.get("range", 2 * math.log2(fmax) - 1)
+        k = torch.where(lr > 0, torch.floor(16 * target / lr.clamp(min=1e-30)) / 16, 1.0)
+        k = k.clamp(1 / 16, 1024)
+        y = fmax * torch.exp2(k * (torch.log2(ax.clamp(min=1e-38)) - torch.log2(safe)))
+        y = torch.where(ax > 0, y, torch.zeros_like(y))
+        q = round_grid(y, fmt, u)
+        out = safe * torch.exp2(torch.log2(q.clamp(min=1e-38) / fmax) / k)
+        out = torch.where(q > 0, out, torch.zeros_like(out))
+    else:
+        q = round_grid(ax / safe * fmax, fmt, u)
+        out = q * safe / fmax
+    return (torch.sign(xg) * out).reshape(rows, cols)
+
+
+def mlog_roundtrip(x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
+    cmax, steps = MLOG[spec["fmt"]]
+    gs = spec.get("gs", 128)
+    rows, cols = x.shape
+    xg = x.reshape(rows, cols // gs, gs).float()
+    ax = xg.abs()
+    nz = ax > 0
+    lx = mitchell_log(torch.where(nz, ax, torch.ones_like(ax)))
+    lmax = torch.where(nz, lx, torch.full_like(lx, -1e9)).amax(-1, keepdim=True)
+    lmin = torch.where(nz, lx, torch.full_like(lx, 1e9)).amin(-1, keepdim=True)
+    lr = (lmax - lmin).clamp(min=0)
+    k = torch.where(lr > 0, torch.floor(16 * (cmax - 1) / steps / lr.clamp(min=1e-30)) / 16, 1.0)
+    k = k.clamp(1 / 16, 1024)
+    t = cmax + steps * k * (lx - lmax)
+    if spec.get("sr"):
+        c = torch.floor(t + torch.rand(t.shape, generator=gen, dtype=t.dtype))
+    else:
+        c = torch.round(t)
+    c = c.clamp(0, cmax)
+    keep = nz & (c > 0)
+    out = mitchell_exp(lmax + (c - cmax) / (steps * k))
+    out = torch.where(keep, out, torch.zeros_like(out))
+    return (torch.sign(xg) * out).reshape(rows, cols)
+
+
+# m / v spec: None = exact fp32. v specs may add "sqrt": True (store sqrt(v)).
+E4 = {"fmt": "e4m3"}
+VARIANTS: dict[str, tuple[dict | None, dict | None]] = {
+    "exact": (None, None),
+    "m_rtn|v_exact": (E4, None),
+    "m_sr|v_exact": ({**E4, "sr": True}, None),
+    "m_plain|v_exact": ({**E4, "expand": False}, None),
+    "m_rtn_g64|v_exact": ({**E4, "gs": 64}, None),
+    "m_rtn_g32|v_exact": ({**E4, "gs": 32}, None),
+    "m_exact|v_rtn": (None, E4),
+    "m_exact|v_sr": (None, {**E4, "sr": True}),
+    "m_exact|v_e4m4u_rtn": (None, {"fmt": "e4m4u"}),
+    "m_exact|v_e4m4u_sr": (None, {"fmt": "e4m4u", "sr": True}),
+    "m_exact|v_e5m3u_sr": (None, {"fmt": "e5m3u", "sr": True}),
+    "m_exact|v_sqrt_e4m4u_sr": (None, {"fmt": "e4m4u", "sr": True, "sqrt": True}),
+    "m_exact|v_sqrt_e4m4u_rtn": (None, {"fmt": "e4m4u", "sqrt": True}),
+    "m_rtn|v_sr": (E4, {**E4, "sr": True}),  # today's default
+    "m_rtn|v_e4m4u_sr": (E4, {"fmt": "e4m4u", "sr": True}),
+    "m_rtn|v_e4m4u_rtn": (E4, {"fmt": "e4m4u"}),
+    "m_mlog8|v_exact": ({"fmt": "mlog8"}, None),
+    "m_int8|v_exact": ({"fmt": "int8"}, None),
+    "m_e3m4|v_exact": ({"fmt": "e3m4", "expand": False}, None),
+    "m_e2m5|v_exact": ({"fmt": "e2m5", "expand": False}, None),
+    "m_e3m4x|v_exact": ({"fmt": "e3m4"}, None),
+    "mnorm_int8|v_exact": ({"fmt": "int8", "norm": True}, None),
+    "mnorm_e3m4|v_exact": ({"fmt": "e3m4", "expand": False, "norm": True}, None),
+    "mnorm_e2m5|v_exact": ({"fmt": "e2m5", "expand": False, "norm": True}, None),
+    "mnorm_mlog8|v_exact": ({"fmt": "mlog8", "norm": True}, None),
+    "m_exact|v_mlog16u_rtn": (None, {"fmt": "mlog16u"}),
+    "m_exact|v_mlog16u_sr": (None, {"fmt": "mlog16u", "sr": True}),
+    "mnorm_int8|v_mlog16u_sr": ({"fmt": "int8", "norm": True}, {"fmt": "mlog16u", "sr": True}),
+    "mnorm_int8|v_mlog16u_rtn": ({"fmt": "int8", "norm": True}, {"fmt": "mlog16u"}),
+    "mnorm2_int8|v_exact": ({"fmt": "int8", "norm": "pow2"}, None),
+    "mnorm2_int8|v_mlog16u_sr": ({"fmt": "int8", "norm": "pow2"}, {"fmt": "mlog16u", "sr": True}),
+    "mnorm2_int8_g64|v_mlog16u_sr": (
+        {"fmt": "int8", "norm": "pow2", "gs": 64},
+        {"fmt": "mlog16u", "sr": True},
+    ),
+    "mnorm2_e2m5|v_mlog16u_sr": (
+        {"fmt": "e2m5", "expand": False, "norm": "pow2"},
+        {"fmt": "mlog16u", "sr": True},
+    ),
+    "m_mlog8|v_mlog16u_sr": ({"fmt": "mlog8"}, {"fmt": "mlog16u", "sr": True}),
+}
+
+
+def store_m(m: torch.Tensor, v_stored: torch.Tensor, spec: dict | None, gen) -> torch.Tensor:
+    """m as stored; ``spec["norm"]``: m / sqrt(stored v) is quantized (scaled back here)."""
+    if spec is None:
+        return m
+    rows = m.shape[0]
+    if not spec.get("norm"):
+        return roundtrip(m.reshape(rows, -1), spec, gen).view_as(m)
+    r = v_stored.sqrt()
+    if spec["norm"] == "pow2":  # 2^floor(log2 sqrt(v)): exact scaling, no division
+        _, e = torch.frexp(r)
+        r = torch.where(r > 0, torch.ldexp(torch.ones_like(r), e - 1), torch.zeros_like(r))
+    safe = torch.where(r > 0, r, torch.ones_like(r))
+    mn = torch.where(r > 0, m / safe, torch.zeros_like(m))
+    return roundtrip(mn.reshape(rows, -1), spec, gen).view_as(m) * r
+
+
+class OracleShadows:
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        self.params = [p for p in model.parameters() if p.dim() >= 2 and p.numel() >= 4096]
+        self.names = names
+        self.m = {n: [torch.zeros_like(p) for p in self.params] for n in names}
+        self.v = {n: [torch.zeros_like(p) for p in self.params] for n in names}
+        self.err: dict[str, list[float]] = {n: [] for n in names}
+        self.gen = torch.Generator().manual_seed(0)
+        self.t = 0
+
+    def step(self, start: list[torch.Tensor], lr: float) -> None:
+        """After the reference step: each shadow's update from ``start`` against the reference."""
+        self.t += 1
+        b1, b2, eps = 0.9, 0.999, 1e-8
+        bc1, bc2 = 1 - b1**self.t, 1 - b2**self.t
+        ref = [p.detach() - s for p, s in zip(self.params, start, strict=True)]
+        ref_norm = math.sqrt(sum(float(r.double().pow(2).sum()) for r in ref))
+        for name in self.names:
+            mspec, vspec = VARIANTS[name]
+            diff = 0.0
+            for i, (p, s) in enumerate(zip(self.params, start, strict=True)):
+                g = p.grad.float()
+                rows = p.shape[0]
+                m = self.m[name][i] * b1 + (1 - b1) * g
+                v = self.v[name][i] * b2 + (1 - b2) * g * g
+                upd = -lr * fid.WD * s - (lr / bc1) * m / (v.sqrt() / math.sqrt(bc2) + eps)
+                diff += float((upd - ref[i]).double().pow(2).sum())
+                if vspec is None:
+                    self.v[name][i] = v
+                elif vspec.get("sqrt"):
+                    root = roundtrip(v.sqrt().reshape(rows, -1), vspec, self.gen)
+                    self.v[name][i] = (root * root).view_as(v)
+                else:
+                    self.v[name][i] = roundtrip(v.reshape(rows, -1), vspec, self.gen).view_as(v)
+                self.m[name][i] = store_m(m, self.v[name][i], mspec, self.gen)
+            self.err[name].append(math.sqrt(diff) / ref_norm)
+
+
+def one_shot(params: list[torch.Tensor], opt: torch.optim.Optimizer, names: list[str]) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    for name in names:
+        mspec, vspec = VARIANTS[name]
+        num = den = 0.0
+        for p in params:
+            m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+            rows = p.shape[0]
+            u = m / (v.sqrt() + 1e-8)
+            if vspec is None:
+                vq = v
+            elif vspec.get("sqrt"):
+                vq = roundtrip(v.sqrt().reshape(rows, -1), vspec, gen).view_as(v) ** 2
+            else:
+                vq = roundtrip(v.reshape(rows, -1), vspec, gen).view_as(v)
+            root = vq.sqrt()
+            mq = store_m(m, vq, mspec, gen)
+            num += float((mq / (root + 1e-8) - u).double().pow(2).sum())
+            den += float(u.double().pow(2).sum())
+        out[name] = math.sqrt(num / den)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--output", type=Path, default=fid.RESULTS / "optim_oracle.json")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    tokens, vocab = fid.corpus_tokens((args.steps + fid.EVAL_BATCHES) * fid.BATCH * fid.SEQ)
+    batches = tokens[: (len(tokens) // (fid.BATCH * fid.SEQ)) * fid.BATCH * fid.SEQ]
+    data = batches.view(-1, fid.BATCH, fid.SEQ)[: -fid.EVAL_BATCHES]
+    model = fid.make_model(vocab)
+    opt = fid.make_optimizer("adamw_fp32", model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, fid.lr_lambda(args.steps))
+    shadows = OracleShadows(model, args.variants)
+    for step in range(args.steps):
+        batch = data[step % len(data)]
+        model(input_ids=batch, labels=batch).loss.backward()
+        lr = opt.param_groups[0]["lr"]
+        start = [p.detach().clone() for p in shadows.params]
+        opt.step()
+        shadows.step(start, lr)
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        if (step + 1) % 50 == 0:
+            at = {n: round(sum(e[-50:]) / 50, 4) for n, e in shadows.err.items()}
+            print(step + 1, json.dumps(at), flush=True)
+    summary: dict[str, Any] = {"one_shot": one_shot(shadows.params, opt, args.variants)}
+    for at in (300, 1000):
+        if args.steps >= at:
+            summary[f"update_rel_error_at_{at}"] = {
+                n: sum(e[at - fid.WINDOW : at]) / fid.WINDOW for n, e in shadows.err.items()
+            }
+    results = {
+        "command": "python benchmarks/bench_optim_oracle.py " + " ".join(argv or sys.argv[1:]),
+        "steps": args.steps,
+        "formats": FORMATS,
+        "variants": {n: VARIANTS[n] for n in args.variants},
+        "summary": summary,
+        "curves": {n: [round(x, 5) for x in e] for n, e in shadows.err.items()},
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(summary, indent=1))
+    args.output.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The ``"log"`` moment format of :class:`hf_fp8.optim.AdamWFp8` (pure torch functions).
+
+Both Adam moments in 8 bits per element, groups of ``group_size`` consecutive elements,
+with no ``log2`` / ``exp2`` anywhere: every operation is an fp32 or int32 operation on the
+bit pattern of a float, so a C kernel vectorizes it and reproduces it bit for bit.
+
+**Second moment** ``v >= 0``: an unsigned 8-bit code ``c`` (0 = zero, 1..255) uniform in
+Mitchell's logarithm ``L(x) = bits(x) / 2^23 - 127`` (= ``E + μ`` for ``x = 2^E·(1 + μ)``),
+i.e. an unsigned E4M4-like float grid (the sign bit of an fp8 code is a mantissa bit here),
+stretched per group by COAT's exponent ``k``::
+
+    t = 255 + 16·k·(L(|x|) - L(amax))       (fp32: (bits(x) - bits(amax)) · (k·2^-19) + 255)
+    c = round(t)   or  floor(t + u)         (stochastic rounding, u uniform from a hash)
+    k = floor(254 / (L(amax) - L(amin))) / 16, clamped to [1/16, 1024]  (1: constant group)
+    x̂ = from_bits(bits(amax) + round((c - 255) · (2^19 / k)))      (0 for c = 0)
+
+so the group's range ``amax / amin`` fills the 254 non-zero codes (``k`` is COAT's power:
+``16·k`` codes per octave of ``x``). Stochastic rounding is unbiased in the value domain:
+within an octave ``x̂`` is linear in ``c``.
+
+**First moment** ``m``: ``m' = m · 2^-e`` with ``2^e = 2^floor(E_v / 2) ≈ sqrt(v̂)`` taken from
+the *stored* second moment of the same element (``E_v``: exponent of ``v̂``; ``e = 0`` where
+``v̂ = 0``), then int8 absmax per group: ``q = round(m' · (127 / amax'))``,
+``scale = amax' / 127``, ``m̂ = (q · scale) · 2^e``. Scaling by a power of two is exact, and
+``m / sqrt(v)`` (Adam's update direction) has a far smaller range within a group than ``m``,
+so linear int8 codes resolve it better than fp8 codes of ``m`` (measured:
+``benchmarks/bench_optim_oracle.py``).
+
+Groups whose ``amax`` is below ``FLT_MIN`` (``v``) or :data:`M_MIN` (``m'``) store zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_fp8.numerics.coat import EXPONENT_MAX, EXPONENT_MIN, EXPONENT_STEPS
+
+V_CODE_MAX = 255  # unsigned codes of v: 0 = zero, 1..255
+V_STEPS = 16  # codes per Mitchell octave at k = 1
+V_RANGE_STEPS = (V_CODE_MAX - 1) * EXPONENT_STEPS / V_STEPS  # 254: k = floor(this / range) / 16
+V_ENC = V_STEPS / 2.0**23  # k·V_ENC: codes per bit-pattern unit (k·2^-19, exact)
+V_DEC = 2.0**23 / V_STEPS  # V_DEC / k: bit-pattern units per code (2^19 / k)
+M_CODE_MAX = 127  # int8 codes of m' = m·2^-e: -127..127
+M_MIN = 2.0**-100  # groups of m' with a smaller amax store zeros (keeps 127/amax finite)
+FLT_MIN_BITS = 0x00800000
+BITS_FLOOR = -(2**30)  # decoded offsets are clamped here (int32-safe; far below FLT_MIN)
+SR_SHIFT = 8  # stochastic rounding uses the top 24 bits of the hash: u = (h >> 8)·2^-24
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)
+
+
+def _float(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float32)
+
+
+def _rdiv(c: float, x: torch.Tensor) -> torch.Tensor:
+    """``c / x`` as one correctly rounded fp32 division (``c / tensor`` in torch is
+    ``x.reciprocal() * c``: two roundings, not the kernel's)."""
+    return torch.full_like(x, c).div(x)
+
+
+def uniform(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 in [0, 1) from int64 random bits (uint32 values): ``(bits >> 8) · 2^-24``."""
+    return (bits >> SR_SHIFT).to(torch.float32) * (2.0**-24)
+
+
+def v_exponent(vmax_bits: torch.Tensor, vmin_bits: torch.Tensor) -> torch.Tensor:
+    """COAT's ``k`` of each group from the bit patterns of its max and min non-zero ``|v|``.
+
+    ``vmin_bits`` is ``0x7F800000`` (inf) where a group has no non-zero element."""
+    valid = vmax_bits >= FLT_MIN_BITS
+    lo = torch.minimum(vmin_bits, vmax_bits)
+    lr = (vmax_bits - lo).to(torch.float32) * (2.0**-23)
+    expand = valid & (lr > 0)
+    steps = torch.floor(_rdiv(V_RANGE_STEPS, torch.where(expand, lr, torch.ones_like(lr))))
+    k = torch.where(expand, steps * (1.0 / EXPONENT_STEPS), torch.ones_like(lr))
+    return k.clamp(EXPONENT_MIN, EXPONENT_MAX)
+
+
+def quantize_v(
+    v: torch.Tensor, stochastic_bits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``v >= 0`` (fp32 ``[G, group_size]``) to ``(codes uint8, amax fp32 [G], k fp32 [G])``."""
+    b = _bits(v.float()) & 0x7FFFFFFF
+    vmax = b.amax(dim=-1)
+    inf = torch.full_like(b, 0x7F800000)
+    vmin = torch.where(b >= FLT_MIN_BITS, b, inf).amin(dim=-1)
+    k = v_exponent(vmax, vmin)
+    t = (b - vmax.unsqueeze(-1)).to(torch.float32) * (k * V_ENC).unsqueeze(-1) + float(V_CODE_MAX)
+    c = torch.round(t) if stochastic_bits is None else torch.floor(t + uniform(stochastic_bits))
+    c = c.clamp(0.0, float(V_CODE_MAX))
+    c = torch.where(b >= FLT_MIN_BITS, c, torch.zeros_like(c))
+    amax = torch.where(vmax >= FLT_MIN_BITS, vmax, torch.zeros_like(vmax))
+    return c.to(torch.uint8), _float(amax), k
+
+
+def dequantize_v_bits(codes: torch.Tensor, amax: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Bit patterns (int32) of ``v̂``; 0 where the code is 0 or ``v̂`` would be below FLT_MIN."""
+    c = codes.to(torch.int32)
+    step = _rdiv(V_DEC, k.float())
+    off = ((c - V_CODE_MAX).to(torch.float32) * step.unsqueeze(-1)).clamp(min=float(BITS_FLOOR))
+    b = _bits(amax.float()).unsqueeze(-1) + torch.round(off).to(torch.int32)
+    keep = (c != 0) & (b >= FLT_MIN_BITS)
+    return torch.where(keep, b, torch.zeros_like(b))
+
+
+def dequantize_v(codes: torch.Tensor, amax: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """fp32 ``v̂`` of uint8 ``codes`` ``[G, group_size]`` with per-group ``amax`` and ``k``."""
+    return _float(dequantize_v_bits(codes, amax, k))
+
+
+def m_scales(v_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2^e, 2^-e)`` per element from the bit patterns of ``v̂`` (``e = floor(E_v / 2)``)."""
+    e = ((v_bits >> 23) - 127) >> 1
+    nz = v_bits != 0
+    s = torch.where(nz, (e + 127) << 23, torch.full_like(e, 127 << 23))
+    s_inv = torch.where(nz, (127 - e) << 23, torch.full_like(e, 127 << 23))
+    return _float(s), _float(s_inv)
+
+
+def quantize_m(
+    m_norm: torch.Tensor, stochastic_bits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m' = m·2^-e`` (fp32 ``[G, group_size]``) to ``(codes int8, scale fp32 [G])``."""
+    a = m_norm.abs()
+    amax = a.amax(dim=-1)
+    valid = amax >= M_MIN
+    inv = _rdiv(float(M_CODE_MAX), torch.where(valid, amax, torch.ones_like(amax)))
+    t = m_norm * inv.unsqueeze(-1)
+    if stochastic_bits is None:
+        q = torch.round(t)
+    else:
+        q = torch.copysign(torch.floor(t.abs() + uniform(stochastic_bits)), t)
+    q = q.clamp(-float(M_CODE_MAX), float(M_CODE_MAX))
+    q = torch.where(valid.unsqueeze(-1), q, torch.zeros_like(q))
+    scale = torch.where(
+        valid, amax.div(torch.full_like(amax, float(M_CODE_MAX))), torch.zeros_like(amax)
+    )
+    return q.to(torch.int8), scale
+
+
+def dequantize_m(codes: torch.Tensor, scale: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp32 ``m̂ = (q · scale) · 2^e`` (``s = 2^e`` per element, from :func:`m_scales`)."""
+    return (codes.to(torch.float32) * scale.unsqueeze(-1)) * s
