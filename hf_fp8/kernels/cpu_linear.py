@@ -75,9 +75,8 @@ def linear(
             if a_scale is not None:
                 a_scale = a_scale.float().reshape(-1).contiguous()
         b = None if bias is None else bias.detach().float().contiguous()
-        return cpu_kernel.cpu_gemv(
-            a, w_fp8, w_scale, a_scale, b, w_gran, bn, bk, a_kind, dtype, path
-        )
+        gemv = cpu_kernel._gemv_impl if _eager(a, w_fp8) else cpu_kernel.cpu_gemv
+        return gemv(a, w_fp8, w_scale, a_scale, b, w_gran, bn, bk, a_kind, dtype, path)
     if dtype not in (torch.bfloat16, torch.float32):
         return None
     w_post = _emu.post_scaled(w_gran, dtype)
@@ -89,9 +88,14 @@ def linear(
     b = None if bias is None else bias.detach().contiguous()
     if a_scale is not None:
         a_scale = a_scale.float().reshape(-1).contiguous()
-    return cpu_kernel.cpu_fp8_mm(
-        a, w_fp8, w_scale, a_scale if a_post else None, b, w_gran, bn, bk, w_post, path
-    )
+    mm = cpu_kernel._fp8_mm_impl if _eager(a, w_fp8) else cpu_kernel.cpu_fp8_mm
+    return mm(a, w_fp8, w_scale, a_scale if a_post else None, b, w_gran, bn, bk, w_post, path)
+
+
+def _eager(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Plain tensors outside a compile: the kernels run without the custom-op dispatch
+    (about 10 us a call); traced or fake tensors go through the op and its fake kernel."""
+    return type(a) is torch.Tensor and type(w) is torch.Tensor and not torch.compiler.is_compiling()
 
 
 def _quantize_act(

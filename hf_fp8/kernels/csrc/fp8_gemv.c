@@ -1094,6 +1094,50 @@ typedef void (*mmk_fn)(const mm_t *, const uint16_t *, int64_t, const uint32_t *
 static const mmk_fn MMK[MM_MR + 1] = {NULL, mmk_1, mmk_2, mmk_3, mmk_4, mmk_5, mmk_6, mmk_7,
                                       mmk_8, mmk_9, mmk_10, mmk_11, mmk_12, mmk_13, mmk_14};
 
+/* Per-thread scratch, grown on demand and kept between calls (freed when the thread ends):
+ * at most 64 KiB + 512 * K + 512 KiB bytes for the largest K a thread has multiplied. A
+ * fresh allocation per call costs page faults (about 3 MiB at K = 5632, every call). */
+typedef struct {
+    void *p;
+    size_t cap;
+} scratch_t;
+static pthread_key_t MM_KEY;
+static pthread_once_t MM_KEY_ONCE = PTHREAD_ONCE_INIT;
+static int MM_KEY_OK = 0;
+
+static void mm_scratch_free(void *p) {
+    scratch_t *s = (scratch_t *)p;
+    free(s->p);
+    free(s);
+}
+
+static void mm_key_init(void) { MM_KEY_OK = pthread_key_create(&MM_KEY, mm_scratch_free) == 0; }
+
+static void *mm_scratch(size_t bytes) {
+    pthread_once(&MM_KEY_ONCE, mm_key_init);
+    if (!MM_KEY_OK) return NULL;
+    scratch_t *s = (scratch_t *)pthread_getspecific(MM_KEY);
+    if (s == NULL) {
+        s = (scratch_t *)calloc(1, sizeof *s);
+        if (s == NULL) return NULL;
+        if (pthread_setspecific(MM_KEY, s)) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (s->cap < bytes) {
+        free(s->p);
+        s->p = NULL;
+        s->cap = 0;
+        if (posix_memalign(&s->p, 64, bytes)) {
+            s->p = NULL;
+            return NULL;
+        }
+        s->cap = bytes;
+    }
+    return s->p;
+}
+
 /* Where the panel after (p0, k0) starts: its first row and K offset (-1: none left). */
 AI void mm_next(const mm_t *g, int64_t p0, int64_t k0, int64_t nc0, int64_t nc1, int64_t r1,
                 int64_t *q0, int64_t *qk, int64_t *qn) {
@@ -1111,19 +1155,19 @@ static void *mm_worker(void *arg) {
     if (r0 >= r1) return NULL;
     int64_t mc_max = g->M < MM_MC ? g->M : MM_MC, kblocks = (g->K + MM_KC - 1) / MM_KC;
     int multi = kblocks > 1;
-    uint16_t *tmp = NULL, *xp = NULL;
-    uint32_t *bp = NULL;
-    float *c = NULL;
-    /* scratch per thread: MM_MC x K bf16 activations, MM_MC x MM_NC fp32 partial sums
-       (only when K > MM_KC), 2 x 32 KiB for a panel */
-    if (posix_memalign((void **)&tmp, 64, (size_t)MM_NR * MM_KC * 2) ||
-        posix_memalign((void **)&xp, 64, (size_t)mc_max * kblocks * MM_KC * 2) ||
-        posix_memalign((void **)&bp, 64, (size_t)MM_KC / 2 * MM_NR * 4) ||
-        (multi && posix_memalign((void **)&c, 64, (size_t)mc_max * MM_NC * 4))) {
-        free(tmp), free(xp), free(bp), free(c);
+    /* scratch of this thread, kept for its next call: a panel and its decode (2 x 32 KiB),
+       MM_MC x K bf16 activations, MM_MC x MM_NC fp32 partial sums when K > MM_KC */
+    size_t n_tmp = (size_t)MM_NR * MM_KC * 2, n_bp = (size_t)MM_KC / 2 * MM_NR * 4;
+    size_t n_xp = (size_t)mc_max * kblocks * MM_KC * 2;
+    size_t n_c = multi ? (size_t)mc_max * MM_NC * 4 : 0;
+    char *scratch = (char *)mm_scratch(n_tmp + n_bp + n_xp + n_c);
+    if (scratch == NULL) {
         __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
         return NULL;
     }
+    uint16_t *tmp = (uint16_t *)scratch, *xp = (uint16_t *)(scratch + n_tmp + n_bp);
+    uint32_t *bp = (uint32_t *)(scratch + n_tmp);
+    float *c = multi ? (float *)(scratch + n_tmp + n_bp + n_xp) : NULL;
     for (int64_t mc0 = 0; mc0 < g->M; mc0 += MM_MC) {
         int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC;
         int64_t tiles = (mc + MM_MR - 1) / MM_MR;
@@ -1163,7 +1207,6 @@ static void *mm_worker(void *arg) {
             }
         }
     }
-    free(tmp), free(xp), free(bp), free(c);
     return NULL;
 }
 
