@@ -11,6 +11,13 @@ tensors were sharded. Variants:
   embeddings and head train, with and without COAT's dynamic range expansion.
 * ``hp_experts``: ``Fp8Config(modules_to_not_convert=["experts"])`` — the experts stay
   high precision and train: ``AdamWFp8`` keeps FP8 moments of the sharded 3-D parameters.
+* ``fp8_split``: as ``fp8_coat``, each FP8 module in its own group
+  (``hf_fp8.fsdp.fully_shard_fp8``): the same numbers.
+* ``fp8_bf16``: ``fp8_split`` with ``MixedPrecisionPolicy(param_dtype=bfloat16)`` on the
+  layers and the model: codes stay fp8, the rest computes in bf16.
+
+``no_helper_error``: the same bf16 policy on the layers without ``fully_shard_fp8`` (FSDP2
+casts the fp8 codes to bf16; ``Fp8Experts`` refuses them).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from torch import nn
 from hf_fp8 import Fp8Config, quantize_model
 from hf_fp8.optim import AdamWFp8
 
-VARIANTS = ("fp8_coat", "fp8_plain", "hp_experts")
+VARIANTS = ("fp8_coat", "fp8_plain", "hp_experts", "fp8_split", "fp8_bf16")
 STEPS = 3
 NUM_EXPERTS = 5
 VOCAB = 128
@@ -92,14 +99,31 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.detach().full_tensor().clone()
 
 
-def sharded(variant: str) -> tuple[nn.Module, AdamWFp8]:
-    from torch.distributed.fsdp import fully_shard
+def sharded(variant: str, *, helper: bool = True) -> tuple[nn.Module, AdamWFp8]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from hf_fp8.fsdp import fully_shard_fp8
 
     model = build_model(variant)
+    mp = MixedPrecisionPolicy()
+    if variant == "fp8_bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if variant in ("fp8_split", "fp8_bf16") and helper:
+        fully_shard_fp8(model)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     return model, make_optimizer(model, variant)
+
+
+def no_helper_error() -> str | None:
+    """The error of one step under the bf16 policy without ``fully_shard_fp8``."""
+    model, opt = sharded("fp8_bf16", helper=False)
+    try:
+        train_steps(model, opt)
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def run_variant(variant: str) -> dict:
@@ -127,6 +151,7 @@ def main(rank: int, world: int, port: int, outdir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
     try:
         result = {variant: run_variant(variant) for variant in VARIANTS}
+        result["no_helper_error"] = no_helper_error()
         if rank == 0:
             torch.save(result, os.path.join(outdir, "result.pt"))
         dist.barrier()

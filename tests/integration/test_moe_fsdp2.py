@@ -50,7 +50,16 @@ def single_runs() -> dict[str, dict]:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("variant", worker.VARIANTS)
+EXACT = [v for v in worker.VARIANTS if v != "fp8_bf16"]
+ONE_BYTE = ("float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+
+
+def _one_byte_dtensor_states(states: list[str]) -> list[str]:
+    """The ``"DTensor:torch.<dtype>"`` optimizer states stored in one byte per element."""
+    return [s for s in states if s.startswith("DTensor:") and s.endswith(ONE_BYTE)]
+
+
+@pytest.mark.parametrize("variant", EXACT)
 def test_two_ranks_train_like_one_process(sharded_runs, single_runs, variant: str) -> None:
     fsdp, single = sharded_runs[variant], single_runs[variant]
     assert single["losses"][-1] < single["losses"][0], single["losses"]  # it trains
@@ -61,10 +70,10 @@ def test_two_ranks_train_like_one_process(sharded_runs, single_runs, variant: st
     assert fsdp["params"].keys() == single["params"].keys()
     for name, want in single["params"].items():
         assert_bit_equal(fsdp["params"][name], want, name)
-    assert "DTensor:torch.float8_e4m3fn" in fsdp["states"]  # sharded FP8 moments
+    assert _one_byte_dtensor_states(fsdp["states"])  # sharded 8-bit moments
 
 
-@pytest.mark.parametrize("variant", ["fp8_coat", "fp8_plain"])
+@pytest.mark.parametrize("variant", ["fp8_coat", "fp8_plain", "fp8_split", "fp8_bf16"])
 def test_fp8_expert_codes_and_scales_shard_and_stay_frozen(
     sharded_runs, single_runs, variant: str
 ) -> None:
@@ -100,3 +109,25 @@ def test_high_precision_experts_train_sharded_with_fp8_moments(sharded_runs, sin
     moved = fsdp["params"][name] - single["start"][name]
     assert float(moved.abs().max()) > 1e-4  # the 3-D experts trained (and equal one process)
     assert_bit_equal(fsdp["params"][name], single["params"][name], name)
+
+
+def test_bf16_mixed_precision_keeps_fp8_codes_with_fully_shard_fp8(
+    sharded_runs, single_runs
+) -> None:
+    """MixedPrecisionPolicy(param_dtype=bf16) on the layers: with ``fully_shard_fp8`` the
+    codes stay fp8 (checked above) and training follows the fp32 run to bf16 precision;
+    without it FSDP2 casts the codes to bf16 and ``Fp8Experts`` refuses them."""
+    bf16, fp32 = sharded_runs["fp8_bf16"], single_runs["fp8_bf16"]
+    assert bf16["losses"][-1] < bf16["losses"][0]
+    assert bf16["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
+    diff = moved = 0.0
+    for name, want in fp32["params"].items():
+        if name not in fp32["frozen"]:
+            got, start = bf16["params"][name], fp32["start"][name]
+            assert got.dtype == want.dtype == torch.float32, name  # sharded params stay fp32
+            diff += float((got - want).pow(2).sum())
+            moved += float((want - start).pow(2).sum())
+    # Adam's normalised steps from bf16 gradients: near-zero gradients flip some signs
+    assert (diff / moved) ** 0.5 < 0.2, (diff / moved) ** 0.5
+    error = sharded_runs["no_helper_error"]
+    assert error is not None and "bfloat16" in error, error
