@@ -785,7 +785,45 @@ static void *quant_worker(void *arg) {
                     umax = cm > umax ? cm : umax;
                     continue;
                 }
-                for (int64_t i = 0; i < n; ++i) {
+                int64_t i0 = 0;
+#if FP8_PATH >= 3
+                /* the scalar loop below, 16 lanes at a time, operation for operation */
+                {
+                    const __m512 vs = _mm512_set1_ps(scale), vmax = _mm512_set1_ps(fmax);
+                    const __m512 vmin = _mm512_set1_ps(-fmax), vinv = _mm512_set1_ps(inv);
+                    const __m512 vrinv = _mm512_set1_ps(rinv), magic = _mm512_set1_ps(12582912.0f);
+                    const __m512 vminnorm = _mm512_set1_ps(minnorm);
+                    const __m512i abs = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
+                    const __m512i vhalf = _mm512_set1_epi32((int)half), vkeep = _mm512_set1_epi32((int)keep);
+                    const __m512i inf = _mm512_set1_epi32(0x7f800000), qnan = _mm512_set1_epi32(0x7fc00000);
+                    const __m128i shift = _mm_cvtsi32_si128(sh);
+                    for (; i0 + 16 <= n; i0 += 16) {
+                        __m512 v = _mm512_div_ps(_mm512_loadu_ps(xf + i0), vs);
+                        __m512 c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vmin, _CMP_LT_OQ),
+                                                        v, vmin);
+                        c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ), c, vmax);
+                        __m512i cu = _mm512_castps_si512(c), au = _mm512_and_si512(cu, abs);
+                        __m512 a = _mm512_castsi512_ps(au);
+                        __m512i nu = _mm512_add_epi32(_mm512_add_epi32(au, vhalf),
+                                                      _mm512_and_si512(_mm512_srl_epi32(au, shift), one));
+                        __m512 nor = _mm512_castsi512_ps(_mm512_and_si512(nu, vkeep));
+                        __m512 sub = _mm512_mul_ps(
+                            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, vinv), magic), magic), vrinv);
+                        __m512 rr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, vminnorm, _CMP_LT_OQ),
+                                                         nor, sub);
+                        __m512i ru = _mm512_or_si512(_mm512_castps_si512(rr),
+                                                     _mm512_andnot_si512(abs, cu)); /* copysign */
+                        __mmask16 fin = _mm512_cmplt_epu32_mask(
+                            _mm512_and_si512(_mm512_castps_si512(v), abs), inf);
+                        ru = _mm512_mask_blend_epi32(fin, qnan, ru);
+                        __m512 out = _mm512_castsi512_ps(ru);
+                        if (!q->post) out = _mm512_mul_ps(out, vs);
+                        if (q->out_kind == OUT_BF16) vstore_bf16((uint16_t *)q->out + at + i0, out);
+                        else _mm512_storeu_ps((float *)q->out + at + i0, out);
+                    }
+                }
+#endif
+                for (int64_t i = i0; i < n; ++i) {
                     float v = xf[i] / scale;
                     float c = v < -fmax ? -fmax : (v > fmax ? fmax : v);
                     float a = fabsf(c), nor, vv;
@@ -802,14 +840,14 @@ static void *quant_worker(void *arg) {
                 }
                 if (q->out_kind == OUT_BF16) {
                     uint16_t *o = (uint16_t *)q->out + at;
-                    memcpy(ub, r, (size_t)n * 4);
-                    for (int64_t i = 0; i < n; ++i) {
+                    memcpy(ub + i0, r + i0, (size_t)(n - i0) * 4);
+                    for (int64_t i = i0; i < n; ++i) {
                         uint32_t u = ub[i];
                         uint32_t h = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
                         o[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : h);
                     }
                 } else {
-                    memcpy((float *)q->out + at, r, (size_t)n * 4);
+                    memcpy((float *)q->out + at + i0, r + i0, (size_t)(n - i0) * 4);
                 }
             }
             if (q->phase == 0) {
