@@ -98,7 +98,7 @@ def hash32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """``x · c mod 2^32`` for int64 ``x`` in [0, 2^32) without int64 overflow."""
     lo, hi = c & 0xFFFF, c >> 16
     return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
@@ -108,9 +108,9 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     """lowbias32 of an int64 tensor holding uint32 values (identical to the C kernel's)."""
     x = x & MASK32
     x = x ^ (x >> 16)
-    x = _mul32(x, HASH_MUL[0])
+    x = mul32(x, HASH_MUL[0])
     x = x ^ (x >> 15)
-    x = _mul32(x, HASH_MUL[1])
+    x = mul32(x, HASH_MUL[1])
     return x ^ (x >> 16)
 
 

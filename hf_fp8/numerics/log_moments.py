@@ -18,13 +18,19 @@ so the group's range ``amax / amin`` fills the 254 non-zero codes (``k`` is COAT
 ``16·k`` codes per octave of ``x``). Stochastic rounding is unbiased in the value domain:
 within an octave ``x̂`` is linear in ``c``.
 
-**First moment** ``m``: ``m' = m · 2^-e`` with ``2^e = 2^floor(E_v / 2) ≈ sqrt(v̂)`` taken from
-the *stored* second moment of the same element (``E_v``: exponent of ``v̂``; ``e = 0`` where
-``v̂ = 0``), then int8 absmax per group: ``q = round(m' · (127 / amax'))``,
-``scale = amax' / 127``, ``m̂ = (q · scale) · 2^e``. Scaling by a power of two is exact, and
-``m / sqrt(v)`` (Adam's update direction) has a far smaller range within a group than ``m``,
-so linear int8 codes resolve it better than fp8 codes of ``m`` (measured:
-``benchmarks/bench_optim_oracle.py``).
+**First moment** ``m``: ``m' = m · 2^-e`` with ``2^e ≈ sqrt(v̂)`` read from the *stored* code
+``c`` of the same element's second moment (half its Mitchell log, floored)::
+
+    e = max(floor(c · (2^-5 / k) + L(amax) / 2 - 255 · (2^-5 / k)), -63)
+
+then int8 absmax per group: ``q = round(m' · (127 / amax'))``, ``scale = amax' / 127``,
+``m̂ = (q · scale) · 2^e``. Scaling by a power of two is exact, and ``m / sqrt(v)`` (Adam's
+update direction) has a far smaller range within a group than ``m``, so linear int8 codes
+resolve it better than fp8 codes of ``m`` (measured: ``benchmarks/bench_optim_oracle.py``).
+
+**Stochastic rounding** draws ``u = (((key + i) · 0x9E3779B1) mod 2^32 >> 8) · 2^-24`` for
+element ``i`` (Fibonacci hashing: one multiply; the per-step ``key`` is a full hash of seed,
+step, parameter and moment, :func:`hf_fp8.numerics.coat.stream_key`).
 
 Groups whose ``amax`` is below ``FLT_MIN`` (``v``) or :data:`M_MIN` (``m'``) store zeros.
 """
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_fp8.numerics.coat import EXPONENT_MAX, EXPONENT_MIN, EXPONENT_STEPS
+from hf_fp8.numerics.coat import EXPONENT_MAX, EXPONENT_MIN, EXPONENT_STEPS, MASK32, mul32
 
 V_CODE_MAX = 255  # unsigned codes of v: 0 = zero, 1..255
 V_STEPS = 16  # codes per Mitchell octave at k = 1
@@ -45,6 +51,8 @@ M_MIN = 2.0**-100  # groups of m' with a smaller amax store zeros (keeps 127/ama
 FLT_MIN_BITS = 0x00800000
 BITS_FLOOR = -(2**30)  # decoded offsets are clamped here (int32-safe; far below FLT_MIN)
 SR_SHIFT = 8  # stochastic rounding uses the top 24 bits of the hash: u = (h >> 8)·2^-24
+WEYL = 0x9E3779B1  # 2^32 / golden ratio: Fibonacci hashing of the element counter
+E_MAX = 63  # e >= -63 in the m normalization 2^e (and e <= 64 by construction: 2^±e normal)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +67,15 @@ def _rdiv(c: float, x: torch.Tensor) -> torch.Tensor:
     """``c / x`` as one correctly rounded fp32 division (``c / tensor`` in torch is
     ``x.reciprocal() * c``: two roundings, not the kernel's)."""
     return torch.full_like(x, c).div(x)
+
+
+def sr_bits(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """int64 ``((key + i) · WEYL) mod 2^32`` for the flat index ``i`` of every element."""
+    n = 1
+    for d in shape:
+        n *= d
+    e = torch.arange(n, dtype=torch.int64, device=key.device).view(shape)
+    return mul32((e + key) & MASK32, WEYL)
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -111,13 +128,18 @@ def dequantize_v(codes: torch.Tensor, amax: torch.Tensor, k: torch.Tensor) -> to
     return _float(dequantize_v_bits(codes, amax, k))
 
 
-def m_scales(v_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(2^e, 2^-e)`` per element from the bit patterns of ``v̂`` (``e = floor(E_v / 2)``)."""
-    e = ((v_bits >> 23) - 127) >> 1
-    nz = v_bits != 0
-    s = torch.where(nz, (e + 127) << 23, torch.full_like(e, 127 << 23))
-    s_inv = torch.where(nz, (127 - e) << 23, torch.full_like(e, 127 << 23))
-    return _float(s), _float(s_inv)
+def m_scales(
+    codes: torch.Tensor, amax: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2^e, 2^-e)`` per element from v's uint8 ``codes`` and its group's ``amax`` and ``k``:
+    ``e = max(floor(c · slope + offset), -63)``, ``slope = 2^-5 / k``,
+    ``offset = L(amax) / 2 - 255 · slope`` (``e <= 64`` always: ``L(amax) / 2 <= 64``)."""
+    slope = _rdiv(2.0**-5, k.float())
+    half_log = (_bits(amax.float()) - 0x3F800000).to(torch.float32) * (2.0**-24)
+    offset = half_log - slope * float(V_CODE_MAX)
+    h = codes.to(torch.float32) * slope.unsqueeze(-1) + offset.unsqueeze(-1)
+    e = torch.floor(h).clamp(min=-float(E_MAX)).to(torch.int32)
+    return _float((e + 127) << 23), _float((127 - e) << 23)
 
 
 def quantize_m(

@@ -130,6 +130,10 @@ def kernel_defines(variant: int) -> dict[str, object]:
     d["LOG_INV_2_23"] = 2.0**-23
     d["LOG_SR_SHIFT"] = lm.SR_SHIFT
     d["LOG_SR_UNIT"] = 2.0**-24
+    d["LOG_INV_2_24"] = 2.0**-24
+    d["LOG_WEYL"] = f"{lm.WEYL:#x}u"
+    d["LOG_E_MAX"] = lm.E_MAX
+    d["LOG_E_SLOPE"] = 2.0**-5
     return d
 
 

@@ -216,7 +216,7 @@ def _to_log(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, gs: int) -> dict[
         )
 
     vq, amax, k = log_moments.quantize_v(groups(v))
-    _, s_inv = log_moments.m_scales(log_moments.dequantize_v_bits(vq, amax, k))
+    _, s_inv = log_moments.m_scales(vq, amax, k)
     mq, ms = log_moments.quantize_m(groups(m) * s_inv)
     return {
         "exp_avg_fp8": mq.reshape(rows, gc * gs),

@@ -140,7 +140,7 @@ def grouped_step_log(
     w2, eps, inv_bc2 = h["one_minus_beta2"], h["eps"], h["inv_bc2"]
     g = grad.float()
     v_bits = log_moments.dequantize_v_bits(v_q, v_scale, v_exp)
-    s, _ = log_moments.m_scales(v_bits)
+    s, _ = log_moments.m_scales(v_q, v_scale, v_exp)
     m = log_moments.dequantize_m(m_q, m_scale, s)
     v = v_bits.view(torch.float32)
     m = m + w1 * (g - m)
@@ -149,10 +149,10 @@ def grouped_step_log(
     param.copy_(param.float() * decay - step_size * m / denom)
     if (sr_m or sr_v) and keys is None:
         raise ValueError("stochastic rounding needs the stream keys")
-    bits_v = random_bits(keys[1], v.shape) if sr_v else None
+    bits_v = log_moments.sr_bits(keys[1], v.shape) if sr_v else None
     vq, amax, k = log_moments.quantize_v(v, bits_v)
-    _, s_inv = log_moments.m_scales(log_moments.dequantize_v_bits(vq, amax, k))
-    bits_m = random_bits(keys[0], m.shape) if sr_m else None
+    _, s_inv = log_moments.m_scales(vq, amax, k)
+    bits_m = log_moments.sr_bits(keys[0], m.shape) if sr_m else None
     mq, ms = log_moments.quantize_m(m * s_inv, bits_m)
     v_q.copy_(vq)
     v_scale.copy_(amax)

@@ -359,10 +359,11 @@ class AdamWFp8(Optimizer):
         if resolved_format(group) == "log":
             vs = local(state["exp_avg_sq_scale"])
             vq = local(state["exp_avg_sq_fp8"]).view(rows, vs.shape[1], -1)
-            v_bits = log_moments.dequantize_v_bits(vq, vs, local(state["exp_avg_sq_exponent"]))
+            vk = local(state["exp_avg_sq_exponent"])
+            v_bits = log_moments.dequantize_v_bits(vq, vs, vk)
             ms = local(state["exp_avg_scale"])
             mq = local(state["exp_avg_fp8"]).view(rows, ms.shape[1], -1)
-            m = log_moments.dequantize_m(mq, ms, log_moments.m_scales(v_bits)[0])
+            m = log_moments.dequantize_m(mq, ms, log_moments.m_scales(vq, vs, vk)[0])
             return unpad(m), unpad(v_bits.view(torch.float32))
         out = []
         for name in ("exp_avg", "exp_avg_sq"):

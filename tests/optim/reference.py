@@ -96,12 +96,22 @@ def log_v_dequant_reference(
     return torch.from_numpy(out)
 
 
+def log_m_exponent(codes_v: torch.Tensor, amax: torch.Tensor, k: torch.Tensor) -> np.ndarray:
+    """``e`` of the m normalization as documented, in float32 numpy:
+    ``max(floor(c·slope + L(amax)/2 - 255·slope), -63)``, ``slope = 2^-5 / k``."""
+    c = codes_v.numpy().astype(np.float32)
+    slope = (np.float32(2.0**-5) / k.numpy().astype(np.float32))[..., None]
+    bits = amax.numpy().astype(np.float32).view(np.int32).astype(np.int64)
+    half_log = ((bits - 0x3F800000).astype(np.float32) * np.float32(2.0**-24))[..., None]
+    offset = (half_log - slope * np.float32(255.0)).astype(np.float32)
+    h = (c * slope).astype(np.float32) + offset
+    return np.maximum(np.floor(h.astype(np.float32)), -63.0).astype(np.float64)
+
+
 def log_m_dequant_reference(
-    codes: torch.Tensor, scale: torch.Tensor, v_hat: torch.Tensor
+    codes: torch.Tensor, scale: torch.Tensor, e: np.ndarray
 ) -> torch.Tensor:
-    """float64 ``m̂ = q · scale · 2^floor(E/2)``, ``E`` the binary exponent of ``v̂`` (0 if 0)."""
-    _, ex = np.frexp(v_hat.double().numpy())
-    e = np.where(v_hat.numpy() > 0, np.floor((ex - 1) / 2.0), 0.0)
+    """float64 ``m̂ = q · scale · 2^e``."""
     return torch.from_numpy(codes.double().numpy() * scale.double().numpy()[..., None] * 2.0**e)
 
 
@@ -121,10 +131,8 @@ def log_v_quant_reference(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return t, ks
 
 
-def log_m_quant_reference(m: np.ndarray, v_hat: np.ndarray) -> np.ndarray:
-    """Pre-rounding int8 codes of ``m·2^-e`` (``e`` from ``v̂`` as above), absmax 127 per row."""
-    _, ex = np.frexp(v_hat)
-    e = np.where(v_hat > 0, np.floor((ex - 1) / 2.0), 0.0)
+def log_m_quant_reference(m: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Pre-rounding int8 codes of ``m·2^-e``, absmax 127 per row."""
     mn = m.astype(np.float64) * 2.0**-e
     amax = np.abs(mn).max(axis=1, keepdims=True)
     return np.where(amax > 0, mn / np.where(amax > 0, amax, 1.0) * 127.0, 0.0)

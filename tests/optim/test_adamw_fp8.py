@@ -14,6 +14,7 @@ from tests.optim.reference import (
     coat_reference,
     dequant_reference,
     log_m_dequant_reference,
+    log_m_exponent,
     log_m_quant_reference,
     log_v_dequant_reference,
     log_v_quant_reference,
@@ -115,15 +116,16 @@ def test_quantized_step_matches_float64_reference(expand, shape, implementation)
             assert agree > 0.97
 
 
-def log_moments_reference(state: dict, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+def log_moments_reference(state: dict, rows: int, cols: int) -> tuple:
     """float64 ``(m̂, v̂)`` ``[rows, cols]`` of a ``moment_format="log"`` state (tests' own
-    decoding of the documented format) and the padded ``v̂`` groups."""
-    vs, ms = state["exp_avg_sq_scale"], state["exp_avg_scale"]
+    decoding of the documented format) and the exponents ``e`` of m's groups."""
+    vs, vk, ms = state["exp_avg_sq_scale"], state["exp_avg_sq_exponent"], state["exp_avg_scale"]
     gc = vs.shape[1]
     vq = state["exp_avg_sq_fp8"].view(rows, gc, -1)
-    v = log_v_dequant_reference(vq, vs, state["exp_avg_sq_exponent"])
-    m = log_m_dequant_reference(state["exp_avg_fp8"].view(rows, gc, -1), ms, v)
-    return m.view(rows, -1)[:, :cols], v.view(rows, -1)[:, :cols]
+    v = log_v_dequant_reference(vq, vs, vk)
+    e = log_m_exponent(vq, vs, vk)
+    m = log_m_dequant_reference(state["exp_avg_fp8"].view(rows, gc, -1), ms, e)
+    return m.view(rows, -1)[:, :cols], v.view(rows, -1)[:, :cols], e.reshape(-1, e.shape[-1])
 
 
 @pytest.mark.parametrize("implementation", ["cpu_kernel", "reference"])
@@ -139,7 +141,7 @@ def test_log_step_matches_float64_reference(shape, implementation):
     for step in range(1, 6):
         state = opt.state[p]
         if state:
-            m, v = log_moments_reference(state, rows, cols)
+            m, v, _ = log_moments_reference(state, rows, cols)
         else:
             m = v = torch.zeros(shape, dtype=torch.float64)
         p_before = p.detach().double().clone()
@@ -165,8 +167,8 @@ def test_log_step_matches_float64_reference(shape, implementation):
         assert (state["exp_avg_sq_exponent"].flatten().numpy() == k).mean() > 0.95
         codes_v = state["exp_avg_sq_fp8"].reshape(-1, gs).numpy().astype(np.float64)
         assert (np.abs(codes_v - t_v) <= 0.5 + 1e-3).mean() > 0.99
-        _, v_new = log_moments_reference(state, rows, cols)
-        t_m = log_m_quant_reference(groups(m_ref), groups(v_new))
+        _, _, e_new = log_moments_reference(state, rows, cols)
+        t_m = log_m_quant_reference(groups(m_ref), e_new)
         codes_m = state["exp_avg_fp8"].reshape(-1, gs).numpy().astype(np.float64)
         assert (np.abs(codes_m - t_m) <= 0.5 + 1e-3).mean() > 0.99
 

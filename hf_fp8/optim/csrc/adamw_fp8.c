@@ -264,6 +264,9 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
 }
 
 #define CHUNK 16 /* groups processed together: their per-group scalars are vectorized */
+#ifndef LOG_CHUNK
+#define LOG_CHUNK 4 /* the same for moment_format="log" (measured: 4 beats 1 and 16) */
+#endif
 
 /* A task is T_FIELDS int64 (pointers, sizes, flags: see T_* in _cpu_kernel.TASK_FIELDS).
    Groups lo..hi-1 of the task; mb / vb hold CHUNK * group_size floats. */
@@ -344,18 +347,32 @@ AI int32_t log_v_bits(float c, int32_t amax_bits, float dv) {
     return ((c != 0.0f) & (b >= (int32_t)FLT_MIN_BITS)) ? b : 0;
 }
 
-/* 2^e (inv = 0) or 2^-e (inv = 1) with e = floor(E / 2), E the exponent of v̂ (1 when v̂ = 0). */
-AI float log_m_scale(int32_t vb, const int inv) {
-    int32_t e = ((vb >> 23) - 127) >> 1;
-    int32_t sb = inv ? ((127 - e) << 23) : ((e + 127) << 23);
-    return b2f((uint32_t)((vb != 0) ? sb : (127 << 23)));
+/* 2^e (inv = 0) or 2^-e (inv = 1), e = max(floor(c·slope + offset), -63): about sqrt(v̂)
+   from v's code c (a float), slope = 2^-5/k and offset = L(amax)/2 - 255·slope. */
+AI float log_m_scale(float c, float slope, float offset, const int inv) {
+    float e = floorf(c * slope + offset);
+    e = (e < -(float)LOG_E_MAX) ? -(float)LOG_E_MAX : e;
+    int32_t ei = (int32_t)e;
+    return b2f((uint32_t)(inv ? ((127 - ei) << 23) : ((ei + 127) << 23)));
+}
+
+/* Per-group offset of log_m_scale: L(amax)/2 from amax's bits, minus 255·slope. */
+AI float log_m_offset(uint32_t amax_bits, float slope) {
+    float half_log = (float)((int32_t)amax_bits - 0x3F800000) * LOG_INV_2_24;
+    return half_log - slope * (float)LOG_V_MAX;
+}
+
+/* Stochastic rounding: top 24 bits of ((key + i)·WEYL) mod 2^32, as a float in [0, 1). */
+AI float log_uniform(uint32_t key, int64_t i) {
+    uint32_t h = (key + (uint32_t)i) * (uint32_t)LOG_WEYL;
+    return (float)(int32_t)(h >> LOG_SR_SHIFT) * LOG_SR_UNIT;
 }
 
 AI void update_group_log(char* p_, const char* g_, const int8_t* restrict qm,
                          const uint8_t* restrict qv, float* restrict m_out,
-                         float* restrict v_out, float sm, int32_t av, float dv,
-                         const float* restrict hp, int64_t n, uint32_t* restrict red,
-                         const int PB, const int GB) {
+                         float* restrict v_out, float sm, int32_t av, float dv, float slope,
+                         float offset, const float* restrict hp, int64_t n,
+                         uint32_t* restrict red, const int PB, const int GB) {
     const float decay = hp[HP_DECAY], step_size = hp[HP_STEP_SIZE], w1 = hp[HP_ONE_MINUS_BETA1];
     const float b2 = hp[HP_BETA2], w2 = hp[HP_ONE_MINUS_BETA2];
     const float eps = hp[HP_EPS], inv_bc2s = hp[HP_INV_BC2];
@@ -365,9 +382,9 @@ AI void update_group_log(char* p_, const char* g_, const int8_t* restrict qm,
     const uint16_t* restrict gbf = (const uint16_t*)g_;
     uint32_t avx = 0u, avn = INF_BITS;
     for (int64_t i = 0; i < n; ++i) {
-        int32_t vb = log_v_bits((float)qv[i], av, dv);
-        float vo = b2f((uint32_t)vb);
-        float mo = ((float)qm[i] * sm) * log_m_scale(vb, 0);
+        float c = (float)qv[i];
+        float vo = b2f((uint32_t)log_v_bits(c, av, dv));
+        float mo = ((float)qm[i] * sm) * log_m_scale(c, slope, offset, 0);
         float g = GB ? bf16_to_f(gbf[i]) : g32[i];
         float p = PB ? bf16_to_f(pbf[i]) : p32[i];
         float mn = mo + w1 * (g - mo);
@@ -397,62 +414,46 @@ AI float log_v_exponent(uint32_t vmax, uint32_t vmin) {
     return k;
 }
 
-/* Requantize one group: v (codes, amax, k) first, then m·2^-e from the new v̂ (in place in
-   mb), then m's int8 codes and scale. vb is overwritten with the new codes. */
-AI void requant_log(float* restrict mb, float* restrict vb, int8_t* restrict qm,
-                    uint8_t* restrict qv, float* restrict ms, float* restrict vs,
-                    float* restrict vk, uint32_t vmax, uint32_t vmin, int64_t n, int64_t gs,
-                    uint32_t key_m, uint32_t key_v, const int SRM, const int SRV) {
-    const float k = log_v_exponent(vmax, vmin);
-    const int32_t amax = (vmax >= FLT_MIN_BITS) ? (int32_t)vmax : 0;
-    const float ev = k * LOG_V_ENC, dv = LOG_V_DEC / k;
+/* Requantize v of one group (codes from its amax bits and k) and, in the same loop, m·2^-e
+   from the new codes (in place in mb); returns the bit pattern of max |m·2^-e|. */
+AI uint32_t requant_log_v(float* restrict mb, const float* restrict vb, uint8_t* restrict qv,
+                          uint32_t vmax, float ev, float slope, float offset, int64_t n,
+                          int64_t gs, uint32_t key_v, const int SRV) {
     uint32_t mmax = 0u;
     for (int64_t i = 0; i < n; ++i) {
         float x = vb[i];
         int32_t a = (int32_t)(f2b(x) & 0x7FFFFFFFu);
         float t = (float)(a - (int32_t)vmax) * ev + (float)LOG_V_MAX;
-        float c;
-        if (SRV) {
-            float u = (float)(int32_t)(hash32(key_v + (uint32_t)i) >> LOG_SR_SHIFT) * LOG_SR_UNIT;
-            c = floorf(t + u);
-        } else {
-            c = rintf(t);
-        }
+        float c = SRV ? floorf(t + log_uniform(key_v, i)) : rintf(t);
         c = (c < 0.0f) ? 0.0f : c;
         c = (c > (float)LOG_V_MAX) ? (float)LOG_V_MAX : c;
         c = (a >= (int32_t)FLT_MIN_BITS) ? c : 0.0f;
         qv[i] = (uint8_t)(int32_t)c;
-        vb[i] = c; /* the code, for the loop below (two loops: each one vectorizes) */
-    }
-    for (int64_t i = 0; i < n; ++i) {
-        float mn = mb[i] * log_m_scale(log_v_bits(vb[i], amax, dv), 1);
+        float mn = mb[i] * log_m_scale(c, slope, offset, 1);
         mb[i] = mn;
         uint32_t b = f2b(mn) & 0x7FFFFFFFu;
         mmax = (b > mmax) ? b : mmax;
     }
     for (int64_t i = n; i < gs; ++i) qv[i] = 0;
-    *vs = b2f((uint32_t)amax);
-    *vk = k;
-    const float am = b2f(mmax);
-    const int valid = am >= LOG_M_MIN;
-    const float inv = (float)LOG_M_MAX / (valid ? am : 1.0f);
+    return mmax;
+}
+
+/* int8 codes of m·2^-e (mb) with the group's 127 / amax (0 codes when invalid). */
+AI void requant_log_m(const float* restrict mb, int8_t* restrict qm, float inv, int valid,
+                      int64_t n, int64_t gs, uint32_t key_m, const int SRM) {
     for (int64_t i = 0; i < n; ++i) {
         float t = mb[i] * inv;
-        float q;
-        if (SRM) {
-            float u = (float)(int32_t)(hash32(key_m + (uint32_t)i) >> LOG_SR_SHIFT) * LOG_SR_UNIT;
-            q = copysignf(floorf(fabsf(t) + u), t);
-        } else {
-            q = rintf(t);
-        }
+        float q = SRM ? copysignf(floorf(fabsf(t) + log_uniform(key_m, i)), t) : rintf(t);
         q = (q < -(float)LOG_M_MAX) ? -(float)LOG_M_MAX : q;
         q = (q > (float)LOG_M_MAX) ? (float)LOG_M_MAX : q;
         qm[i] = (int8_t)(int32_t)(valid ? q : 0.0f);
     }
     for (int64_t i = n; i < gs; ++i) qm[i] = 0;
-    *ms = valid ? am / (float)LOG_M_MAX : 0.0f;
 }
 
+/* Groups lo..hi-1 of a task, CHUNK at a time: the per-group scalars (k, 2^19/k, 127/amax: the
+   divisions) are computed across the chunk's groups, where they vectorize. mb / vb hold
+   CHUNK * group_size floats. */
 AI void run_groups_log(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
                        float* restrict vb, const int PB, const int GB, const int SRM,
                        const int SRV) {
@@ -468,23 +469,70 @@ AI void run_groups_log(const int64_t* t, int64_t lo, int64_t hi, float* restrict
     const float* hp = (const float*)(intptr_t)t[T_HP];
     const uint32_t key_m = (uint32_t)t[T_KEY_M], key_v = (uint32_t)t[T_KEY_V];
     const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
-    for (int64_t gi = lo; gi < hi; ++gi) {
-        const int64_t r = gi / gc, c0 = (gi - r * gc) * gs, off = r * cols + c0;
-        int64_t n = cols - c0;
-        n = (n < gs) ? n : gs;
-        uint32_t red[2];
-        const uint32_t e0 = (uint32_t)(gi * gs); /* flat index of the group */
-#define LOG_GROUP(N, GS)                                                                          \
-        update_group_log(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs, mb, vb, \
-                         ms[gi], (int32_t)f2b(vs[gi]), LOG_V_DEC / vk[gi], hp, N, red, PB, GB);   \
-        requant_log(mb, vb, mq + gi * gs, vq + gi * gs, ms + gi, vs + gi, vk + gi, red[0],       \
-                    red[1], N, GS, key_m + e0, key_v + e0, SRM, SRV)
-        if (n == 128 && gs == 128) { /* the default group size: constant trip counts */
-            LOG_GROUP(128, 128);
-        } else {
-            LOG_GROUP(n, gs);
+    const int full = gs == 128 && cols % 128 == 0; /* constant trip counts (default size) */
+    for (int64_t g0 = lo; g0 < hi; g0 += LOG_CHUNK) {
+        const int nb = (int)((hi - g0) < LOG_CHUNK ? (hi - g0) : LOG_CHUNK);
+        float dv[LOG_CHUNK], ev[LOG_CHUNK], kk[LOG_CHUNK], inv[LOG_CHUNK], am[LOG_CHUNK];
+        float slope[LOG_CHUNK], hl[LOG_CHUNK];
+        uint32_t vmax[LOG_CHUNK], vmin[LOG_CHUNK], mmax[LOG_CHUNK];
+        int64_t nn[LOG_CHUNK];
+        for (int j = 0; j < nb; ++j) {
+            dv[j] = LOG_V_DEC / vk[g0 + j];
+            slope[j] = LOG_E_SLOPE / vk[g0 + j];
+            hl[j] = log_m_offset(f2b(vs[g0 + j]), slope[j]);
         }
-#undef LOG_GROUP
+        for (int j = 0; j < nb; ++j) {
+            const int64_t gi = g0 + j, r = gi / gc, c0 = (gi - r * gc) * gs, off = r * cols + c0;
+            int64_t n = cols - c0;
+            n = (n < gs) ? n : gs;
+            nn[j] = n;
+            uint32_t red[2];
+            if (full)
+                update_group_log(pbase + off * psz, gbase + off * gsz, mq + gi * gs,
+                                 vq + gi * gs, mb + j * gs, vb + j * gs, ms[gi],
+                                 (int32_t)f2b(vs[gi]), dv[j], slope[j], hl[j], hp, 128, red,
+                                 PB, GB);
+            else
+                update_group_log(pbase + off * psz, gbase + off * gsz, mq + gi * gs,
+                                 vq + gi * gs, mb + j * gs, vb + j * gs, ms[gi],
+                                 (int32_t)f2b(vs[gi]), dv[j], slope[j], hl[j], hp, n, red, PB,
+                                 GB);
+            vmax[j] = red[0];
+            vmin[j] = red[1];
+        }
+        for (int j = 0; j < nb; ++j) {
+            kk[j] = log_v_exponent(vmax[j], vmin[j]);
+            ev[j] = kk[j] * LOG_V_ENC;
+            slope[j] = LOG_E_SLOPE / kk[j];
+            hl[j] = log_m_offset((vmax[j] >= FLT_MIN_BITS) ? vmax[j] : 0u, slope[j]);
+            vs[g0 + j] = b2f((vmax[j] >= FLT_MIN_BITS) ? vmax[j] : 0u);
+            vk[g0 + j] = kk[j];
+        }
+        for (int j = 0; j < nb; ++j) {
+            const uint32_t e0 = (uint32_t)((g0 + j) * gs); /* flat index of the group */
+            if (full)
+                mmax[j] = requant_log_v(mb + j * gs, vb + j * gs, vq + (g0 + j) * gs, vmax[j],
+                                        ev[j], slope[j], hl[j], 128, 128, key_v + e0, SRV);
+            else
+                mmax[j] = requant_log_v(mb + j * gs, vb + j * gs, vq + (g0 + j) * gs, vmax[j],
+                                        ev[j], slope[j], hl[j], nn[j], gs, key_v + e0, SRV);
+        }
+        for (int j = 0; j < nb; ++j) {
+            am[j] = b2f(mmax[j]);
+            int valid = am[j] >= LOG_M_MIN;
+            inv[j] = (float)LOG_M_MAX / (valid ? am[j] : 1.0f);
+            ms[g0 + j] = valid ? am[j] / (float)LOG_M_MAX : 0.0f;
+        }
+        for (int j = 0; j < nb; ++j) {
+            const uint32_t e0 = (uint32_t)((g0 + j) * gs);
+            const int valid = am[j] >= LOG_M_MIN;
+            if (full)
+                requant_log_m(mb + j * gs, mq + (g0 + j) * gs, inv[j], valid, 128, 128,
+                              key_m + e0, SRM);
+            else
+                requant_log_m(mb + j * gs, mq + (g0 + j) * gs, inv[j], valid, nn[j], gs,
+                              key_m + e0, SRM);
+        }
     }
 }
 
