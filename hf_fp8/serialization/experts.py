@@ -289,6 +289,25 @@ def fused_experts(tensors: dict[str, TensorInfo]) -> tuple[set[str], set[str]]:
     return codes, scales
 
 
+def check_splittable(
+    model_type: str | None, tensors: dict[str, TensorInfo], groups: dict[str, ExpertGroup]
+) -> None:
+    """Refuse (``ValueError`` naming the tensor) an export of fused FP8 experts that
+    transformers' conversion mapping cannot split into per-expert linears (``model_type``
+    without a plain merge: gpt-oss, Llama-4, GraniteMoE, JetMoE …): the foreign formats store
+    one linear per expert, and written fused no loader would read them."""
+    codes, _ = fused_experts(tensors)
+    left = sorted(c for c in codes if c not in groups)
+    if left:
+        raise ValueError(
+            f"{left[0]} (and {len(left) - 1} more): FP8 MoE experts stored fused [E, out, in]; "
+            f"transformers' conversion mapping for model_type={model_type!r} names no "
+            "per-expert linears to split them into, so an export would write tensors no "
+            "loader reads. Keep the hf_fp8 checkpoint (from_pretrained loads it), or load it "
+            "with Fp8Config(dequantize=True) for a high-precision copy"
+        )
+
+
 def merged_scale_names(groups: dict[str, ExpertGroup]) -> list[str]:
     """The merged scale names the expert groups may have (``..._weight_scale`` …)."""
     return [f"{name}{s}" for name in groups for s in _MERGED_SUFFIXES]

@@ -132,3 +132,26 @@ def test_experts_split_across_shards_are_merged(fp8_block_dir, tmp_path) -> None
         assert torch.equal(_u8(merged[e]), _u8(written[f"{P}.{e}.down_proj.weight"]))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["weight_map"][f"{P}.down_proj"] == "model-00002-of-00002.safetensors"
+
+
+@pytest.mark.xfail(strict=True, reason="exporter.py must call experts.check_splittable")
+def test_export_of_fused_experts_without_a_mapping_is_refused(tmp_path) -> None:
+    """Llama-4's FP8 experts are saved fused and transformers has no per-expert names for
+    them: an export would write the fused tensors into a compressed-tensors checkpoint that no
+    loader reads (before: written silently; transformers then failed on random init)."""
+    import transformers as tf
+
+    from hf_fp8 import Fp8Config
+    from tests.modules.test_fp8_bmm_experts import TEXT
+
+    torch.manual_seed(0)
+    tf.Llama4ForCausalLM(tf.Llama4TextConfig(**TEXT)).save_pretrained(tmp_path / "hp")
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hp", quantization_config=Fp8Config("dynamic")
+    )
+    model.save_pretrained(tmp_path / "fp8")
+    with pytest.raises(
+        ValueError, match=r"experts\.down_proj \(and 3 more\).*fused.*'llama4_text'"
+    ):
+        export_checkpoint(tmp_path / "fp8", tmp_path / "ct", "compressed-tensors")
+    assert not (tmp_path / "ct").exists()
