@@ -118,16 +118,24 @@ def combine(
     expert output's dtype, as transformers' ``grouped_mm`` does), put back in (token, k)
     order and summed over k (torch accumulates the sum in fp32), then cast to ``out_dtype``.
     Deterministic: a gather and a sum, no ``index_add_``. Dropped (sentinel) pairs add zero.
+    The rows are put in (token, k) order first and weighted there (in place when no gradient
+    is recorded): one ``[tokens · top_k, H]`` temporary instead of two.
     """
     num_pairs = routing.num_tokens * routing.top_k
     routed = expert_out.shape[0]
-    weights = top_k_weights.reshape(-1)[routing.pair_index].unsqueeze(-1)
-    weighted = expert_out * weights.to(expert_out.dtype)
-    if routed < num_pairs:  # dropped pairs read this zero row
-        weighted = torch.cat([weighted, weighted.new_zeros(1, weighted.shape[-1])])
-    inverse = torch.full((num_pairs,), routed, dtype=torch.long, device=weighted.device)
-    inverse[routing.pair_index] = torch.arange(routed, device=weighted.device)
-    per_pair = weighted.index_select(0, inverse)
+    weights = top_k_weights.reshape(-1, 1).to(expert_out.dtype)
+    if routed < num_pairs:  # dropped pairs read this zero row, with weight zero
+        expert_out = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[-1])])
+        dropped = torch.ones(num_pairs, dtype=torch.bool, device=weights.device)
+        dropped[routing.pair_index] = False
+        weights = weights.masked_fill(dropped.unsqueeze(-1), 0)
+    inverse = torch.full((num_pairs,), routed, dtype=torch.long, device=expert_out.device)
+    inverse[routing.pair_index] = torch.arange(routed, device=expert_out.device)
+    per_pair = expert_out.index_select(0, inverse)
+    if torch.is_grad_enabled() and (per_pair.requires_grad or weights.requires_grad):
+        per_pair = per_pair * weights
+    else:
+        per_pair.mul_(weights)
     return per_pair.view(routing.num_tokens, routing.top_k, -1).sum(dim=1).to(out_dtype)
 
 

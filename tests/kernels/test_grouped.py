@@ -91,6 +91,28 @@ def test_combine_weights_and_sums_per_token() -> None:
     assert got.squeeze(-1).tolist() == [0.25 * 1, 0.5 * 0 + 0.5 * 2]
 
 
+def test_combine_dropped_pairs_ignore_their_weight_and_gradients_flow() -> None:
+    """A sentinel pair adds zero even with a NaN weight; expert outputs and routing weights
+    get the gradients of ``sum_k w[t, k] * out[pair(t, k)]``."""
+    index = torch.tensor([[2, 3], [1, 2], [0, 1]])  # 3: a sentinel (num_experts 3)
+    routing = grouped.route(index, 3)
+    weights = torch.tensor([[0.25, float("nan")], [0.5, 0.5], [0.3, 0.7]], requires_grad=True)
+    expert_out = torch.randn(5, 4, requires_grad=True)
+    got = grouped.combine(expert_out, routing, weights, torch.float32)
+    assert torch.isfinite(got).all()
+    full = torch.zeros(6, 4)
+    full[routing.pair_index] = expert_out
+    ref = (full.view(3, 2, 4) * torch.nan_to_num(weights).unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(got, ref)
+    got.sum().backward()
+    assert weights.grad[0, 1] == 0
+    expected_w = full.view(3, 2, 4).sum(-1)
+    torch.testing.assert_close(weights.grad[[0, 1, 1, 2, 2], [0, 0, 1, 0, 1]],
+                               expected_w[[0, 1, 1, 2, 2], [0, 0, 1, 0, 1]])  # fmt: skip
+    flat_w = torch.nan_to_num(weights.detach()).reshape(-1)[routing.pair_index]
+    torch.testing.assert_close(expert_out.grad, flat_w.unsqueeze(-1).expand(5, 4))
+
+
 @pytest.mark.parametrize("gran", ["row", "tensor", "block"])
 @pytest.mark.parametrize(
     ("act", "a_gran"),
