@@ -31,10 +31,12 @@ Status (this file, ``hf_fp8/kernels/grouped.py``): all 68 experts classes of tra
 5.24 (discovered by ``tests/modules/moe_zoo.py``) convert and equal their own eager forward
 on the dequantized weights; not decorated experts (``Llama4TextExperts``, ``DbrxExperts``,
 ``JetMoeParallelExperts``, ``Step3p7Experts``, ``LongcatFlashExperts``) and transformers' own
-``FP8Experts`` are refused with a reason. CPU, one thread, Qwen3-MoE-shaped block (64
-experts, top-8, H 2048, I 768; ``benchmarks/bench_moe_block.py --clock thread``): decode
-0.41x (weight-only) / 0.45x (dynamic) the time of bf16 ``grouped_mm``, prefill (512 tokens)
-1.40x / 1.75x (target 1.3x); 1.003 bytes per expert parameter with row scales.
+``FP8Experts`` are refused with a reason. CPU speed: see ``benchmarks/bench_moe_block.py``
+(Qwen3-MoE-shaped block, 64 experts, top-8, H 2048, I 768, against bf16 ``grouped_mm`` in the
+same run; results in ``benchmarks/results/moe_block.json``): one thread (its CPU clock), decode
+about 0.4x and prefill (512 tokens) about 1.0x the bf16 time (targets 1.5x / 1.3x; before the
+CPU grouped route of ``hf_fp8/kernels/grouped_cpu.py``: prefill 1.40x / 1.75x weight-only /
+dynamic); 1.003 bytes per expert parameter with row scales.
 
 Done since (H7): the quantizer swaps every experts module through the experts rule
 (:func:`experts_keep_reason` / :func:`convertible_experts`, named in
@@ -51,10 +53,11 @@ Still open:
   (its ``CompressedTensorsDequantize`` multiplies codes by the ``[nb, kb]`` scale without
   expanding the blocks); row / tensor scales load and match hf_fp8 in fp32 (weight-only).
 * FSDP2 sharding of the 3-D parameters (2 CPU ranks) is not tested.
-* speed: the prefill gap is inside the per-expert ``fp8_linear`` (weight decode + matmul,
-  and ~1 ms to quantize 64 x 2048 activation rows). The up projection re-quantizes each token
-  once per routed expert (top-k times): an ``fp8_linear`` that takes a pre-quantized
-  ``(a_fp8, a_scale)`` would let the grouped path quantize the T tokens once.
+* speed: prefill is at bf16 parity on one thread, not below it: the matmul is compute-bound
+  (bf16 dot products either way) and the fp8 weights (302 MB for this block) still stream
+  from memory once per call. The up projection quantizes each token once (per-token scales);
+  experts small enough for the GEMV (decode, small batches) still quantize their own rows
+  there (an ``fp8_linear`` taking a pre-quantized ``(a_fp8, a_scale)`` would remove that).
   ``route`` syncs the host once (``counts``): ``torch.compile(fullgraph=True)`` and CUDA graphs
   break there.
 """
