@@ -9,6 +9,7 @@ interleaved, round by round, and the best round is kept (robust to other process
     python benchmarks/bench_moe_block.py --quick          # fewer rounds
     python benchmarks/bench_moe_block.py --experts 16     # a smaller block
     python benchmarks/bench_moe_block.py --threads 1 2    # the default: 1, then 2 threads
+    python benchmarks/bench_moe_block.py --rounds 15      # more rounds on a busy machine
 
 One thread is timed by its own CPU time (``--clock thread``, the default: stable on a shared
 machine); more threads by the wall clock (``--clock wall`` times one thread by the wall clock
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 512])
     parser.add_argument("--schemes", nargs="+", default=["weight_only", "dynamic"])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="round-robin rounds (default 7, --quick 3)"
+    )
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument(
         "--clock",
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         clock = time.thread_time if clock_name == "thread" else time.perf_counter
         for tokens in args.tokens:
             inputs = routing(tokens, args.hidden, args.experts, args.top_k)
-            rounds = 3 if args.quick else 7
+            rounds = args.rounds or (3 if args.quick else 7)
             calls = max(1, (20 if tokens == 1 else 2) // (2 if args.quick else 1))
             best = best_times(candidates, inputs, rounds, calls, clock)
             base = best["bf16 grouped_mm"]
@@ -160,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             "load_average_after": [round(v, 2) for v in os.getloadavg()],
             "torch": torch.__version__,
         },
+        "rounds": args.rounds or (3 if args.quick else 7),
         "bytes_per_expert_parameter": bytes_pp,
         "rows": rows,
         "targets": {"prefill_ratio_max": 1.3, "decode_ratio_max": 1.5, "bytes_per_param_max": 1.01},
