@@ -75,6 +75,24 @@ def test_rounding_options_reach_the_optimizer(tmp_path):
     assert opt.param_groups[0]["seed"] == 7
 
 
+def test_moment_format_reaches_the_optimizer(tmp_path):
+    """optim_args moment_format=fp8 selects the paper's fp8 codes under adamw_fp8_coat."""
+    training_args = args(tmp_path, optim="adamw_fp8_coat", optim_args="moment_format=fp8")
+    _, kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args)
+    assert kwargs["moment_format"] == "fp8" and kwargs["dynamic_range_expansion"] is True
+    p = torch.nn.Parameter(torch.zeros(64, 128))
+    opt = AdamWFp8([p], **kwargs)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.state[p]["exp_avg_fp8"].dtype == torch.float8_e4m3fn
+    _, default = Trainer.get_optimizer_cls_and_kwargs(args(tmp_path, optim="adamw_fp8_coat"))
+    q = torch.nn.Parameter(torch.zeros(64, 128))
+    opt = AdamWFp8([q], **default)
+    q.grad = torch.ones_like(q)
+    opt.step()
+    assert opt.state[q]["exp_avg_fp8"].dtype == torch.int8  # the default: moment_format="log"
+
+
 def test_hf_argument_parser_accepts_the_names(tmp_path):
     parser = HfArgumentParser(TrainingArguments)
     (parsed,) = parser.parse_args_into_dataclasses(
