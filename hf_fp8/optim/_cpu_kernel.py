@@ -12,7 +12,9 @@ The source is ``csrc/adamw_fp8.c``. Everything it shares with Python — the tas
 variant flag bits (:data:`FLAGS`) and coat's constants — is passed from here as ``-D``
 defines (:func:`kernel_defines`); the C file restates none of them.
 
-Each variant (parameter / gradient dtype fp32 or bf16, E4M3 or E5M2, expansion or not) is one
+Each variant (parameter / gradient dtype fp32 or bf16; ``moment_format="log"``
+(:mod:`hf_fp8.numerics.log_moments`: int32 / fp32 bit arithmetic only, no log2 / exp2) or the
+fp8 codes (E4M3 or E5M2, COAT expansion or not); stochastic rounding per moment) is one
 library, built once by :func:`hf_fp8.utils.native.load_library` (private ``0700`` cache,
 build lock, per-variant failure record; ``HF_FP8_DISABLE_CPU_KERNEL=1`` turns it off).
 Threads: POSIX threads, ``torch.get_num_threads()`` of them. When a variant is unavailable

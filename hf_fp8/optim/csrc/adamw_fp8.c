@@ -1,7 +1,9 @@
 /* Fused CPU step of hf_fp8.optim.AdamWFp8 (see hf_fp8/optim/_cpu_kernel.py).
 
-   Every arithmetic line mirrors hf_fp8.numerics.coat and hf_fp8.optim._step.grouped_step in
-   the same order, so results are bit-identical to the reference. Loops are branch-free so
+   Every arithmetic line mirrors hf_fp8.numerics.coat / hf_fp8.numerics.log_moments and
+   hf_fp8.optim._step.grouped_step / grouped_step_log in the same order, so results are
+   bit-identical to the reference. Two families of variants: the fp8 codes (run_groups) and
+   moment_format="log" (run_groups_log: no polynomial at all, ~3x faster). Loops are branch-free so
    that the compiler vectorizes them; max/min reductions run on the bit patterns of
    non-negative floats.
 

@@ -1,0 +1,58 @@
+"""The C kernel built for a baseline ISA (no AVX2 / AVX-512 on x86-64, plain ARMv8) gives the
+reference's bits too: the kernel's numerics do not depend on the vector width the compiler
+picked (the default build is -march=native, AVX-512 on this machine)."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import pytest
+import torch
+
+from hf_fp8.optim import _cpu_kernel
+from hf_fp8.utils import native
+from tests.optim.test_implementations import assert_bit_identical, run
+
+BASELINE = {"x86_64": ("-march=x86-64", "-mtune=generic"), "aarch64": ("-march=armv8-a",)}
+CASES = [  # (param dtype, fp8_format, expand, options)
+    (torch.float32, "e4m3", True, {}),  # the default: moment_format="log", SR of v
+    (torch.bfloat16, "e4m3", True, {"stochastic_rounding": True}),
+    (torch.float32, "e4m3", True, {"moment_format": "fp8"}),
+]
+
+
+@pytest.fixture
+def baseline_kernels(monkeypatch):
+    """Route every kernel variant to a library built with the baseline ISA flags."""
+    flags = BASELINE.get(platform.machine())
+    if flags is None or native.compiler() is None:
+        pytest.skip("no baseline ISA flags for this machine, or no C compiler")
+    built: dict[int, ctypes.CDLL] = {}
+
+    def load(variant: int = _cpu_kernel.EXPAND):
+        if variant not in built:
+            lib = native.load_library(
+                "adamw_fp8_baseline",
+                _cpu_kernel.SOURCE,
+                defines=_cpu_kernel.kernel_defines(variant),
+                cflags=flags,
+            )
+            lib.adamw_fp8_step.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+            lib.adamw_fp8_step.restype = ctypes.c_int
+            built[variant] = lib
+        return built[variant]
+
+    monkeypatch.setattr(_cpu_kernel, "load", load)
+    return built
+
+
+@pytest.mark.slow  # builds three libraries
+@pytest.mark.parametrize(("dtype", "fp8_format", "expand", "options"), CASES)
+def test_baseline_isa_kernel_is_bit_identical_to_reference(
+    baseline_kernels, dtype, fp8_format, expand, options
+):
+    reference = run("reference", dtype, dtype, fp8_format, expand, **options)
+    kernel = run("cpu_kernel", dtype, dtype, fp8_format, expand, **options)
+    assert baseline_kernels  # the baseline libraries did the steps
+    assert_bit_identical(reference, kernel)
