@@ -452,7 +452,7 @@ def _fp8_mm_impl(
         "scales after the matmul need bf16",
     )
     if a.dtype == torch.bfloat16 and k % 2 == 0 and fused_mm_enabled(path):
-        return _fused_mm(a, w, w_scale, a_scale, bias, w_gran, bn, bk, w_post, path)
+        return fused_mm(a, w, w_scale, a_scale, bias, w_gran, bn, bk, w_post, path)
     rows = max(16, min(n, TILE_BYTES // (k * a.element_size()) // 16 * 16))
     # out.T tile by tile (tile @ a.T: rows of out.T), joined by one cat. Measured with 2
     # threads: torch.mm(..., out=) and a @ tile.T per tile ran 5-10x slower than this.
@@ -493,7 +493,7 @@ def _fp8_mm_impl(
     return out
 
 
-def _fused_mm(
+def fused_mm(
     a: torch.Tensor,
     w: torch.Tensor,
     w_scale: torch.Tensor,
@@ -504,9 +504,13 @@ def _fused_mm(
     bk: int,
     w_post: bool,
     path: str,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``_fp8_mm_impl`` for bf16 ``a`` and even K in one C call (``fp8_mm_bf16``): the
-    same operands, products and epilogue; only the fp32 summation order differs."""
+    same operands, products and epilogue; only the fp32 summation order differs. ``out``:
+    an ``[m, n]`` bf16 tensor with contiguous rows (e.g. rows of a larger output) that the
+    result is written into (eager callers only: it is not a custom op)."""
     _check_weight(w, w_scale, w_gran, bn, bk)
     n, k = w.shape
     m = a.shape[0]
@@ -531,7 +535,16 @@ def _fused_mm(
     )
     lib = library(path)
     _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
-    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+    _check(
+        out.dtype == torch.bfloat16
+        and out.device.type == "cpu"
+        and out.shape == (m, n)
+        and out.stride() == (n, 1),
+        f"out must be a [{m}, {n}] CPU bf16 tensor with contiguous rows, got "
+        f"{tuple(out.shape)} {out.dtype} strides {out.stride()}",
+    )
     folded = None if w_post else w_scale
     rc = lib.fp8_mm_bf16(
         a.data_ptr(), m, k, w.data_ptr(), n, _ptr(folded), GRANULARITIES[w_gran], bn, bk,

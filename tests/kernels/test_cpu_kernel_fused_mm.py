@@ -37,8 +37,8 @@ def fused(monkeypatch):
     monkeypatch.setenv(cpu_kernel.ENV, PATH)
     monkeypatch.setattr(cpu_kernel, "FUSED_MM", True)
     calls = []
-    real = cpu_kernel._fused_mm
-    monkeypatch.setattr(cpu_kernel, "_fused_mm", lambda *a: calls.append(1) or real(*a))
+    real = cpu_kernel.fused_mm
+    monkeypatch.setattr(cpu_kernel, "fused_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -131,3 +131,21 @@ def test_amx_machines_keep_onednn(monkeypatch):
     monkeypatch.setattr(cpu_kernel, "cpu_features", lambda: frozenset({"avx512bf16"}))
     assert cpu_kernel.fused_mm_enabled(PATH)
     assert not cpu_kernel.fused_mm_enabled("avx512")
+
+
+def test_out_writes_rows_of_a_larger_tensor(monkeypatch):
+    """``fused_mm(..., out=big[a:b])`` writes those rows only, bit-equal to a fresh result;
+    an out with other strides is refused before the C call."""
+    monkeypatch.setenv(cpu_kernel.ENV, PATH)
+    w8 = _all_codes_weight(50, 64, torch.float8_e4m3fn)
+    ws = _weight_scale(50, 64, "row").reshape(-1).contiguous()
+    a = torch.randn(20, 64).to(torch.bfloat16)
+    args = (a, w8, ws, None, None, "row", 1, 1, True, PATH)
+    fresh = cpu_kernel.fused_mm(*args)
+    big = torch.full((30, 50), 7.0, dtype=torch.bfloat16)
+    got = cpu_kernel.fused_mm(*args, out=big[5:25])
+    assert got.data_ptr() == big[5:25].data_ptr()
+    assert torch.equal(big[5:25], fresh)
+    assert bool((big[:5] == 7).all()) and bool((big[25:] == 7).all())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_kernel.fused_mm(*args, out=torch.empty(50, 20, dtype=torch.bfloat16).t())
