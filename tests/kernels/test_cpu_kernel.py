@@ -158,6 +158,23 @@ def test_decode_is_bit_exact_for_every_code(path, fmt, dtype) -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("scale", [7.3e-3, 1e-38, 1e37])
+def test_scaled_bf16_decode_is_bit_identical_to_torch(path, fmt, scale) -> None:
+    """Every code times a row scale, rounded to bf16, bit for bit as ``(w.float() * s).to(
+    bf16)`` (NaN where it is NaN; torch's NaN payloads vary by code path), products below
+    fp32's normal range (1e-38: subnormal, not flushed), above it (1e37: inf); rows of 320
+    codes take the vector loops and a tail."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(5, 2)[:, 7 : 7 + 320]
+    w8 = codes.contiguous().view(FORMATS[fmt])
+    ws = torch.full((5, 1), scale) * torch.tensor([1.0, 1.5, 0.75, 1.25, 3.0]).reshape(5, 1)
+    got = cpu_kernel.decode(w8, ws.reshape(-1), "row", BLOCK, torch.bfloat16, path=path)
+    want = (w8.float() * ws).to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
 def test_nan_weight_code_gives_a_nan_row(path) -> None:
     w8 = _all_codes_weight(8, 64, torch.float8_e4m3fn)
     w8.view(torch.uint8)[5, 9] = 0x7F  # E4M3 NaN

@@ -620,6 +620,38 @@ static void decode_span(const decode_t *d, const uint8_t *w, int64_t len, float 
             _mm512_storeu_si512((uint16_t *)out + k, o0);
             _mm512_storeu_si512((uint16_t *)out + k + 32, o1);
         }
+    } else if (d->out_kind == OUT_BF16) { /* scaled: exact values from the tables, one fp32
+        multiply, vcvtne2ps2bf16 (round to nearest even); lanes that instruction would treat
+        otherwise than torch (fp32 subnormals: flushed; NaN: torch's 0x7fc0) go the long way */
+        const __m512i hi0 = T_HI[d->fmt][0], hi1 = T_HI[d->fmt][1];
+        const __m512i lo0 = T_LO[d->fmt][0], lo1 = T_LO[d->fmt][1], perm = PERM;
+        const __m512i expo = _mm512_set1_epi32(0x7f800000), mag = _mm512_set1_epi32(0x7fffffff);
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (; k + 64 <= len; k += 64) {
+            __m512i o[2];
+            dec64_bf16(w + k, hi0, hi1, lo0, lo1, perm, &o[0], &o[1]);
+            for (int h = 0; h < 2; ++h) {
+                __m512 a = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(o[h])), 16));
+                __m512 b = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(o[h], 1)), 16));
+                a = _mm512_mul_ps(a, sv);
+                b = _mm512_mul_ps(b, sv);
+                __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
+                __m512i ea = _mm512_and_si512(ua, expo), eb = _mm512_and_si512(ub, expo);
+                __mmask16 odd = _mm512_mask_test_epi32_mask(_mm512_cmpeq_epi32_mask(ea, _mm512_setzero_si512()), ua, mag)
+                                | _mm512_cmpeq_epi32_mask(ea, expo)
+                                | _mm512_mask_test_epi32_mask(_mm512_cmpeq_epi32_mask(eb, _mm512_setzero_si512()), ub, mag)
+                                | _mm512_cmpeq_epi32_mask(eb, expo);
+                uint16_t *dst = (uint16_t *)out + k + 32 * h;
+                if (odd) {
+                    vstore_bf16(dst, a);
+                    vstore_bf16(dst + 16, b);
+                } else {
+                    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+                }
+            }
+        }
     }
 #endif
 #if FP8_PATH != 0
