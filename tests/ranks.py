@@ -1,8 +1,9 @@
 """Run a worker script as N ``torch.distributed`` ranks (gloo on loopback), each its own
 process, with a timeout: every rank that outlives it is killed and its output is shown.
 
-A worker is ``python SCRIPT RANK WORLD PORT OUTDIR`` (see ``tests/optim/fsdp_worker.py``);
-it initialises the process group itself, and destroys it in a ``finally``.
+A worker is ``python SCRIPT RANK WORLD PORT OUTDIR [ARGS...]`` (see
+``tests/optim/fsdp_worker.py``, ``tests/integration/moe_fsdp_worker.py``); it initialises the
+process group itself, and destroys it in a ``finally``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,10 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: Path, outdir: Path, *, world: int = 2, timeout: float = 240) -> list[str]:
-    """Run ``script`` as ``world`` ranks writing to ``outdir``; assert every rank exits 0
-    within ``timeout`` seconds (the message holds the tail of each rank's output). One
-    thread per rank (``OMP_NUM_THREADS=1``), as a single-process reference should use."""
+def run_ranks(
+    script: str | Path,
+    outdir: Path,
+    *,
+    world: int = 2,
+    timeout: float = 240,
+    args: Sequence[str] = (),
+) -> list[str]:
+    """Run ``script`` as ``world`` ranks writing to ``outdir`` (``args`` after it); assert
+    every rank exits 0 within ``timeout`` seconds (the message holds the tail of each rank's
+    output). One thread per rank (``OMP_NUM_THREADS=1``), as a single-process reference
+    should use."""
     port = free_port()
     env = {
         **os.environ,
@@ -37,7 +47,7 @@ def run_ranks(script: Path, outdir: Path, *, world: int = 2, timeout: float = 24
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(world), str(port), str(outdir)],
+            [sys.executable, str(script), str(rank), str(world), str(port), str(outdir), *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
