@@ -15,8 +15,8 @@ less around it:
   ``fp8_linear`` computes them;
 * each expert's rows are multiplied into its rows of one preallocated output: with bf16
   compute where ``cpu_kernel.fused_mm_enabled`` (AVX-512 BF16 without AMX), by the C decode +
-  GEMM + epilogue (``cpu_kernel.cpu_fp8_mm``, the same call ``fp8_linear`` makes there, with
-  the activation already quantized); elsewhere the expert's weight is decoded once, whole, into
+  GEMM + epilogue (``cpu_kernel.fused_mm``, the kernel ``fp8_linear`` runs there, with the
+  activation already quantized, writing into those rows); elsewhere the expert's weight is decoded once, whole, into
   one reused buffer (``cpu_kernel.decode``, unscaled where the emulation applies the scale
   after the matmul), multiplied by ``torch.mm`` (``F.linear(w, a)``, the tiled path's form,
   is 10-40 % slower at 48-96 rows except at multiples of 16), then the emulation's epilogue
@@ -127,12 +127,12 @@ def grouped_linear(
             )
         w_e = scales[expert].reshape(-1).contiguous()
         codes = w_fp8[expert].detach().contiguous()
-        if fused:  # the C decode + GEMM + epilogue in one call (cpu_kernel.fused_mm_enabled)
+        if fused:  # the C decode + GEMM + epilogue, straight into the expert's output rows
             if a_scale is not None:
                 a_scale = a_scale.reshape(-1).contiguous()
-            out[start:end] = cpu_kernel.cpu_fp8_mm(
+            cpu_kernel.fused_mm(
                 a.contiguous(), codes, w_e, a_scale if a_post else None, b, w_gran, block[0],
-                block[1], w_post, path,
+                block[1], w_post, path, out=out[start:end],
             )  # fmt: skip
             continue
         w = cpu_kernel.decode(

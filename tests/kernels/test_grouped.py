@@ -437,11 +437,11 @@ def test_cpu_route_equals_the_reference(monkeypatch, gran, act, a_gran, dtype, f
         pytest.skip(f"the fused C decode + GEMM needs {cpu_kernel.BF16_ACTIVATION_PATHS}")
     monkeypatch.setattr(cpu_kernel, "FUSED_MM", fused)
     decoded = []
-    real_decode, real_mm = cpu_kernel.decode, cpu_kernel.cpu_fp8_mm
+    real_decode, real_mm = cpu_kernel.decode, cpu_kernel.fused_mm
     monkeypatch.setattr(cpu_kernel, "decode", lambda w, *a, **k: decoded.append(w.data_ptr())
                         or real_decode(w, *a, **k))  # fmt: skip
-    monkeypatch.setattr(cpu_kernel, "cpu_fp8_mm", lambda a, w, *r: decoded.append(w.data_ptr())
-                        or real_mm(a, w, *r))  # fmt: skip
+    monkeypatch.setattr(cpu_kernel, "fused_mm", lambda a, w, *r, **k: decoded.append(
+        w.data_ptr()) or real_mm(a, w, *r, **k))  # fmt: skip
     w_fp8, w_scale = _experts(gran=gran)
     bias = torch.randn(5, 32)
     x, index = _skewed_routing()
