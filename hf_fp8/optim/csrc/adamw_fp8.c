@@ -344,7 +344,7 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
    c is passed as an (integer-valued) float: (float)(c - 255) == c - 255.0f exactly. */
 AI int32_t log_v_bits(float c, int32_t amax_bits, float dv) {
     float off = (c - (float)LOG_V_MAX) * dv;
-    off = (off < LOG_BITS_FLOOR) ? LOG_BITS_FLOOR : off;
+    off = (off > LOG_BITS_FLOOR) ? off : LOG_BITS_FLOOR;
     int32_t b = amax_bits + (int32_t)rintf(off);
     return ((c != 0.0f) & (b >= (int32_t)FLT_MIN_BITS)) ? b : 0;
 }
@@ -353,7 +353,7 @@ AI int32_t log_v_bits(float c, int32_t amax_bits, float dv) {
    from v's code c (a float), slope = 2^-5/k and offset = L(amax)/2 - 255·slope. */
 AI float log_m_scale(float c, float slope, float offset, const int inv) {
     float e = floorf(c * slope + offset);
-    e = (e < -(float)LOG_E_MAX) ? -(float)LOG_E_MAX : e;
+    e = (e > -(float)LOG_E_MAX) ? e : -(float)LOG_E_MAX; /* max(e, -63): one vmaxps */
     int32_t ei = (int32_t)e;
     return b2f((uint32_t)(inv ? ((127 - ei) << 23) : ((ei + 127) << 23)));
 }
@@ -365,8 +365,8 @@ AI float log_m_offset(uint32_t amax_bits, float slope) {
 }
 
 /* Stochastic rounding: top 24 bits of ((key + i)·WEYL) mod 2^32, as a float in [0, 1). */
-AI float log_uniform(uint32_t key, int64_t i) {
-    uint32_t h = (key + (uint32_t)i) * (uint32_t)LOG_WEYL;
+AI float log_uniform(uint32_t key, uint32_t i) {
+    uint32_t h = (key + i) * (uint32_t)LOG_WEYL;
     return (float)(int32_t)(h >> LOG_SR_SHIFT) * LOG_SR_UNIT;
 }
 
@@ -383,7 +383,7 @@ AI void update_group_log(char* p_, const char* g_, const int8_t* restrict qm,
     const float* restrict g32 = (const float*)g_;
     const uint16_t* restrict gbf = (const uint16_t*)g_;
     uint32_t avx = 0u, avn = INF_BITS;
-    for (int64_t i = 0; i < n; ++i) {
+    for (uint32_t i = 0; i < (uint32_t)n; ++i) {
         float c = (float)qv[i];
         float vo = b2f((uint32_t)log_v_bits(c, av, dv));
         float mo = ((float)qm[i] * sm) * log_m_scale(c, slope, offset, 0);
@@ -422,13 +422,13 @@ AI uint32_t requant_log_v(float* restrict mb, const float* restrict vb, uint8_t*
                           uint32_t vmax, float ev, float slope, float offset, int64_t n,
                           int64_t gs, uint32_t key_v, const int SRV) {
     uint32_t mmax = 0u;
-    for (int64_t i = 0; i < n; ++i) {
+    for (uint32_t i = 0; i < (uint32_t)n; ++i) {
         float x = vb[i];
         int32_t a = (int32_t)(f2b(x) & 0x7FFFFFFFu);
         float t = (float)(a - (int32_t)vmax) * ev + (float)LOG_V_MAX;
         float c = SRV ? floorf(t + log_uniform(key_v, i)) : rintf(t);
-        c = (c < 0.0f) ? 0.0f : c;
-        c = (c > (float)LOG_V_MAX) ? (float)LOG_V_MAX : c;
+        c = (c > 0.0f) ? c : 0.0f; /* clamps written as max / min */
+        c = (c < (float)LOG_V_MAX) ? c : (float)LOG_V_MAX;
         c = (a >= (int32_t)FLT_MIN_BITS) ? c : 0.0f;
         qv[i] = (uint8_t)(int32_t)c;
         float mn = mb[i] * log_m_scale(c, slope, offset, 1);
@@ -436,21 +436,21 @@ AI uint32_t requant_log_v(float* restrict mb, const float* restrict vb, uint8_t*
         uint32_t b = f2b(mn) & 0x7FFFFFFFu;
         mmax = (b > mmax) ? b : mmax;
     }
-    for (int64_t i = n; i < gs; ++i) qv[i] = 0;
+    for (uint32_t i = (uint32_t)n; i < (uint32_t)gs; ++i) qv[i] = 0;
     return mmax;
 }
 
 /* int8 codes of m·2^-e (mb) with the group's 127 / amax (0 codes when invalid). */
 AI void requant_log_m(const float* restrict mb, int8_t* restrict qm, float inv, int valid,
                       int64_t n, int64_t gs, uint32_t key_m, const int SRM) {
-    for (int64_t i = 0; i < n; ++i) {
+    for (uint32_t i = 0; i < (uint32_t)n; ++i) {
         float t = mb[i] * inv;
         float q = SRM ? copysignf(floorf(fabsf(t) + log_uniform(key_m, i)), t) : rintf(t);
-        q = (q < -(float)LOG_M_MAX) ? -(float)LOG_M_MAX : q;
-        q = (q > (float)LOG_M_MAX) ? (float)LOG_M_MAX : q;
+        q = (q > -(float)LOG_M_MAX) ? q : -(float)LOG_M_MAX;
+        q = (q < (float)LOG_M_MAX) ? q : (float)LOG_M_MAX;
         qm[i] = (int8_t)(int32_t)(valid ? q : 0.0f);
     }
-    for (int64_t i = n; i < gs; ++i) qm[i] = 0;
+    for (uint32_t i = (uint32_t)n; i < (uint32_t)gs; ++i) qm[i] = 0;
 }
 
 /* Groups lo..hi-1 of a task, CHUNK at a time: the per-group scalars (k, 2^19/k, 127/amax: the
