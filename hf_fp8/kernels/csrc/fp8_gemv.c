@@ -973,24 +973,24 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
 
 /* ---------------------------------------------------------------- fused decode + GEMM (path 4) */
 /* out[m, n] = epilogue(bf16(sum_k x[m, k] * w[n, k])) for many tokens, bf16 activations:
- * a register-blocked GEMM (MM_MR tokens x MM_NR weight rows per micro-tile, vdpbf16ps)
- * whose weight panels are decoded from fp8 straight into the pair-interleaved layout the
- * instruction reads (the packing any bf16 GEMM does, here from half the bytes). The sum is
- * the bf16 matmul's (exact bf16 products, fp32 sums, one rounding to bf16), then the
- * epilogue of fp8_epilogue: bf16((acc * (a_scale[m] * w_scale[n])) + bias[n]).
- * Blocking: per thread a chunk of MM_NC weight rows; its fp32 partial sums [MM_MC, MM_NC]
- * stay in L2 across the K blocks (MM_KC); a packed panel (MM_KC x MM_NR) stays in L1 while
- * every token tile passes over it. K must be even (the Python side checks). */
+ * a register-blocked GEMM with vdpbf16ps, MM_MR weight rows x MM_TT tokens per micro-tile.
+ * The weight is the broadcast operand: a (k, k + 1) pair of a row is what the instruction
+ * broadcasts, and rows are already laid out that way, so a panel of MM_MR rows is only
+ * decoded (fp8 -> bf16, into L1), never transposed; the activations, far fewer than the
+ * weights at these sizes, are packed once per call into pairs-of-k x tokens. The sum is the
+ * bf16 matmul's (exact bf16 products, fp32 sums, one rounding to bf16), then the epilogue
+ * of fp8_epilogue: bf16((acc * (a_scale[m] * w_scale[n])) + bias[n]).
+ * Blocking: per thread, chunks of MM_NC weight rows; their fp32 partial sums [MM_NC, MM_MC]
+ * stay in L2 across K blocks (K split evenly into blocks of at most MM_KC; large blocks keep
+ * the micro-tile's prologue and epilogue rare). K must be even (the Python side checks). */
 #if FP8_PATH == 4
-#ifndef MM_KC /* overridable for tuning builds only */
-#define MM_KC 512
+#ifndef MM_KC /* the largest K block; overridable for tuning builds only */
+#define MM_KC 1024
 #endif
-#ifndef MM_NC
-#define MM_NC 512
-#endif
-#define MM_MR 14
-#define MM_NR 32
-#define MM_MC 256
+#define MM_MR 14            /* weight rows per micro-tile (28 accumulators) */
+#define MM_TT 32            /* tokens per micro-tile: two vectors */
+#define MM_NC (MM_MR * 32)  /* weight rows per chunk */
+#define MM_MC 256           /* tokens per block */
 
 typedef struct {
     const uint16_t *x;    /* [M, K] bf16 */
@@ -1001,6 +1001,7 @@ typedef struct {
     uint16_t *out;        /* [M, N] bf16 */
     int *err;             /* set when a worker cannot allocate its scratch */
     int64_t M, K, N, bn, bk, n0, n1, as_n, ps_n;
+    int64_t kc;           /* K block: K split evenly into blocks of at most MM_KC (even) */
     int fmt, wgran;
 } mm_t;
 
@@ -1030,44 +1031,56 @@ AI void tr16x16(__m512i r[16]) {
     for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-/* Decode weight rows [p0, p0 + MM_NR) x codes [k0, k0 + kc) (rows past N: zeros) into
- * bp[kc / 2][MM_NR] bf16 pairs (k, k + 1) of each row; tmp: MM_NR x kcp bf16 scratch. */
-static void mm_pack(const mm_t *g, int64_t p0, int64_t k0, int64_t kc, uint16_t *tmp,
-                    uint32_t *bp) {
-    int64_t kcp = (kc + 31) & ~(int64_t)31, kblocks = (g->K + g->bk - 1) / g->bk;
+/* Activations [mc0, mc0 + mc) x K into xp: per K block b, [pairs][mcp] 32-bit (k, k + 1)
+ * pairs of each token (tokens mc .. mcp, a multiple of 16: zeros). */
+static void mm_pack_x(const mm_t *g, int64_t mc0, int64_t mc, int64_t mcp, uint32_t *xp) {
+    for (int64_t k0 = 0, b = 0; k0 < g->K; k0 += g->kc, ++b) {
+        int64_t pairs = (g->K - k0 < g->kc ? g->K - k0 : g->kc) / 2;
+        uint32_t *dst = xp + b * (g->kc / 2) * mcp;
+        for (int64_t m0 = 0; m0 < mcp; m0 += 16) {
+            for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
+                int64_t jn = pairs - j0 < 16 ? pairs - j0 : 16;
+                __mmask16 km = (__mmask16)((1u << jn) - 1u);
+                __m512i r[16];
+                for (int i = 0; i < 16; ++i) {
+                    int64_t m = m0 + i;
+                    r[i] = m < mc ? _mm512_maskz_loadu_epi32(
+                                        km, g->x + (mc0 + m) * g->K + k0 + 2 * j0)
+                                  : _mm512_setzero_si512();
+                }
+                tr16x16(r);
+                for (int64_t j = 0; j < jn; ++j) _mm512_storeu_si512(dst + (j0 + j) * mcp + m0, r[j]);
+            }
+        }
+    }
+}
+
+/* Weight rows [p0, p0 + rows) x codes [k0, k0 + kc) decoded to bf16 into wb[MM_MR][MM_KC]
+ * (rows past `rows`: zeros). */
+static void mm_decode_panel(const mm_t *g, int64_t p0, int64_t rows, int64_t k0, int64_t kc,
+                            uint16_t *wb) {
+    int64_t kblocks = (g->K + g->bk - 1) / g->bk;
     decode_t d = {NULL, g->ws, NULL, g->K, 0, g->bn, g->bk, 0, 0, g->fmt, g->wgran, OUT_BF16};
     float factor = dec_factor(g->fmt);
-    for (int64_t r = 0; r < MM_NR; ++r) {
-        uint16_t *row = tmp + r * kcp;
+    for (int64_t r = 0; r < MM_MR; ++r) {
+        uint16_t *row = wb + r * MM_KC;
         int64_t n = p0 + r;
-        if (n >= g->N) {
-            memset(row, 0, (size_t)kcp * 2);
+        if (r >= rows) {
+            memset(row, 0, (size_t)kc * 2);
             continue;
         }
         const uint8_t *w = g->w + n * g->K + k0;
         if (g->ws == NULL || g->wgran != GRAN_BLOCK) {
             float s = g->ws == NULL ? 1.0f : g->wgran == GRAN_ROW ? g->ws[n] : g->ws[0];
             decode_span(&d, w, kc, s, factor, row);
-        } else {
-            for (int64_t k = k0; k < k0 + kc;) {
-                int64_t b = k / g->bk, end = (b + 1) * g->bk;
-                end = end < k0 + kc ? end : k0 + kc;
-                decode_span(&d, g->w + n * g->K + k, end - k, g->ws[(n / g->bn) * kblocks + b],
-                            factor, row + (k - k0));
-                k = end;
-            }
+            continue;
         }
-        if (kcp > kc) memset(row + kc, 0, (size_t)(kcp - kc) * 2);
-    }
-    int64_t pairs = kcp / 2; /* a multiple of 16 */
-    for (int h = 0; h < 2; ++h) {
-        const uint32_t *src = (const uint32_t *)tmp + h * 16 * pairs;
-        for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
-            __m512i r[16];
-            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * pairs + j0);
-            tr16x16(r);
-            int64_t jn = pairs - j0 < 16 ? pairs - j0 : 16;
-            for (int64_t j = 0; j < jn; ++j) _mm512_storeu_si512(bp + (j0 + j) * MM_NR + 16 * h, r[j]);
+        for (int64_t k = k0; k < k0 + kc;) {
+            int64_t b = k / g->bk, end = (b + 1) * g->bk;
+            end = end < k0 + kc ? end : k0 + kc;
+            decode_span(&d, g->w + n * g->K + k, end - k, g->ws[(n / g->bn) * kblocks + b],
+                        factor, row + (k - k0));
+            k = end;
         }
     }
 }
@@ -1082,90 +1095,76 @@ AI __m512 mm_round_bf16(__m512 v) { /* the bf16 value nearest v (RNE), as fp32; 
     return _mm512_castsi512_ps(r);
 }
 
-/* The epilogue of 16 outputs out[m, n .. n + 16) (mask: the columns inside N). */
-AI void mm_store(const mm_t *g, __m512 v, int64_t m, int64_t n, __mmask16 mask) {
-    v = mm_round_bf16(v); /* the bf16 matmul's own rounding */
-    if (g->as || g->ps) {
-        __m512 sc;
-        if (g->ps) sc = g->ps_n == 1 ? _mm512_set1_ps(g->ps[0]) : _mm512_maskz_loadu_ps(mask, g->ps + n);
-        if (g->as) {
-            __m512 am = _mm512_set1_ps(g->as[g->as_n == 1 ? 0 : m]);
-            sc = g->ps ? _mm512_mul_ps(am, sc) : am;
+/* 16 tokens m0 .. m0 + 16 (mvalid of them real) x MM_MR rows n0 .. (nvalid real) from the
+ * accumulators acc[r] (lanes: tokens): the epilogue, then a transpose into out's rows. */
+static void mm_epilogue(const mm_t *g, const __m512 *acc, int64_t m0, int64_t mvalid,
+                        int64_t n0, int64_t nvalid) {
+    __mmask16 mm = mvalid >= 16 ? 0xffff : (__mmask16)((1u << mvalid) - 1u);
+    __m512 am = _mm512_setzero_ps();
+    if (g->as) am = g->as_n == 1 ? _mm512_set1_ps(g->as[0]) : _mm512_maskz_loadu_ps(mm, g->as + m0);
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) {
+        if (i >= nvalid || i >= MM_MR) {
+            r[i] = _mm512_setzero_si512();
+            continue;
         }
-        v = _mm512_mul_ps(v, sc);
+        __m512 v = mm_round_bf16(acc[i]); /* the bf16 matmul's own rounding */
+        int64_t n = n0 + i;
+        if (g->as || g->ps) {
+            float wsn = g->ps ? g->ps[g->ps_n == 1 ? 0 : n] : 1.0f;
+            __m512 sc = g->as ? (g->ps ? _mm512_mul_ps(am, _mm512_set1_ps(wsn)) : am)
+                              : _mm512_set1_ps(wsn);
+            v = _mm512_mul_ps(v, sc);
+        }
+        if (g->bias) v = _mm512_add_ps(v, _mm512_set1_ps(bf16_bits_to_f32(g->bias[n])));
+        __m512i u = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+        __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        r[i] = _mm512_mask_mov_epi32(h, nan, _mm512_set1_epi32(0x7fc0));
     }
-    if (g->bias) {
-        __m256i b = _mm256_maskz_loadu_epi16(mask, g->bias + n);
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-    }
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-    _mm256_mask_storeu_epi16(g->out + m * g->N + n, mask, _mm512_cvtepi32_epi16(r));
+    tr16x16(r); /* r[t]: token m0 + t, rows n0 .. n0 + 16 */
+    __mmask16 nm = (__mmask16)((1u << (nvalid < MM_MR ? nvalid : MM_MR)) - 1u);
+    for (int64_t t = 0; t < mvalid && t < 16; ++t)
+        _mm256_mask_storeu_epi16(g->out + (m0 + t) * g->N + n0, nm, _mm512_cvtepi32_epi16(r[t]));
 }
 
-/* MR tokens x MM_NR rows over `pairs` k-pairs; partial sums in c (row stride ldc) unless
- * first (start at 0) / last (the epilogue writes out instead). */
-#define DEFINE_MMK(MR)                                                                        \
-    static void mmk_##MR(const mm_t *g, const uint16_t *x, int64_t ldx, const uint32_t *bp,  \
-                         int64_t pairs, float *c, int64_t ldc, int first, int last, int64_t m0, \
-                         int64_t n0) {                                                         \
-        __m512 acc[MR][2];                                                                    \
-        for (int t = 0; t < MR; ++t) {                                                        \
-            acc[t][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + t * ldc);           \
-            acc[t][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + t * ldc + 16);      \
-        }                                                                                     \
+/* MM_MR rows x NV * 16 tokens over `pairs` k-pairs. wb: the decoded panel; xt: the packed
+ * activations of the first token (pair stride ldx); c: partial sums [row][token] (stride
+ * ldc), unless first (start at 0) / last (the epilogue writes out instead). */
+#define DEFINE_MMK(NV)                                                                        \
+    static void mmk_##NV(const mm_t *g, const uint16_t *wb, const uint32_t *xt, int64_t ldx,  \
+                         int64_t pairs, float *c, int64_t ldc, int first, int last,           \
+                         int64_t m0, int64_t mvalid, int64_t n0, int64_t nvalid) {            \
+        __m512 acc[NV][MM_MR];                                                                \
+        for (int r = 0; r < MM_MR; ++r)                                                       \
+            for (int v = 0; v < NV; ++v)                                                      \
+                acc[v][r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * v); \
         for (int64_t j = 0; j < pairs; ++j) {                                                 \
-            __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + j * MM_NR);                      \
-            __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + j * MM_NR + 16);                 \
-            for (int t = 0; t < MR; ++t) {                                                    \
+            __m512bh x0 = (__m512bh)_mm512_loadu_si512(xt + j * ldx);                        \
+            __m512bh x1 = x0;                                                                 \
+            if (NV == 2) x1 = (__m512bh)_mm512_loadu_si512(xt + j * ldx + 16);               \
+            for (int r = 0; r < MM_MR; ++r) {                                                 \
                 int32_t pair;                                                                 \
-                memcpy(&pair, x + t * ldx + 2 * j, 4);                                        \
-                __m512bh a = (__m512bh)_mm512_set1_epi32(pair);                              \
-                acc[t][0] = _mm512_dpbf16_ps(acc[t][0], a, b0);                               \
-                acc[t][1] = _mm512_dpbf16_ps(acc[t][1], a, b1);                               \
+                memcpy(&pair, wb + r * MM_KC + 2 * j, 4);                                     \
+                __m512bh b = (__m512bh)_mm512_set1_epi32(pair);                              \
+                acc[0][r] = _mm512_dpbf16_ps(acc[0][r], b, x0);                               \
+                if (NV == 2) acc[NV - 1][r] = _mm512_dpbf16_ps(acc[NV - 1][r], b, x1);        \
             }                                                                                 \
         }                                                                                     \
         if (!last) {                                                                          \
-            for (int t = 0; t < MR; ++t) {                                                    \
-                _mm512_storeu_ps(c + t * ldc, acc[t][0]);                                     \
-                _mm512_storeu_ps(c + t * ldc + 16, acc[t][1]);                                \
-            }                                                                                 \
+            for (int r = 0; r < MM_MR; ++r)                                                   \
+                for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[v][r]); \
             return;                                                                           \
         }                                                                                     \
-        int64_t left = g->N - n0;                                                             \
-        __mmask16 k0 = left >= 16 ? 0xffff : (__mmask16)((1u << (left > 0 ? left : 0)) - 1); \
-        __mmask16 k1 = left >= 32 ? 0xffff                                                    \
-                       : (__mmask16)((1u << (left > 16 ? left - 16 : 0)) - 1);               \
-        for (int t = 0; t < MR; ++t) {                                                        \
-            mm_store(g, acc[t][0], m0 + t, n0, k0);                                           \
-            if (k1) mm_store(g, acc[t][1], m0 + t, n0 + 16, k1);                              \
-        }                                                                                     \
+        for (int v = 0; v < NV; ++v)                                                          \
+            mm_epilogue(g, acc[v], m0 + 16 * v, mvalid - 16 * v, n0, nvalid);                 \
     }
 DEFINE_MMK(1)
 DEFINE_MMK(2)
-DEFINE_MMK(3)
-DEFINE_MMK(4)
-DEFINE_MMK(5)
-DEFINE_MMK(6)
-DEFINE_MMK(7)
-DEFINE_MMK(8)
-DEFINE_MMK(9)
-DEFINE_MMK(10)
-DEFINE_MMK(11)
-DEFINE_MMK(12)
-DEFINE_MMK(13)
-DEFINE_MMK(14)
-
-typedef void (*mmk_fn)(const mm_t *, const uint16_t *, int64_t, const uint32_t *, int64_t,
-                       float *, int64_t, int, int, int64_t, int64_t);
-static const mmk_fn MMK[MM_MR + 1] = {NULL, mmk_1, mmk_2, mmk_3, mmk_4, mmk_5, mmk_6, mmk_7,
-                                      mmk_8, mmk_9, mmk_10, mmk_11, mmk_12, mmk_13, mmk_14};
 
 /* Per-thread scratch, grown on demand and kept between calls (freed when the thread ends):
- * at most 64 KiB + 512 * K + 512 KiB bytes for the largest K a thread has multiplied. A
+ * at most 28 KiB + 512 * K + 448 KiB bytes for the largest K a thread has multiplied. A
  * fresh allocation per call costs page faults (about 3 MiB at K = 5632, every call). */
 typedef struct {
     void *p;
@@ -1208,66 +1207,54 @@ static void *mm_scratch(size_t bytes) {
     return s->p;
 }
 
-/* Where the panel after (p0, k0) starts: its first row and K offset (-1: none left). */
-AI void mm_next(const mm_t *g, int64_t p0, int64_t k0, int64_t nc0, int64_t nc1, int64_t r1,
-                int64_t *q0, int64_t *qk, int64_t *qn) {
-    if (p0 + MM_NR < nc1) *q0 = p0 + MM_NR, *qk = k0;
-    else if (k0 + MM_KC < g->K) *q0 = nc0, *qk = k0 + MM_KC;
-    else if (nc1 < r1) *q0 = nc1, *qk = 0;
-    else *q0 = -1, *qk = 0;
-    int64_t end = *q0 < 0 ? 0 : *q0 >= nc1 ? (nc1 + MM_NC < r1 ? nc1 + MM_NC : r1) : nc1;
-    *qn = *q0 < 0 ? 0 : end - *q0 < MM_NR ? end - *q0 : MM_NR;
-}
-
 static void *mm_worker(void *arg) {
     const mm_t *g = (const mm_t *)arg;
-    int64_t r0 = g->n0 * MM_NR, r1 = g->n1 * MM_NR < g->N ? g->n1 * MM_NR : g->N;
+    int64_t r0 = g->n0 * MM_MR, r1 = g->n1 * MM_MR < g->N ? g->n1 * MM_MR : g->N;
     if (r0 >= r1) return NULL;
-    int64_t mc_max = g->M < MM_MC ? g->M : MM_MC, kblocks = (g->K + MM_KC - 1) / MM_KC;
+    int64_t mcp_max = ((g->M < MM_MC ? g->M : MM_MC) + 15) & ~(int64_t)15;
+    int64_t kblocks = (g->K + g->kc - 1) / g->kc;
     int multi = kblocks > 1;
-    /* scratch of this thread, kept for its next call: a panel and its decode (2 x 32 KiB),
-       MM_MC x K bf16 activations, MM_MC x MM_NC fp32 partial sums when K > MM_KC */
-    size_t n_tmp = (size_t)MM_NR * MM_KC * 2, n_bp = (size_t)MM_KC / 2 * MM_NR * 4;
-    size_t n_xp = (size_t)mc_max * kblocks * MM_KC * 2;
-    size_t n_c = multi ? (size_t)mc_max * MM_NC * 4 : 0;
-    char *scratch = (char *)mm_scratch(n_tmp + n_bp + n_xp + n_c);
+    /* scratch of this thread, kept for its next call: a decoded panel (28 KiB), MM_MC x K
+       bf16 activations, MM_NC x MM_MC fp32 partial sums when K > MM_KC */
+    size_t n_wb = (size_t)MM_MR * MM_KC * 2;
+    size_t n_xp = (size_t)kblocks * (g->kc / 2) * mcp_max * 4;
+    size_t n_c = multi ? (size_t)MM_NC * mcp_max * 4 : 0;
+    char *scratch = (char *)mm_scratch(n_wb + n_xp + n_c);
     if (scratch == NULL) {
         __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
         return NULL;
     }
-    uint16_t *tmp = (uint16_t *)scratch, *xp = (uint16_t *)(scratch + n_tmp + n_bp);
-    uint32_t *bp = (uint32_t *)(scratch + n_tmp);
-    float *c = multi ? (float *)(scratch + n_tmp + n_bp + n_xp) : NULL;
+    uint16_t *wb = (uint16_t *)scratch;
+    uint32_t *xp = (uint32_t *)(scratch + n_wb);
+    float *c = multi ? (float *)(scratch + n_wb + n_xp) : NULL;
     for (int64_t mc0 = 0; mc0 < g->M; mc0 += MM_MC) {
-        int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC;
-        int64_t tiles = (mc + MM_MR - 1) / MM_MR;
-        /* the activation rows, K block by K block, each block [mc, kc] contiguous: rows
-           K * 2 bytes apart would share L1 sets when K * 2 is a multiple of 4 KiB */
-        for (int64_t k0 = 0; k0 < g->K; k0 += MM_KC) {
-            int64_t kc = g->K - k0 < MM_KC ? g->K - k0 : MM_KC;
-            uint16_t *xb = xp + (k0 / MM_KC) * mc_max * MM_KC;
-            for (int64_t m = 0; m < mc; ++m)
-                memcpy(xb + m * kc, g->x + (mc0 + m) * g->K + k0, (size_t)kc * 2);
-        }
+        int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC, mcp = (mc + 15) & ~(int64_t)15;
+        mm_pack_x(g, mc0, mc, mcp, xp);
         for (int64_t nc0 = r0; nc0 < r1; nc0 += MM_NC) {
             int64_t nc1 = nc0 + MM_NC < r1 ? nc0 + MM_NC : r1;
-            for (int64_t k0 = 0; k0 < g->K; k0 += MM_KC) {
-                int64_t kc = g->K - k0 < MM_KC ? g->K - k0 : MM_KC;
+            for (int64_t k0 = 0, kb = 0; k0 < g->K; k0 += g->kc, ++kb) {
+                int64_t kc = g->K - k0 < g->kc ? g->K - k0 : g->kc;
                 int first = k0 == 0, last = k0 + kc == g->K;
-                const uint16_t *xb = xp + (k0 / MM_KC) * mc_max * MM_KC;
-                for (int64_t p0 = nc0; p0 < nc1; p0 += MM_NR) {
-                    mm_pack(g, p0, k0, kc, tmp, bp);
-                    /* the next panel's codes, a few rows after each token tile: short row
+                const uint32_t *xb = xp + kb * (g->kc / 2) * mcp;
+                for (int64_t p0 = nc0; p0 < nc1; p0 += MM_MR) {
+                    int64_t rows = nc1 - p0 < MM_MR ? nc1 - p0 : MM_MR;
+                    mm_decode_panel(g, p0, rows, k0, kc, wb);
+                    /* the next panel's codes, a piece after each token tile: short row
                        pieces that the hardware prefetcher does not pick up */
-                    int64_t q0, qk, qn;
-                    mm_next(g, p0, k0, nc0, nc1, r1, &q0, &qk, &qn);
-                    int64_t qkc = g->K - qk < MM_KC ? g->K - qk : MM_KC;
-                    for (int64_t t = 0, m = 0; t < tiles; ++t) { /* even tile sizes */
-                        int64_t m1 = mc * (t + 1) / tiles;
-                        float *ct = c ? c + m * MM_NC + (p0 - nc0) : NULL;
-                        MMK[m1 - m](g, xb + m * kc, kc, bp, kc / 2, ct, MM_NC, first, last,
-                                    mc0 + m, p0);
-                        m = m1;
+                    int64_t q0 = p0 + MM_MR < nc1 ? p0 + MM_MR : k0 + kc < g->K ? nc0 : nc1;
+                    int64_t qk = p0 + MM_MR < nc1 ? k0 : k0 + kc < g->K ? k0 + kc : 0;
+                    int64_t qn = q0 + MM_MR < r1 ? MM_MR : r1 - q0;
+                    int64_t qkc = g->K - qk < g->kc ? g->K - qk : g->kc;
+                    int64_t tiles = (mcp + MM_TT - 1) / MM_TT;
+                    for (int64_t t = 0; t < tiles; ++t) {
+                        int64_t t0 = t * MM_TT;
+                        float *ct = c ? c + (p0 - nc0) * mcp + t0 : NULL;
+                        if (mcp - t0 >= MM_TT)
+                            mmk_2(g, wb, xb + t0, mcp, kc / 2, ct, mcp, first, last, mc0 + t0,
+                                  mc - t0, p0, rows);
+                        else
+                            mmk_1(g, wb, xb + t0, mcp, kc / 2, ct, mcp, first, last, mc0 + t0,
+                                  mc - t0, p0, rows);
                         for (int64_t r = qn * t / tiles; r < qn * (t + 1) / tiles; ++r)
                             for (int64_t k = 0; k < qkc; k += 64)
                                 _mm_prefetch((const char *)(g->w + (q0 + r) * g->K + qk + k),
@@ -1298,10 +1285,10 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
         return -1;
     pthread_once(&LUT_ONCE, lut_init);
     int err = 0;
-    mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, (int)fmt,
-              (int)wgran};
-    int64_t panels = (N + MM_NR - 1) / MM_NR;
-    /* whole MM_NC chunks per thread where there are enough of them */
+    int64_t blocks = (K + MM_KC - 1) / MM_KC, kc = ((K + blocks - 1) / blocks + 1) & ~(int64_t)1;
+    mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, kc,
+              (int)fmt, (int)wgran};
+    int64_t panels = (N + MM_MR - 1) / MM_MR;
     int64_t useful = (M * N * K) / (1 << 22);
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
     int rc = run_split(mm_worker, &g, sizeof g, panels, nthreads, mm_range);
