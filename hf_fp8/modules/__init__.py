@@ -1,6 +1,9 @@
-"""Modules: ``Fp8Linear``, ``Fp8Experts`` and the one rule for which layers convert
-(``is_convertible`` for linears, ``convertible_experts`` for MoE experts)."""
+"""Modules: ``Fp8Linear``, ``Fp8Experts`` (and ``Fp8BmmExperts`` / ``Fp8ParallelExperts`` for
+Llama-4 / JetMoE experts outside transformers' interface) and the one rule for which layers
+convert (``is_convertible`` for linears, ``convertible_experts`` for MoE experts);
+``high_precision_parts`` says what stays high precision and why."""
 
+from hf_fp8.modules.fp8_bmm_experts import Fp8BmmExperts
 from hf_fp8.modules.fp8_experts import (
     Fp8Experts,
     convertible_experts,
@@ -10,8 +13,10 @@ from hf_fp8.modules.fp8_experts import (
     unsupported_reason,
 )
 from hf_fp8.modules.fp8_linear import Fp8Linear
+from hf_fp8.modules.fp8_parallel_experts import Fp8ParallelExperts
 from hf_fp8.modules.selection import (
     convertible_modules,
+    high_precision_parts,
     is_conv1d,
     is_convertible,
     is_router,
@@ -23,11 +28,14 @@ from hf_fp8.modules.selection import (
 )
 
 __all__ = [
+    "Fp8BmmExperts",
     "Fp8Experts",
     "Fp8Linear",
+    "Fp8ParallelExperts",
     "convertible_experts",
     "convertible_modules",
     "experts_keep_reason",
+    "high_precision_parts",
     "is_conv1d",
     "is_convertible",
     "is_experts_module",

@@ -12,13 +12,13 @@ from hf_fp8.config import Fp8Config
 from hf_fp8.modules import (
     Fp8Experts,
     Fp8Linear,
-    convertible_experts,
     convertible_modules,
     unconverted_linears,
     warn_unmatched,
 )
 from hf_fp8.modules.replace import _swap_linears
 from hf_fp8.modules.selection import ModuleFilter
+from hf_fp8.quantizer.experts import experts_to_convert
 from hf_fp8.quantizer.hf_quantizer import POST_LOAD_HOOKS, Fp8HfQuantizer
 from hf_fp8.recipe import Fp8Recipe
 
@@ -67,7 +67,8 @@ def quantize_model(
 
     Which layers convert is ``hf_fp8.modules.is_convertible``: ``nn.Linear`` (and plain
     subclasses) and GPT-2 ``Conv1D``, never MoE routers; MoE experts modules become
-    ``Fp8Experts`` (``hf_fp8.modules.convertible_experts``). Layers named in
+    ``Fp8Experts`` (``hf_fp8.quantizer.experts.experts_to_convert``: also Llama-4's bmm
+    experts, as ``Fp8BmmExperts``). Layers named in
     ``config.modules_to_not_convert`` or ``skip`` stay in high precision (no default skips
     here: name ``lm_head`` to keep it); a name that matches no module is warned about (a typo
     would otherwise quantize the layer it meant to keep). ``module_filter_fn(module, fqn)``
@@ -87,7 +88,7 @@ def quantize_model(
     patterns = [*(config.modules_to_not_convert or []), *(skip or [])]
     warn_unmatched(model, patterns, "modules_to_not_convert / skip")
     targets = convertible_modules(model, skip=patterns, module_filter_fn=module_filter_fn)
-    experts = convertible_experts(model, skip=patterns, module_filter_fn=module_filter_fn)
+    experts = experts_to_convert(model, skip=patterns, module_filter_fn=module_filter_fn)
     if (
         not targets
         and not experts
@@ -100,9 +101,9 @@ def quantize_model(
         )
     _swap_linears(config, targets)
     swapped: dict[int, Fp8Experts] = {}  # experts shared by two parents stay shared
-    for name, module, parent in experts:
+    for name, module, parent, fp8_class in experts:
         if id(module) not in swapped:
-            swapped[id(module)] = Fp8Experts.from_experts(module, config, module_name=name)
+            swapped[id(module)] = fp8_class.from_experts(module, config, module_name=name)
         setattr(parent, name.rpartition(".")[2], swapped[id(module)])
     if isinstance(model, PreTrainedModel):
         kept = unconverted_linears(model)

@@ -23,7 +23,12 @@ from hf_fp8.serialization.checkpoint import (
     rewrite_tensors,
     write_config,
 )
-from hf_fp8.serialization.experts import expert_modules, experts_view, split_experts
+from hf_fp8.serialization.experts import (
+    check_splittable,
+    expert_modules,
+    experts_view,
+    split_experts,
+)
 from hf_fp8.serialization.formats import format_of, get_format
 from hf_fp8.serialization.layers import plan_layers
 from hf_fp8.serialization.tensors import check_complete, compute_dtype_of, to_hf_fp8_tensors
@@ -102,6 +107,7 @@ def exporting(
         config = hf_fp8_config(src)
         # MoE experts: written one linear per expert and projection, as vLLM reads them
         tensors, groups = experts_view(src.config.get("model_type"), src.tensors())
+        check_splittable(src.config.get("model_type"), src.tensors(), groups)
         plan = plan_layers(src.config, tensors, experts=expert_modules(groups))
         check_complete(plan, tensors, config)
         quantization_config = fmt.export_config(config, plan)

@@ -22,6 +22,7 @@ from hf_fp8.serialization.experts import (
     ExpertGroup,
     expert_modules,
     experts_view,
+    fused_experts,
     merged_scale_names,
     split_experts,
 )
@@ -220,6 +221,8 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
         if i.dtype in FP8_DTYPE_NAMES and module_of(n)[1] == "weight"
     }
     merged_scales = set(merged_scale_names(groups))
+    fused_codes, fused_scales = fused_experts(tensors) if fmt == "hf_fp8" else (set(), set())
+    merged_scales |= fused_scales
     summary = CheckpointSummary(
         path=str(checkpoint.root),
         format=fmt,
@@ -227,7 +230,10 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
         compute_dtype=_compute_dtype(checkpoint.config, tensors),
         scheme=None if config is None else _scheme(config),
         # experts listed once per merged projection, not once per expert
-        fp8_layers=sorted({experts[m][0] if m in experts else m for m in fp8_modules}),
+        fp8_layers=sorted(
+            {experts[m][0] if m in experts else m for m in fp8_modules}
+            | {n for n in fused_codes if module_of(n)[0] not in fp8_modules}
+        ),
         note=note,
     )
     plan = None
@@ -246,7 +252,7 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
     for name, info in tensors.items():
         module, leaf = module_of(name)
         fp8 = info.dtype in FP8_DTYPE_NAMES and (
-            (module in fp8_modules and leaf == "weight") or name in groups
+            (module in fp8_modules and leaf == "weight") or name in groups or name in fused_codes
         )
         if fp8:
             summary.fp8_weight_bytes += info.nbytes

@@ -146,9 +146,6 @@ def test_from_pretrained_quantizes_saves_and_reloads_bit_exact(tmp_path) -> None
     assert type(deq.model.layers[0].feed_forward.experts) is Llama4TextExperts
 
 
-@pytest.mark.xfail(
-    strict=True, reason="quantize_model needs experts_to_convert: /work/notes/HT_convert_py.diff"
-)
 def test_quantize_model_converts_llama4_experts() -> None:
     model = tf.Llama4ForCausalLM(tf.Llama4TextConfig(**TEXT))
     hf_fp8.quantize_model(model, Fp8Config(), skip=["lm_head"])

@@ -134,9 +134,6 @@ def test_experts_split_across_shards_are_merged(fp8_block_dir, tmp_path) -> None
     assert index["weight_map"][f"{P}.down_proj"] == "model-00002-of-00002.safetensors"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="exporter.py must call check_splittable: /work/notes/HT_exporter_py.diff"
-)
 def test_export_of_fused_experts_without_a_mapping_is_refused(tmp_path) -> None:
     """Llama-4's FP8 experts are saved fused and transformers has no per-expert names for
     them: an export would write the fused tensors into a compressed-tensors checkpoint that no

@@ -2,12 +2,12 @@
 names (issue 11 'seeing it'). Reference: the dtypes of the saved tensors themselves.
 
 Families whose experts transformers merges with a plain mapping (Qwen3-MoE) are counted
-right. Families whose checkpoints store the experts fused already (gpt-oss, Llama-4: no
-mapping) or rename them (GraniteMoE: ``input_linear`` <-> ``experts.gate_up_proj``), and
-JetMoE's ``Fp8ParallelExperts`` (scales ``weight_weight_scale``) are not:
-``serialization.experts.experts_view`` only knows plain merges, so ``summarize`` reports the
-fused fp8 codes as "experts not in FP8" / "other" (gpt-oss tiny: 0.10 FP8 share instead of
-0.95). Marked strict xfail until the summary recognises fused fp8 experts (see HT's report).
+right by ``serialization.experts.experts_view``. Families whose checkpoints store the experts
+fused already (gpt-oss, Llama-4: no mapping) or rename them (GraniteMoE: ``input_linear`` <->
+``experts.gate_up_proj``), and JetMoE's ``Fp8ParallelExperts`` (scales
+``weight_weight_scale``) are found by ``serialization.experts.fused_experts``; before it, the
+summary reported their fp8 codes as "experts not in FP8" (gpt-oss tiny: 0.10 FP8 share
+instead of 0.95).
 """
 
 from __future__ import annotations
@@ -39,9 +39,6 @@ FAMILIES = {
     "granitemoe": (tf.GraniteMoeConfig, dict(intermediate_size=32, num_local_experts=4)),
     "jetmoe": (tf.JetMoeConfig, dict(intermediate_size=32, kv_channels=8, num_local_experts=4)),
 }
-FUSED = pytest.mark.xfail(
-    strict=True, reason="summary misses fused fp8 experts: /work/notes/HT_summary_py.diff"
-)
 
 
 def _stored_fp8_share(folder) -> float:
@@ -61,10 +58,10 @@ def _stored_fp8_share(folder) -> float:
     "family",
     [
         "qwen3_moe",
-        pytest.param("gpt_oss", marks=FUSED),
-        pytest.param("llama4_text", marks=FUSED),
-        pytest.param("granitemoe", marks=FUSED),
-        pytest.param("jetmoe", marks=FUSED),
+        "gpt_oss",
+        "llama4_text",
+        "granitemoe",
+        "jetmoe",
     ],
 )
 def test_inspect_counts_fp8_experts_as_fp8(family: str, tmp_path) -> None:
