@@ -26,6 +26,7 @@ _LAZY = {
     "Fp8Linear": "hf_fp8.modules",
     "calibrate": "hf_fp8.calibration",
     "export": "hf_fp8.serialization",
+    "fully_shard_fp8": "hf_fp8.fsdp",
     "import_checkpoint": "hf_fp8.serialization",
     "inspect_checkpoint": "hf_fp8.serialization",
     "quantize_model": "hf_fp8.quantizer",
@@ -46,6 +47,7 @@ __all__ = [
     "__version__",
     "calibrate",
     "export",
+    "fully_shard_fp8",
     "import_checkpoint",
     "inspect_checkpoint",
     "quantize_model",
@@ -55,6 +57,7 @@ __all__ = [
 if TYPE_CHECKING:
     from hf_fp8.calibration import calibrate
     from hf_fp8.config import Fp8Config
+    from hf_fp8.fsdp import fully_shard_fp8
     from hf_fp8.hub import set_card_info
     from hf_fp8.modules import Fp8Linear
     from hf_fp8.numerics.checks import CheckpointTensorError
