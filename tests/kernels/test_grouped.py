@@ -553,3 +553,21 @@ def test_cpu_route_is_the_emulation_bit_for_bit(
         assert torch.equal(got[start:end], expected), f"expert {e}"
         compared += 1
     assert compared == 3
+
+
+def test_from_tokens_without_the_cpu_route(monkeypatch) -> None:
+    """Where the CPU route does not run (C kernels off, torch.compile, gradients), the token
+    rows are gathered per pair and the per-expert route gives the same numbers."""
+    w_fp8, w_scale = _experts()
+    x, index = _skewed_routing()
+    routing = grouped.route(index, 5)
+    expected = grouped.grouped_fp8_linear(x[routing.token_index], routing, w_fp8, w_scale,
+                                          recipe=DYNAMIC)  # fmt: skip
+    monkeypatch.setattr(grouped_cpu, "cpu_path", lambda *a: None)
+    calls = []
+    real = grouped.fp8_linear
+    monkeypatch.setattr(grouped, "fp8_linear", lambda x, *a, **k: calls.append(x.shape[0])
+                        or real(x, *a, **k))  # fmt: skip
+    got = grouped.grouped_fp8_linear(x, routing, w_fp8, w_scale, recipe=DYNAMIC, from_tokens=True)
+    assert sorted(calls) == [3, 20, 20, 37]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
