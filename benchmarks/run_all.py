@@ -25,6 +25,7 @@ BENCHMARKS = [
     "bench_checkpoint",
     "bench_moe_block",
     "bench_moe_coverage",
+    "bench_moe_accuracy",
 ]
 
 
