@@ -14,6 +14,7 @@ from hf_fp8.modules.fp8_experts import (
 )
 from hf_fp8.modules.fp8_linear import Fp8Linear
 from hf_fp8.modules.fp8_parallel_experts import Fp8ParallelExperts
+from hf_fp8.modules.frozen import freeze_fp8
 from hf_fp8.modules.selection import (
     convertible_modules,
     high_precision_parts,
@@ -35,6 +36,7 @@ __all__ = [
     "convertible_experts",
     "convertible_modules",
     "experts_keep_reason",
+    "freeze_fp8",
     "high_precision_parts",
     "is_conv1d",
     "is_convertible",

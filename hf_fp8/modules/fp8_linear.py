@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hf_fp8.kernels import LinearPlan, fp8_linear
+from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.modules.saturation import SaturationCounter
 from hf_fp8.numerics import dequantize, fp8_dtype, fp8_max, is_fp8, quantize_weight
@@ -208,6 +209,8 @@ class Fp8Linear(RecipeWords, nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            check_frozen(self, ("weight", "weight_scale", "input_scale"))
         scale = self.input_scale
         if scale is not None and self._plan.static and not torch.compiler.is_compiling():
             self._count_saturation(input, scale)

@@ -176,3 +176,25 @@ def test_layer_attributes_are_plain_strings_for_yaml_and_json() -> None:
              layer.fp8_format, layer.kernel]  # fmt: skip
     assert all(type(w) is str for w in words)
     assert yaml.safe_load(yaml.safe_dump(words)) == ["dynamic", "block", "block", "e4m3", "auto"]
+
+
+def test_requires_grad_on_fp8_codes_is_refused_with_the_fix() -> None:
+    """Found in issue 11 (HT): ``model.requires_grad_(True)`` flipped the fp8 weight's flag and
+    a training step then updated nothing there, silently (its grad stayed None)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    quantize_model(model, Fp8Config("dynamic"))
+    model.requires_grad_(True)
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match=r"0\.weight has requires_grad=True.*freeze_fp8"):
+        model(x)
+    with torch.no_grad():  # inference is untouched
+        expected = model(x)
+    from hf_fp8.modules import freeze_fp8
+
+    assert freeze_fp8(model) == 2  # weight and weight_scale
+    out = model(x)
+    out.square().sum().backward()
+    assert model[0].weight.grad is None and model[1].weight.grad is not None
+    assert model[0].bias.grad is not None  # the bias trains
+    torch.testing.assert_close(out.detach(), expected, rtol=0, atol=0)
