@@ -31,6 +31,8 @@ the per-expert route then.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +40,9 @@ from hf_fp8.kernels import cpu_kernel, cpu_linear
 from hf_fp8.kernels import emulated as _emu
 from hf_fp8.kernels.fp8_linear import LinearPlan, fp8_linear
 from hf_fp8.recipe import Granularity, Kernel
+
+if TYPE_CHECKING:
+    from hf_fp8.kernels.grouped import Routing
 
 _TOKEN_LOCAL = (Granularity.ROW.value, Granularity.BLOCK.value)  # a row's scale is its own
 _SCALED_MM = Kernel.SCALED_MM.value
@@ -66,7 +71,7 @@ def _quantize(
 
 def grouped_linear(
     x_sorted: torch.Tensor | None,
-    routing,
+    routing: Routing,
     w_fp8: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
@@ -85,7 +90,7 @@ def grouped_linear(
     dtype = source.dtype
     _, n, k = w_fp8.shape
     s = len(routing.expert_ids)
-    w_gran, block = plan.weight_granularity, plan.block_size
+    w_gran = plan.weight_granularity
     a_gran = plan.act_granularity  # "tensor" for static scales; None: weight-only
     w_post = _emu.post_scaled(w_gran, dtype)
     a_post = a_gran is not None and _emu.post_scaled(a_gran, dtype)
@@ -106,7 +111,7 @@ def grouped_linear(
 
     scales = w_scale.detach().float()
     fused = dtype == torch.bfloat16 and k % 2 == 0 and cpu_kernel.fused_mm_enabled(path)
-    buffer = None if fused else torch.empty(n * k, dtype=dtype)
+    buffer = None if fused else torch.empty(n * k, dtype=dtype)  # None: the fused C GEMM
     for expert, start, end in present:
         b = None if bias is None else bias[expert].detach().to(dtype)
         e_scale = None if input_scale is None else input_scale[expert : expert + 1]
@@ -127,25 +132,48 @@ def grouped_linear(
             )
         w_e = scales[expert].reshape(-1).contiguous()
         codes = w_fp8[expert].detach().contiguous()
-        if fused:  # the C decode + GEMM + epilogue, straight into the expert's output rows
-            if a_scale is not None:
-                a_scale = a_scale.reshape(-1).contiguous()
-            cpu_kernel.fused_mm(
-                a.contiguous(), codes, w_e, a_scale if a_post else None, b, w_gran, block[0],
-                block[1], w_post, path, out=out[start:end],
-            )  # fmt: skip
-            continue
-        w = cpu_kernel.decode(
-            codes, None if w_post else w_e, w_gran, block, dtype, out=buffer, path=path
-        )
-        if not (w_post or a_post):
-            if b is None:
-                torch.mm(a, w.t(), out=out[start:end])
-            else:
-                out[start:end] = F.linear(a, w, b)
-            continue
-        acc = torch.mm(a, w.t())  # bf16 x fp32 scale promotes to fp32: no .float() pass
-        out[start:end] = _emu._epilogue(
-            acc, a_scale if a_post else None, w_e if w_post else None, b, dtype
-        )
+        _multiply(a, a_scale, codes, w_e, b, out[start:end], plan, a_post, w_post, buffer, path)
     return out
+
+
+def _multiply(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    codes: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    plan: LinearPlan,
+    a_post: bool,
+    w_post: bool,
+    buffer: torch.Tensor | None,
+    path: str,
+) -> None:
+    """``out`` (rows of the grouped output) = one expert's product, as ``_mm_forward``:
+    activation operand ``a`` (scale ``a_scale`` applied after the matmul when ``a_post``),
+    fp8 ``codes`` with fp32 ``w_scale`` (flat), ``bias`` in the compute dtype. ``buffer``:
+    room for the decoded weight, ``None`` for the fused C decode + GEMM."""
+    bn, bk = plan.block_size
+    if buffer is None:  # the C decode + GEMM + epilogue, straight into ``out``
+        if a_scale is not None:
+            a_scale = a_scale.reshape(-1).contiguous()
+        cpu_kernel.fused_mm(
+            a.contiguous(), codes, w_scale, a_scale if a_post else None, bias,
+            plan.weight_granularity, bn, bk, w_post, path, out=out,
+        )  # fmt: skip
+        return
+    w = cpu_kernel.decode(
+        codes, None if w_post else w_scale, plan.weight_granularity, (bn, bk), out.dtype,
+        out=buffer, path=path,
+    )  # fmt: skip
+    if not (w_post or a_post):  # scales folded into the operands
+        if bias is None:
+            torch.mm(a, w.t(), out=out)
+        else:
+            out.copy_(F.linear(a, w, bias))
+        return
+    acc = torch.mm(a, w.t())  # bf16 x fp32 scale promotes to fp32: no .float() pass
+    out.copy_(
+        _emu._epilogue(acc, a_scale if a_post else None, w_scale if w_post else None, bias,
+                       out.dtype)
+    )  # fmt: skip
