@@ -1,9 +1,10 @@
 """Fidelity of ``AdamWFp8``: errors against fp32 AdamW, and eval loss of a small Llama.
 
 (a) While fp32 ``torch.optim.AdamW`` trains the model, one shadow ``AdamWFp8`` per variant of
-    :data:`VARIANTS` (plain FP8 or COAT expansion; round-to-nearest or stochastic rounding of
-    the stored moments; ``v`` or ``sqrt(v)`` stored) receives the same gradients at every
-    step, starting each step from the reference parameters. Its moments are its own, quantized
+    :data:`VARIANTS` (``moment_format="log"``, the default, or the fp8 codes: plain FP8 or
+    COAT expansion; round-to-nearest or stochastic rounding of the stored moments; ``v`` or
+    ``sqrt(v)`` stored; :data:`DEFAULT_SHADOWS` unless ``--shadows``) receives the same
+    gradients at every step, starting each step from the reference parameters. Its moments are its own, quantized
     every step, so the relative error of its Adam update ``Δp`` against fp32 AdamW is the
     *accumulated* error; reported as the mean over the 50 steps before step 300 / 1000 and
     over the whole run. Also: the error of the stored (dequantized) moments and the one-shot
