@@ -775,13 +775,16 @@ static void *quant_worker(void *arg) {
             float scale = q->phase ? *sp : 1.0f;
             uint32_t umax = 0; /* |x| of finite values as bits: they order like the floats */
             for (int64_t c0 = k0; c0 < k1; c0 += QCHUNK) {
-                int64_t n = k1 - c0 < QCHUNK ? k1 - c0 : QCHUNK, at = m * q->K + c0;
-                if (q->x_bf16) {
+                int64_t n = k1 - c0 < QCHUNK ? k1 - c0 : QCHUNK, at = m * q->K + c0, nv = 0;
+#if FP8_PATH >= 3
+                nv = n & ~(int64_t)15; /* the vector loops read the input directly */
+#endif
+                if (q->x_bf16) { /* the rest as fp32 in xf */
                     const uint16_t *xb = (const uint16_t *)q->x + at;
-                    for (int64_t i = 0; i < n; ++i) ub[i] = (uint32_t)xb[i] << 16;
-                    memcpy(xf, ub, (size_t)n * 4);
+                    for (int64_t i = nv; i < n; ++i) ub[i] = (uint32_t)xb[i] << 16;
+                    memcpy(xf + nv, ub + nv, (size_t)(n - nv) * 4);
                 } else {
-                    memcpy(xf, (const float *)q->x + at, (size_t)n * 4);
+                    memcpy(xf + nv, (const float *)q->x + at + nv, (size_t)(n - nv) * 4);
                 }
                 if (q->phase == 0) {
                     uint32_t cm = 0;
@@ -789,8 +792,11 @@ static void *quant_worker(void *arg) {
 #if FP8_PATH >= 3
                     __m512i vm = _mm512_setzero_si512();
                     for (; i + 16 <= n; i += 16) {
-                        __m512i u = _mm512_and_si512(_mm512_loadu_si512(xf + i),
-                                                     _mm512_set1_epi32(0x7fffffff));
+                        __m512i xi = q->x_bf16
+                            ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                  (const __m256i *)((const uint16_t *)q->x + at + i))), 16)
+                            : _mm512_loadu_si512((const float *)q->x + at + i);
+                        __m512i u = _mm512_and_si512(xi, _mm512_set1_epi32(0x7fffffff));
                         __mmask16 fin = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(0x7f800000));
                         vm = _mm512_mask_max_epu32(vm, fin, vm, u);
                     }
@@ -819,35 +825,41 @@ static void *quant_worker(void *arg) {
                 }
                 int64_t i0 = 0;
 #if FP8_PATH >= 3
-                /* the scalar loop below, 16 lanes at a time, operation for operation */
+                /* the scalar loop below, 16 lanes at a time, straight from the input: the
+                   same quotient, clamp and sign; the rounding to the fp8 grid (ties to even)
+                   as x = t * 2^e with e = max(exponent, min normal exponent) and t rounded
+                   to 3 (E4M3) / 2 (E5M2) fraction bits: exact power-of-two scalings, the
+                   same grid as the bit tricks (subnormal spacing below the normal range) */
                 {
                     const __m512 vs = _mm512_set1_ps(scale), vmax = _mm512_set1_ps(fmax);
-                    const __m512 vmin = _mm512_set1_ps(-fmax), vinv = _mm512_set1_ps(inv);
-                    const __m512 vrinv = _mm512_set1_ps(rinv), magic = _mm512_set1_ps(12582912.0f);
-                    const __m512 vminnorm = _mm512_set1_ps(minnorm);
-                    const __m512i abs = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
-                    const __m512i vhalf = _mm512_set1_epi32((int)half), vkeep = _mm512_set1_epi32((int)keep);
+                    const __m512 vmin = _mm512_set1_ps(-fmax);
+                    const __m512 emin = _mm512_set1_ps(e4 ? -6.0f : -14.0f);
+                    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
                     const __m512i inf = _mm512_set1_epi32(0x7f800000), qnan = _mm512_set1_epi32(0x7fc00000);
-                    const __m128i shift = _mm_cvtsi32_si128(sh);
+                    const uint16_t *xb16 = (const uint16_t *)q->x + at;
+                    const float *xf32 = (const float *)q->x + at;
                     for (; i0 + 16 <= n; i0 += 16) {
-                        __m512 v = _mm512_div_ps(_mm512_loadu_ps(xf + i0), vs);
-                        __m512 c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vmin, _CMP_LT_OQ),
-                                                        v, vmin);
-                        c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ), c, vmax);
-                        __m512i cu = _mm512_castps_si512(c), au = _mm512_and_si512(cu, abs);
-                        __m512 a = _mm512_castsi512_ps(au);
-                        __m512i nu = _mm512_add_epi32(_mm512_add_epi32(au, vhalf),
-                                                      _mm512_and_si512(_mm512_srl_epi32(au, shift), one));
-                        __m512 nor = _mm512_castsi512_ps(_mm512_and_si512(nu, vkeep));
-                        __m512 sub = _mm512_mul_ps(
-                            _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, vinv), magic), magic), vrinv);
-                        __m512 rr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, vminnorm, _CMP_LT_OQ),
-                                                         nor, sub);
-                        __m512i ru = _mm512_or_si512(_mm512_castps_si512(rr),
-                                                     _mm512_andnot_si512(abs, cu)); /* copysign */
+                        __m512 xv = q->x_bf16
+                            ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb16 + i0))), 16))
+                            : _mm512_loadu_ps(xf32 + i0);
+                        __m512 v = _mm512_div_ps(xv, vs);
+                        __m512 c = _mm512_min_ps(_mm512_max_ps(v, vmin), vmax); /* NaN: below */
+                        __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), abs));
+                        __m512 e = _mm512_max_ps(_mm512_getexp_ps(a), emin); /* getexp(0) = -inf */
+                        __m512 t = _mm512_scalef_ps(a, _mm512_sub_ps(_mm512_setzero_ps(), e));
+                        t = e4 ? _mm512_roundscale_ps(t, (3 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                               : _mm512_roundscale_ps(t, (2 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                        __m512i ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_scalef_ps(t, e)),
+                                                               _mm512_castps_si512(c), abs, 0xf4); /* | sign(c) */
                         __mmask16 fin = _mm512_cmplt_epu32_mask(
                             _mm512_and_si512(_mm512_castps_si512(v), abs), inf);
                         ru = _mm512_mask_blend_epi32(fin, qnan, ru);
+                        if (q->post && q->out_kind == OUT_BF16) { /* fp8 values are exact bf16 */
+                            _mm256_storeu_si256((__m256i *)((uint16_t *)q->out + at + i0),
+                                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(ru, 16)));
+                            continue;
+                        }
                         __m512 out = _mm512_castsi512_ps(ru);
                         if (!q->post) out = _mm512_mul_ps(out, vs);
                         if (q->out_kind == OUT_BF16) vstore_bf16((uint16_t *)q->out + at + i0, out);
