@@ -158,6 +158,7 @@ class Fp8BmmExperts(Fp8Experts):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``[E * T, H]`` rows grouped by expert (the source's call) -> ``[E * T, H]``."""
         self._check_not_parametrized()
+        self._check_frozen()
         num_experts, hidden = self.num_experts, self.layout.hidden_size
         x = hidden_states.reshape(num_experts, -1, hidden)
         live = (x != 0).any(dim=-1)  # [E, T]; a NaN row is live and stays NaN

@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from hf_fp8.kernels.grouped import combine, grouped_fp8_linear, route
+from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.quantize import block_scale_shape
@@ -524,6 +525,20 @@ class Fp8Experts(RecipeWords, nn.Module):
                 "model.set_experts_implementation('grouped_mm')"
             )
 
+    def _check_frozen(self) -> None:
+        """In grad mode: the fp8 codes and scales must not ask for a gradient (none reaches
+        them; see ``hf_fp8.modules.frozen``)."""
+        if torch.is_grad_enabled():
+            names = self.layout.projections
+            check_frozen(
+                self,
+                (
+                    *names,
+                    *(f"{p}_weight_scale" for p in names),
+                    *(f"{p}_input_scale" for p in names),
+                ),
+            )
+
     def _check_not_parametrized(self) -> None:
         """peft's ``target_parameters`` (LoRA on a parameter) registers a parametrization
         that adds a high-precision delta to the stored tensor: here fp8 codes without their
@@ -588,6 +603,7 @@ class Fp8Experts(RecipeWords, nn.Module):
             )
         self._check_implementation()
         self._check_not_parametrized()
+        self._check_frozen()
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         index = top_k_index.reshape(x.shape[0], -1)

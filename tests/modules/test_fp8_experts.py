@@ -506,3 +506,25 @@ def test_whole_model_with_fp8_experts(family) -> None:
     with torch.no_grad():
         dynamic = model(ids).logits
     assert _rel(dynamic, exact) < 0.1
+
+
+def test_requires_grad_on_fp8_expert_codes_is_refused_with_the_fix() -> None:
+    """``requires_grad_(True)`` on an FP8 experts module made its codes and scales look
+    trainable while no gradient reached them (silently nothing trained)."""
+    from hf_fp8.modules import freeze_fp8
+
+    source = build_tiny(FAMILIES["Qwen3MoeExperts"])
+    fp8 = Fp8Experts.from_experts(source, Fp8Config("dynamic"))
+    x, index, weights = routed_inputs(32, 6)
+    with torch.no_grad():
+        expected = fp8(x, index, weights)
+    fp8.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"gate_up_proj has requires_grad=True.*freeze_fp8"):
+        fp8(x, index, weights)
+    assert freeze_fp8(fp8) == 4  # two projections' codes and scales
+    x.requires_grad_(True)
+    out = fp8(x, index, weights)
+    out.sum().backward()
+    assert x.grad is not None and fp8.gate_up_proj.grad is None
+    # grad mode takes the emulation, no_grad the C route: equal up to fp32 reassociation
+    torch.testing.assert_close(out.detach(), expected)
