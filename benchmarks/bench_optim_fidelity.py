@@ -1,8 +1,8 @@
 """Fidelity of ``AdamWFp8``: errors against fp32 AdamW, and eval loss of a small Llama.
 
 (a) While fp32 ``torch.optim.AdamW`` trains the model, one shadow ``AdamWFp8`` per variant of
-    :data:`VARIANTS` (``moment_format="log"``, the default, or the fp8 codes: plain FP8 or
-    COAT expansion; round-to-nearest or stochastic rounding of the stored moments; ``v`` or
+    :data:`VARIANTS` (the fp8 codes, the default: plain FP8 or COAT expansion; or the non-FP8
+    ``moment_format="log"``; round-to-nearest or stochastic rounding of the stored moments; ``v`` or
     ``sqrt(v)`` stored; :data:`DEFAULT_SHADOWS` unless ``--shadows``) receives the same
     gradients at every step, starting each step from the reference parameters. Its moments are its own, quantized
     every step, so the relative error of its Adam update ``Δp`` against fp32 AdamW is the
@@ -88,7 +88,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "log_sr_v": {**_LOG, "stochastic_rounding": "exp_avg_sq"},
     "log_sr": {**_LOG, "stochastic_rounding": True},
 }
-DEFAULT = "log_sr_v"  # the variant whose options AdamWFp8 uses by default
+DEFAULT = "coat_sr_v"  # the variant whose options AdamWFp8 uses by default
 DEFAULT_SHADOWS = ("plain_rtn", "coat_rtn", "coat_sr_v", "log_rtn", "log_sr_v", "log_sr")
 DEFAULT_TRAIN = ("coat_sr_v", "log_sr_v")
 

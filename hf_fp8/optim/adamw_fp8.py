@@ -1,9 +1,13 @@
 """``AdamWFp8``: AdamW whose two moments are stored in 8 bits per element, per group.
 
-State of a quantized parameter ``p`` (``rows = p.shape[0]``, ``cols = p.numel() // rows``,
-``Gc = ceil(cols / group_size)``; groups are ``group_size`` consecutive elements of a row,
-so they survive FSDP2's dim-0 sharding). Default ``moment_format="log"``
-(:mod:`hf_fp8.numerics.log_moments`)::
+By default (``moment_format="fp8"``) both moments are float8 codes: COAT's paper format
+(``*_fp8`` float8, ``*_scale = amax / fp8_max`` and, with expansion, ``*_exponent`` for both
+moments; ≈ 2.13 bytes/parameter, 2.06 without expansion). ``moment_format="log"`` is a
+measured alternative that is not FP8 (:mod:`hf_fp8.numerics.log_moments`): less than half the
+update error and a 3x faster step on the CPU (``benchmarks/bench_optim_fidelity.py``,
+``bench_optim.py``). State of a quantized parameter ``p`` with it (``rows = p.shape[0]``,
+``cols = p.numel() // rows``, ``Gc = ceil(cols / group_size)``; groups are ``group_size``
+consecutive elements of a row, so they survive FSDP2's dim-0 sharding)::
 
     step                  fp32 scalar (CPU)
     exp_avg_fp8           int8 [rows, Gc·group_size]  m·2^-e, absmax per group (zero padding)
@@ -12,10 +16,7 @@ so they survive FSDP2's dim-0 sharding). Default ``moment_format="log"``
     exp_avg_sq_scale      fp32 [rows, Gc]             amax(v)
     exp_avg_sq_exponent   fp32 [rows, Gc]             COAT's k
 
-≈ 2.09 bytes/parameter (fp32 AdamW: 8). ``moment_format="fp8"`` keeps both moments as
-float8 codes (COAT's paper format: ``*_fp8`` float8, ``*_scale = amax / fp8_max`` and, with
-expansion, ``*_exponent`` for both moments; ≈ 2.13 bytes/parameter, 2.06 without expansion).
-A parameter is quantized when it has ≥ 2 dims, ≥ ``min_quantize_numel`` (4096) elements and
+≈ 2.09 bytes/parameter (fp32 AdamW: 8). A parameter is quantized when it has ≥ 2 dims, ≥ ``min_quantize_numel`` (4096) elements and
 rows long enough that the padded state is smaller than fp32 (≥ 35 columns at group_size
 128); the others (biases, norms, tiny tensors) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and
 follow ``torch.optim.AdamW`` exactly.
@@ -82,14 +83,14 @@ class AdamWFp8(Optimizer):
             FSDP2-sharded run draws the same bits.
         sqrt_second_moment: store ``sqrt(v)`` instead of ``v`` (``moment_format="fp8"`` only;
             measured worse: stochastic rounding of the root biases ``v`` upwards).
-        moment_format: ``"auto"`` (default): ``"log"`` unless an fp8-only option is set
-            (``dynamic_range_expansion=False``, ``fp8_format="e5m2"``,
-            ``sqrt_second_moment=True``), then ``"fp8"``. ``"log"``: ``v`` as unsigned 8-bit
+        moment_format: ``"fp8"`` (default): both moments as E4M3/E5M2 codes (COAT's paper
+            format with expansion, plain absmax without). ``"auto"``: ``"log"`` unless an
+            fp8-only option is set (``dynamic_range_expansion=False``, ``fp8_format="e5m2"``,
+            ``sqrt_second_moment=True``), then ``"fp8"``. ``"log"`` (not FP8): ``v`` as unsigned 8-bit
             codes uniform in Mitchell's logarithm with COAT's per-group exponent, ``m`` as int8
             absmax of ``m·2^-e`` (``2^e ≈ sqrt(v̂)``) — no log2/exp2 in the step, 2.09
             bytes/parameter, about half the update error of the fp8 codes
-            (:mod:`hf_fp8.numerics.log_moments`). ``"fp8"``: both moments as E4M3/E5M2 codes
-            (COAT's paper format with expansion, plain absmax without).
+            (:mod:`hf_fp8.numerics.log_moments`).
         seed: seed of the stochastic rounding streams.
         amsgrad: must be ``False`` (not supported).
         implementation: ``"auto"`` (fused C kernel for CPU tensors, else ``torch.compile``
@@ -123,7 +124,7 @@ class AdamWFp8(Optimizer):
         min_quantize_numel: int = DEFAULT_MIN_QUANTIZE_NUMEL,
         stochastic_rounding: bool | str = "exp_avg_sq",
         sqrt_second_moment: bool = False,
-        moment_format: str = "auto",
+        moment_format: str = "fp8",
         seed: int = 0,
         amsgrad: bool = False,
         implementation: str = "auto",

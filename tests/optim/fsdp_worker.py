@@ -26,10 +26,10 @@ from hf_fp8.optim import AdamWFp8
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 # stochastic rounding on: the ranks must draw the bits of their rows in the full tensor
 _BASE = {"lr": 1e-2, "weight_decay": 0.01, "min_quantize_numel": 1024}
-# Optimizer options per test variant: the default "log" moment format (stochastic rounding of
-# v) and the fp8 codes with every stream option on.
+# Optimizer options per test variant: the "log" moment format (stochastic rounding of both)
+# and the default fp8 codes with every stream option on.
 OPTIM_VARIANTS = {
-    "log": {**_BASE, "stochastic_rounding": True},
+    "log": {**_BASE, "stochastic_rounding": True, "moment_format": "log"},
     "fp8": {**_BASE, "stochastic_rounding": True, "sqrt_second_moment": True},
 }
 

@@ -238,7 +238,7 @@ def test_load_hooks_see_the_real_state():
     other.register_load_state_dict_pre_hook(pre)
     other.register_load_state_dict_post_hook(post)
     other.load_state_dict(saved)
-    assert seen == {"pre": 2, "post": [3, 6]}  # fp32 (step + 2) and log (step + 5) states
+    assert seen == {"pre": 2, "post": [3, 7]}  # fp32 (step + 2) and fp8 COAT (step + 6)
 
 
 def test_refused_load_changes_nothing():

@@ -76,21 +76,21 @@ def test_rounding_options_reach_the_optimizer(tmp_path):
 
 
 def test_moment_format_reaches_the_optimizer(tmp_path):
-    """optim_args moment_format=fp8 selects the paper's fp8 codes under adamw_fp8_coat."""
-    training_args = args(tmp_path, optim="adamw_fp8_coat", optim_args="moment_format=fp8")
+    """optim_args moment_format=log selects the log codes under adamw_fp8_coat."""
+    training_args = args(tmp_path, optim="adamw_fp8_coat", optim_args="moment_format=log")
     _, kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args)
-    assert kwargs["moment_format"] == "fp8" and kwargs["dynamic_range_expansion"] is True
+    assert kwargs["moment_format"] == "log" and kwargs["dynamic_range_expansion"] is True
     p = torch.nn.Parameter(torch.zeros(64, 128))
     opt = AdamWFp8([p], **kwargs)
     p.grad = torch.ones_like(p)
     opt.step()
-    assert opt.state[p]["exp_avg_fp8"].dtype == torch.float8_e4m3fn
+    assert opt.state[p]["exp_avg_fp8"].dtype == torch.int8
     _, default = Trainer.get_optimizer_cls_and_kwargs(args(tmp_path, optim="adamw_fp8_coat"))
     q = torch.nn.Parameter(torch.zeros(64, 128))
     opt = AdamWFp8([q], **default)
     q.grad = torch.ones_like(q)
     opt.step()
-    assert opt.state[q]["exp_avg_fp8"].dtype == torch.int8  # the default: moment_format="log"
+    assert opt.state[q]["exp_avg_fp8"].dtype == torch.float8_e4m3fn  # the default: fp8 codes
 
 
 def test_hf_argument_parser_accepts_the_names(tmp_path):
@@ -157,9 +157,9 @@ def test_trainer_checkpoint_resume_is_exact(tmp_path):
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     assert isinstance(inner, AdamWFp8)
     quantized = [st for st in inner.state.values() if "exp_avg_fp8" in st]
-    # the default moment format of adamw_fp8_coat: int8 m codes, uint8 v codes
-    assert quantized and all(st["exp_avg_fp8"].dtype == torch.int8 for st in quantized)
-    assert all(st["exp_avg_sq_fp8"].dtype == torch.uint8 for st in quantized)
+    # the default moment format of adamw_fp8_coat: E4M3 codes for both moments
+    assert quantized and all(st["exp_avg_fp8"].dtype == torch.float8_e4m3fn for st in quantized)
+    assert all(st["exp_avg_sq_fp8"].dtype == torch.float8_e4m3fn for st in quantized)
     resumed, _ = train(
         tmp_path, "resumed", resume=str(tmp_path / "full" / "checkpoint-3"), optim="adamw_fp8_coat"
     )
