@@ -1,8 +1,9 @@
 """Calibration of static ``Fp8Experts``: one observer per (projection, expert).
 
 While observing, each experts module runs weight-only (high-precision activations) and its
-``_project`` is wrapped on the instance: every projection's input rows arrive sorted by
-expert (``Routing.present()``), so each expert's observer sees exactly the rows routed to it.
+``_project`` is wrapped on the instance: every projection's input rows, sorted by expert
+(``Routing.present()``; token rows are gathered first), reach the observer of the expert
+they are routed to, and only those.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ class ExpertsObservation:
     def install(self) -> None:
         module, method = self.module, type(self.module)._project
 
-        def observed(proj: str, x: torch.Tensor, routing: Any) -> torch.Tensor:
+        def observed(
+            proj: str, x: torch.Tensor, routing: Any, *, from_tokens: bool = False
+        ) -> torch.Tensor:
+            rows = x[routing.token_index] if from_tokens else x  # sorted by expert
             for expert, start, end in routing.present():
-                self.observers[proj][expert].update(x[start:end])
-            return method(module, proj, x, routing)
+                self.observers[proj][expert].update(rows[start:end])
+            return method(module, proj, x, routing, from_tokens=from_tokens)
 
         module._project = observed  # instance attribute: shadows the method while observing
         module.recipe = dataclasses.replace(

@@ -560,8 +560,8 @@ class Fp8Experts(RecipeWords, nn.Module):
         self, proj: str, x: torch.Tensor, routing, *, from_tokens: bool = False
     ) -> torch.Tensor:
         """``proj`` of the routed rows ``x`` (sorted by expert), or, ``from_tokens``, of the
-        token rows each pair reads. Calibration wraps this method on the instance and reads
-        sorted rows: see :meth:`_project_tokens`."""
+        token rows each pair reads (each token quantized once, not once per expert it
+        reaches). Calibration wraps this method on the instance."""
         return grouped_fp8_linear(
             x,
             routing,
@@ -572,15 +572,6 @@ class Fp8Experts(RecipeWords, nn.Module):
             input_scale=getattr(self, f"{proj}_input_scale"),
             from_tokens=from_tokens,
         )
-
-    def _project_tokens(self, proj: str, x: torch.Tensor, routing) -> torch.Tensor:
-        """``proj`` of the token rows ``x`` ``[T, H]`` for every routed pair: each token is
-        quantized once (per-token scales), not once per expert it reaches. An observer that
-        replaced ``_project`` on this instance (``hf_fp8.calibration.experts``) gets the
-        sorted rows it expects."""
-        if "_project" in vars(self):
-            return self._project(proj, x[routing.token_index], routing)
-        return self._project(proj, x, routing, from_tokens=True)
 
     def forward(
         self,
@@ -608,7 +599,7 @@ class Fp8Experts(RecipeWords, nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         index = top_k_index.reshape(x.shape[0], -1)
         routing = route(index, self.num_experts)
-        h = self._project_tokens(self.layout.up_name, x, routing)
+        h = self._project(self.layout.up_name, x, routing, from_tokens=True)
         if self.layout.has_gate:
             h = self.layout.source_class._apply_gate(self, h)
         else:
