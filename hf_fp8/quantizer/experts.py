@@ -54,7 +54,12 @@ def swap_experts(
         new = swapped.get(id(module))
         if new is None:
             new = cls.empty_like(module, config, module_name=name, device="meta")
-            if pre_quantized and new.recipe.is_static:
+            if not pre_quantized:
+                # input scales given in the config are set after loading (finish_experts):
+                # here transformers would report them "MISSING ... newly initialized"
+                for proj in new.layout.projections:
+                    setattr(new, f"{proj}_input_scale", None)
+            elif new.recipe.is_static:
                 for proj in new.layout.projections:
                     if getattr(new, f"{proj}_input_scale") is None:
                         new.set_input_scale(

@@ -112,6 +112,21 @@ def test_save_reload_bit_exact(bf16_dir, tmp_path, kwargs):
         assert torch.equal(model(_ids()).logits, back(_ids()).logits)
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_load_report_lists_nothing_missing(bf16_dir, scheme):
+    """A static on-the-fly load with ``activation_scale`` listed every experts input scale as
+    "MISSING ... newly initialized" in transformers' load report (the scales were set)."""
+    path, _ = bf16_dir
+    kwargs = {"activation_scale": 0.05} if scheme == "static" else {}
+    model, info = tf.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=Fp8Config(scheme, **kwargs), output_loading_info=True
+    )
+    assert not info["missing_keys"], sorted(info["missing_keys"])[:4]
+    if scheme == "static":
+        scale = model.model.layers[0].mlp.experts.gate_up_proj_input_scale
+        assert torch.equal(scale, torch.full_like(scale, 0.05))
+
+
 def test_dequantize_gives_the_source_class(bf16_dir, tmp_path):
     path, _ = bf16_dir
     config = Fp8Config(activation_scheme="weight_only")  # same math as the dequantized model
