@@ -134,12 +134,6 @@ class Fp8ParallelExperts(Fp8Experts):
         new._carry_over(module)
         return new
 
-    @property
-    def down_proj(self) -> torch.Tensor:
-        """The codes (``weight``), under the name of an experts module's last projection,
-        which the quantizer reads after loading (its offload check)."""
-        return self.weight
-
     def _set_config_input_scale(self, config: Fp8Config | None, prefix: str) -> None:
         if config is not None and self.recipe.is_static:
             scale = config.activation_scale_for(f"{prefix}weight")

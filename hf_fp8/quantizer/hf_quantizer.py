@@ -271,7 +271,8 @@ class Fp8HfQuantizer(HfQuantizer):
         disk = [k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v == "disk"]
         for name, module in model.named_modules():
             if isinstance(module, Fp8Experts):
-                offloaded = module.down_proj.is_meta and ("" in disk or matches_module(name, disk))
+                last = getattr(module, module.layout.projections[-1])
+                offloaded = last.is_meta and ("" in disk or matches_module(name, disk))
                 missing += finish_experts(
                     name, module, self.quantization_config, offloaded=offloaded
                 )
