@@ -32,14 +32,12 @@ from hf_fp8.kernels.grouped import Routing
 from hf_fp8.modules.fp8_experts import (
     ExpertsLayout,
     Fp8Experts,
-    config_recipe,
     experts_layout,
-    quantize_projection,
 )
 from hf_fp8.numerics import is_fp8
 
 if TYPE_CHECKING:
-    from hf_fp8.config import Fp8Config
+    pass
 
 _CHUNK = re.compile(r"(\w+)\s*,\s*(\w+)\s*=\s*\w+\.chunk\(\s*2")
 _ACT = re.compile(r"self\.act_fn\(\s*(\w+)\s*\)")
@@ -111,49 +109,8 @@ class Fp8BmmExperts(Fp8Experts):
     by expert; storage and everything else are ``Fp8Experts``'."""
 
     @classmethod
-    def from_experts(
-        cls, module: nn.Module, config: Fp8Config | None = None, *, module_name: str = ""
-    ) -> Fp8BmmExperts:
-        """Quantize a bmm experts module (each expert its own scales)."""
-        layout = _check_source(module, module_name)
-        recipe = config_recipe(config)
-        with torch.device("meta"):
-            new = cls(layout, recipe, dtype=module.gate_up_proj.dtype)
-        prefix = f"{module_name}." if module_name else ""
-        for proj in layout.projections:
-            codes, scales = quantize_projection(
-                getattr(module, proj).detach(), layout, recipe, name=f"{prefix}{proj}"
-            )
-            setattr(new, proj, nn.Parameter(codes, requires_grad=False))
-            setattr(new, f"{proj}_weight_scale", nn.Parameter(scales, requires_grad=False))
-        new._set_config_input_scales(config, prefix)
-        new._carry_over(module)
-        return new
-
-    @classmethod
-    def empty_like(
-        cls,
-        module: nn.Module,
-        config: Fp8Config | None = None,
-        *,
-        module_name: str = "",
-        device: torch.device | str | None = None,
-    ) -> Fp8BmmExperts:
-        """Storage for ``module``'s layout, to be filled by a checkpoint (quantizer swap)."""
-        layout = _check_source(module, module_name)
-        device = device if device is not None else module.gate_up_proj.device
-        new = cls(layout, config_recipe(config), dtype=module.gate_up_proj.dtype, device=device)
-        new._set_config_input_scales(config, f"{module_name}." if module_name else "")
-        new._carry_over(module)
-        return new
-
-    def _set_config_input_scales(self, config: Fp8Config | None, prefix: str) -> None:
-        if config is None or not self.recipe.is_static:
-            return
-        for proj in self.layout.projections:
-            scale = config.activation_scale_for(f"{prefix}{proj}")
-            if scale is not None:
-                self.set_input_scale(proj, scale)
+    def _source_layout(cls, module: nn.Module, module_name: str) -> ExpertsLayout:
+        return _check_source(module, module_name)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``[E * T, H]`` rows grouped by expert (the source's call) -> ``[E * T, H]``."""

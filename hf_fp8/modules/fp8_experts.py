@@ -435,17 +435,23 @@ class Fp8Experts(RecipeWords, nn.Module):
         )
 
     @classmethod
+    def _source_layout(cls, module: nn.Module, module_name: str) -> ExpertsLayout:
+        """The layout of the high-precision ``module`` this class converts, or
+        ``ValueError`` naming why it cannot (subclasses: other kinds of experts)."""
+        reason = unsupported_reason(module)
+        if reason is not None:
+            raise ValueError(f"cannot convert {module_name or type(module).__name__}: {reason}")
+        return experts_layout(module)
+
+    @classmethod
     def from_experts(
         cls, module: nn.Module, config: Fp8Config | None = None, *, module_name: str = ""
     ) -> Fp8Experts:
         """Quantize an experts module (finite weights) with ``config``'s recipe; each expert
         gets its own scales. Raises ``ValueError`` with :func:`unsupported_reason`."""
-        reason = unsupported_reason(module)
-        if reason is not None:
-            raise ValueError(f"cannot convert {module_name or type(module).__name__}: {reason}")
-        layout = experts_layout(module)
+        layout = cls._source_layout(module, module_name)
         recipe = config_recipe(config)
-        source_dtype = getattr(module, layout.up_name).dtype
+        source_dtype = getattr(module, layout.projections[0]).dtype
         with torch.device("meta"):
             new = cls(layout, recipe, dtype=source_dtype)
         prefix = f"{module_name}." if module_name else ""
@@ -462,10 +468,7 @@ class Fp8Experts(RecipeWords, nn.Module):
                     f"{proj}_bias",
                     nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad),
                 )
-            if config is not None and recipe.is_static:
-                scale = config.activation_scale_for(f"{prefix}{proj}")
-                if scale is not None:
-                    new.set_input_scale(proj, scale)
+        new._set_config_input_scales(config, prefix)
         new._carry_over(module)
         return new
 
@@ -480,25 +483,25 @@ class Fp8Experts(RecipeWords, nn.Module):
     ) -> Fp8Experts:
         """Storage for ``module``'s layout and ``config``'s recipe, to be filled by a
         checkpoint (the quantizer's swap before loading), on ``module``'s device unless
-        ``device`` is given (meta stays meta). Carries
-        the non-weight parts over as ``from_experts`` does; static input scales from the
-        config are set, others come from the checkpoint."""
-        reason = unsupported_reason(module)
-        if reason is not None:
-            raise ValueError(f"cannot convert {module_name or type(module).__name__}: {reason}")
-        layout = experts_layout(module)
-        recipe = config_recipe(config)
-        source_weight = getattr(module, layout.up_name)
+        ``device`` is given (meta stays meta). Carries the non-weight parts over as
+        ``from_experts`` does; static input scales from the config are set, others come
+        from the checkpoint."""
+        layout = cls._source_layout(module, module_name)
+        source_weight = getattr(module, layout.projections[0])
         device = device if device is not None else source_weight.device
-        new = cls(layout, recipe, dtype=source_weight.dtype, device=device)
-        prefix = f"{module_name}." if module_name else ""
-        if config is not None and recipe.is_static:
-            for proj in layout.projections:
-                scale = config.activation_scale_for(f"{prefix}{proj}")
-                if scale is not None:
-                    new.set_input_scale(proj, scale)
+        new = cls(layout, config_recipe(config), dtype=source_weight.dtype, device=device)
+        new._set_config_input_scales(config, f"{module_name}." if module_name else "")
         new._carry_over(module)
         return new
+
+    def _set_config_input_scales(self, config: Fp8Config | None, prefix: str) -> None:
+        """Static input scales that ``config`` gives for this module's projections."""
+        if config is None or not self.recipe.is_static:
+            return
+        for proj in self.layout.projections:
+            scale = config.activation_scale_for(f"{prefix}{proj}")
+            if scale is not None:
+                self.set_input_scale(proj, scale)
 
     def _carry_over(self, module: nn.Module) -> None:
         """Take the source's plain attributes and parameter-free (or norm) children."""

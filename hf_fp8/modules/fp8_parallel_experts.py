@@ -29,14 +29,12 @@ from hf_fp8.kernels.grouped import Routing
 from hf_fp8.modules.fp8_experts import (
     ExpertsLayout,
     Fp8Experts,
-    config_recipe,
     experts_layout,
-    quantize_projection,
 )
 from hf_fp8.numerics import is_fp8
 
 if TYPE_CHECKING:
-    from hf_fp8.config import Fp8Config
+    pass
 
 
 @dataclass(frozen=True)
@@ -99,46 +97,8 @@ class Fp8ParallelExperts(Fp8Experts):
     """FP8 ``JetMoeParallelExperts``-style linear: ``forward(inputs, expert_size)``."""
 
     @classmethod
-    def from_experts(
-        cls, module: nn.Module, config: Fp8Config | None = None, *, module_name: str = ""
-    ) -> Fp8ParallelExperts:
-        """Quantize a parallel experts linear (each expert its own scales)."""
-        layout = _checked_layout(module, module_name)
-        recipe = config_recipe(config)
-        with torch.device("meta"):
-            new = cls(layout, recipe, dtype=module.weight.dtype)
-        prefix = f"{module_name}." if module_name else ""
-        codes, scales = quantize_projection(
-            module.weight.detach(), layout, recipe, name=f"{prefix}weight"
-        )
-        new.weight = nn.Parameter(codes, requires_grad=False)
-        new.weight_weight_scale = nn.Parameter(scales, requires_grad=False)
-        new._set_config_input_scale(config, prefix)
-        new._carry_over(module)
-        return new
-
-    @classmethod
-    def empty_like(
-        cls,
-        module: nn.Module,
-        config: Fp8Config | None = None,
-        *,
-        module_name: str = "",
-        device: torch.device | str | None = None,
-    ) -> Fp8ParallelExperts:
-        """Storage for ``module``'s layout, to be filled by a checkpoint (quantizer swap)."""
-        layout = _checked_layout(module, module_name)
-        device = device if device is not None else module.weight.device
-        new = cls(layout, config_recipe(config), dtype=module.weight.dtype, device=device)
-        new._set_config_input_scale(config, f"{module_name}." if module_name else "")
-        new._carry_over(module)
-        return new
-
-    def _set_config_input_scale(self, config: Fp8Config | None, prefix: str) -> None:
-        if config is not None and self.recipe.is_static:
-            scale = config.activation_scale_for(f"{prefix}weight")
-            if scale is not None:
-                self.set_input_scale("weight", scale)
+    def _source_layout(cls, module: nn.Module, module_name: str) -> ExpertsLayout:
+        return _checked_layout(module, module_name)
 
     def forward(self, inputs: torch.Tensor, expert_size) -> torch.Tensor:  # type: ignore[override]
         """``inputs [S, in]`` sorted by expert, ``expert_size`` rows per expert (ints) ->
