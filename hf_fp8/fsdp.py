@@ -40,8 +40,13 @@ def fully_shard_fp8(
     fp8, scales fp32) and leaves the inputs as they come (``cast_forward_inputs=False``: the
     enclosing group's policy casts them). ``fsdp_kwargs`` (``mesh``, ``reshard_after_forward``
     …) go to ``fully_shard``; an ``mp_policy`` there is refused (that is what this replaces).
-    Call it before sharding the enclosing layers; returns the modules it sharded."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    Call it before sharding the enclosing layers; returns the modules it sharded (FP8
+    modules that already are FSDP2 groups are left as they are: calling it twice is harmless).
+
+    ``accelerate`` users need not call it: with ``fsdp_version: 2`` and a casting
+    ``mixed_precision``, hf_fp8 applies it inside ``accelerator.prepare`` (the
+    ``accelerate_fsdp2`` patch, :mod:`hf_fp8.patches.accelerate_fsdp2`)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if "mp_policy" in fsdp_kwargs:
         raise ValueError(
@@ -51,7 +56,7 @@ def fully_shard_fp8(
     keep = MixedPrecisionPolicy(
         param_dtype=None, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
-    modules = fp8_modules(model)
+    modules = [m for m in fp8_modules(model) if not isinstance(m, FSDPModule)]
     for module in modules:
         fully_shard(module, mp_policy=keep, **fsdp_kwargs)
     return modules

@@ -14,6 +14,9 @@ patch                  what it changes                              public alter
                        ``Fp8LoraLinear`` via peft's custom modules  {Fp8Linear: Fp8LoraLinear})``
 ``model_dtype``        ``PreTrainedModel.half()`` / ``.float()``     ``model.to(torch.float16)``
                        act as ``.to(dtype)`` on hf_fp8 models
+``accelerate_fsdp2``   ``accelerator.prepare`` under FSDP2 with a    ``hf_fp8.fully_shard_fp8(model)``
+                       casting ``mixed_precision`` shards FP8       before ``accelerator.prepare``
+                       modules in fp8-keeping groups first
 =====================  ==========================================  =====================================
 
 Each patch is applied on its own, when the library it changes is imported (see
@@ -81,6 +84,12 @@ PATCHES: dict[str, Patch] = {
         ("transformers.modeling_utils",),
         "model.half() / model.float() on hf_fp8 models",
         "model.to(torch.float16) / model.to(torch.float32)",
+    ),
+    "accelerate_fsdp2": Patch(
+        "hf_fp8.patches.accelerate_fsdp2",
+        ("accelerate.accelerator",),
+        "fp8 codes kept fp8 by accelerator.prepare under FSDP2 with mixed_precision bf16/fp16",
+        "call hf_fp8.fully_shard_fp8(model) before accelerator.prepare(model, optimizer, ...)",
     ),
 }
 

@@ -1,0 +1,144 @@
+"""Patch: ``accelerator.prepare`` under FSDP2 keeps FP8 codes fp8 when mixed precision casts.
+
+``Accelerator(mixed_precision="bf16")`` with ``fsdp_version: 2`` gives every FSDP2 group it
+builds (decoder layers, embeddings, the root) ``MixedPrecisionPolicy(param_dtype=bfloat16)``.
+FSDP2 would then cast the fp8 codes of ``Fp8Linear`` / ``Fp8Experts`` to bf16 at every
+all-gather: twice the bytes, ``Fp8Linear`` computing from bf16 copies, ``Fp8Experts``
+refusing them. accelerate 1.15's ``fsdp2_prepare_model`` (``accelerate/utils/fsdp_utils.py``)
+upcasts the trainable parameters, optionally moves the model to meta, then asks
+``fsdp2_prepare_auto_wrap_policy`` for the wrap policy and calls ``fully_shard`` bottom-up,
+skipping modules that already are FSDP2 groups. The patch wraps both names: when the model
+holds FP8 modules and the policy casts parameters, :func:`hf_fp8.fully_shard_fp8` shards each
+FP8 module first, in its own group that keeps the stored dtypes, right where accelerate
+starts sharding, with accelerate's mesh, reshard, offload and ignored-parameter settings and
+the policy's ``reduce_dtype``. Everything else is accelerate's own code path.
+
+If accelerate never reaches that point (its internals changed) the wrapper raises instead of
+letting training run on cast codes; the error names the manual route.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+TRIGGER = "accelerate.accelerator"
+UTILS = "accelerate.utils.fsdp_utils"
+PREPARE = "fsdp2_prepare_model"
+POLICY = "fsdp2_prepare_auto_wrap_policy"
+MANUAL = (
+    "call hf_fp8.fully_shard_fp8(model) before accelerator.prepare(model, optimizer, ...), "
+    'or use mixed_precision="no"'
+)
+
+_PENDING = threading.local()  # .kwargs: fully_shard_fp8 arguments waiting for the policy call
+
+
+def _casting_policy(plugin: Any) -> Any:
+    """The FSDP2 ``MixedPrecisionPolicy`` of ``plugin`` when it casts parameters, else None."""
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    return policy if getattr(policy, "param_dtype", None) is not None else None
+
+
+def _shard_kwargs(accelerator: Any, model: Any, plugin: Any, policy: Any) -> dict[str, Any]:
+    """``fully_shard_fp8`` arguments matching the ``fully_shard`` calls accelerate makes."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is not None:
+        mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "reduce_dtype": policy.reduce_dtype,
+    }
+    if plugin.cpu_offload is not None:
+        kwargs["offload_policy"] = plugin.cpu_offload
+    if getattr(plugin, "ignored_modules", None) is not None:
+        from accelerate.utils.fsdp_utils import get_parameters_from_modules
+
+        kwargs["ignored_params"] = get_parameters_from_modules(
+            plugin.ignored_modules, model, accelerator.device
+        )
+    return kwargs
+
+
+def _wrap_prepare(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def fsdp2_prepare_model(accelerator, model, *args, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+
+        from hf_fp8.fsdp import fp8_modules
+
+        plugin = accelerator.state.fsdp_plugin
+        policy = _casting_policy(plugin)
+        inner = getattr(model, "_orig_mod", model)  # torch.compile'd
+        modules = [] if policy is None or isinstance(inner, FSDPModule) else fp8_modules(inner)
+        if not [m for m in modules if not isinstance(m, FSDPModule)]:
+            return original(accelerator, model, *args, **kwargs)
+        _PENDING.kwargs = _shard_kwargs(accelerator, model, plugin, policy)
+        try:
+            prepared = original(accelerator, model, *args, **kwargs)
+        finally:
+            missed = getattr(_PENDING, "kwargs", None) is not None
+            _PENDING.kwargs = None
+        if missed:
+            raise RuntimeError(
+                f"hf_fp8: accelerate's FSDP2 preparation never called {POLICY} (accelerate's "
+                f"internals changed), so {len(modules)} FP8 module(s) were sharded with "
+                f"param_dtype={policy.param_dtype} and FSDP2 casts their fp8 codes; instead: "
+                f"{MANUAL}"
+            )
+        return prepared
+
+    fsdp2_prepare_model._hf_fp8 = True
+    return fsdp2_prepare_model
+
+
+def _wrap_policy(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def fsdp2_prepare_auto_wrap_policy(fsdp2_plugin, model, *args, **kwargs):
+        shard_kwargs = getattr(_PENDING, "kwargs", None)
+        if shard_kwargs is not None:
+            _PENDING.kwargs = None
+            from hf_fp8.fsdp import fully_shard_fp8
+
+            fully_shard_fp8(model, **shard_kwargs)
+        return original(fsdp2_plugin, model, *args, **kwargs)
+
+    fsdp2_prepare_auto_wrap_policy._hf_fp8 = True
+    return fsdp2_prepare_auto_wrap_policy
+
+
+def applied() -> bool:
+    """True when ``accelerator.prepare`` goes through the wrapped FSDP2 preparation."""
+    accelerator = sys.modules.get(TRIGGER)
+    return bool(getattr(getattr(accelerator, PREPARE, None), "_hf_fp8", False))
+
+
+def apply() -> None:
+    """Wrap accelerate's FSDP2 preparation once (in every module that holds the name)."""
+    import importlib
+
+    utils = importlib.import_module(UTILS)
+    accelerator = importlib.import_module(TRIGGER)
+    prepare = getattr(utils, PREPARE)
+    if getattr(prepare, "_hf_fp8", False):
+        return
+    if not getattr(getattr(accelerator, PREPARE, None), "__name__", "") == PREPARE:
+        raise RuntimeError(f"accelerate.accelerator no longer imports {PREPARE}")
+    policy = getattr(utils, POLICY, None)
+    wrapped = _wrap_prepare(prepare)
+    for module in (utils, accelerator, sys.modules.get("accelerate.utils")):
+        if module is not None and getattr(module, PREPARE, None) is prepare:
+            setattr(module, PREPARE, wrapped)
+    if policy is None:  # the wrapper then refuses the casting case with the manual route
+        from hf_fp8.patches import disable
+
+        disable("accelerate_fsdp2", f"{UTILS}.{POLICY} is gone", partly=True)
+        return
+    setattr(utils, POLICY, _wrap_policy(policy))
+
+
+TRIGGERS = {TRIGGER: apply}
