@@ -17,6 +17,12 @@
 #include <string.h>
 #include <math.h>
 #include <pthread.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DEC_AVX512 1
+#else
+#define HAVE_DEC_AVX512 0
+#endif
 
 #define AI static inline __attribute__((always_inline))
 #define FLT_MIN_F 1.17549435082228750797e-38f
@@ -103,6 +109,69 @@ AI uint8_t enc_fp8(float x, const int E5) {
     return (uint8_t)(c | s);
 }
 
+/* flog2 of every E4M3 magnitude code (index c & 0x7F), exactly the value the per-element
+   decode computes (flog2 of nz ? |q| : 1): the fast decode reads it instead of a polynomial. */
+AI void make_log2_tab(float* restrict tab) {
+    for (int c = 0; c < 128; ++c) {
+        float a = dec_fp8((uint8_t)c, 0);
+        tab[c] = flog2((a > 0.0f) ? a : 1.0f);
+    }
+}
+
+#if HAVE_DEC_AVX512
+/* fexp2_nc / fexp2 on 16 lanes, the same fp32 operations in the same order. */
+AI __m512 fexp2_v(__m512 y, const int CLAMP) {
+    const __m512 magic = _mm512_set1_ps(MAGIC), one = _mm512_set1_ps(1.0f);
+    if (CLAMP) y = _mm512_max_ps(y, _mm512_set1_ps(-126.0f)); /* (y < -126) ? -126 : y */
+    __m512 r = _mm512_sub_ps(_mm512_add_ps(y, magic), magic);
+    r = _mm512_mask_sub_ps(r, _mm512_cmp_ps_mask(r, y, _CMP_GT_OQ), r, one);
+    __m512 f = _mm512_sub_ps(y, r);
+    __m512i n = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(r, magic)),
+                                 _mm512_set1_epi32((int)MAGIC_BITS));
+    __m512 acc = _mm512_add_ps(_mm512_mul_ps(f, _mm512_set1_ps(EXP2_C3)), _mm512_set1_ps(EXP2_C2));
+    acc = _mm512_add_ps(_mm512_mul_ps(acc, f), _mm512_set1_ps(EXP2_C1));
+    acc = _mm512_add_ps(_mm512_mul_ps(acc, f), _mm512_set1_ps(EXP2_C0));
+    __m512 poly = _mm512_add_ps(_mm512_mul_ps(acc, f), one);
+    return _mm512_castsi512_ps(
+        _mm512_add_epi32(_mm512_castps_si512(poly), _mm512_slli_epi32(n, 23)));
+}
+
+/* Decode 16 E4M3 codes with COAT expansion (update_group's EX branch, bit for bit):
+   flog2|q| from the 128-entry table (four two-table permutes and two blends), one exp2. */
+AI __m512 dec_coat_v(const uint8_t* q, const __m512* tab, __m512 ik, __m512 bias, const int CLAMP) {
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+    __m512i idx = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+    __m512 r0 = _mm512_permutex2var_ps(tab[0], idx, tab[1]);
+    __m512 r1 = _mm512_permutex2var_ps(tab[2], idx, tab[3]);
+    __m512 r2 = _mm512_permutex2var_ps(tab[4], idx, tab[5]);
+    __m512 r3 = _mm512_permutex2var_ps(tab[6], idx, tab[7]);
+    __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+    __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+    __m512 lg = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r0, r1),
+                                     _mm512_mask_blend_ps(b5, r2, r3));
+    __m512 mag = fexp2_v(_mm512_add_ps(_mm512_mul_ps(lg, ik), bias), CLAMP);
+    /* |q| > 0: neither the zero code nor the NaN code 0x7F */
+    __mmask16 nz = _mm512_cmpneq_epi32_mask(idx, _mm512_setzero_si512()) &
+                   _mm512_cmpneq_epi32_mask(idx, _mm512_set1_epi32(0x7F));
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+    __m512i mb = _mm512_maskz_mov_epi32(nz, _mm512_castps_si512(mag));
+    return _mm512_castsi512_ps(_mm512_or_si512(mb, sign));
+}
+
+/* Decoded m and v of one group (n a multiple of 16) into m_out / v_out. */
+AI void dec_group_avx512(const uint8_t* restrict qm, const uint8_t* restrict qv,
+                         float* restrict m_out, float* restrict v_out, const __m512* tab,
+                         float ik_m, float b_m, float ik_v, float b_v, int64_t n,
+                         const int CLAMP) {
+    const __m512 ikm = _mm512_set1_ps(ik_m), bm = _mm512_set1_ps(b_m);
+    const __m512 ikv = _mm512_set1_ps(ik_v), bv = _mm512_set1_ps(b_v);
+    for (int64_t i = 0; i < n; i += 16) {
+        _mm512_storeu_ps(m_out + i, dec_coat_v(qm + i, tab, ikm, bm, CLAMP));
+        _mm512_storeu_ps(v_out + i, dec_coat_v(qv + i, tab, ikv, bv, CLAMP));
+    }
+}
+#endif
+
 AI float bf16_to_f(uint16_t h) { return b2f(((uint32_t)h) << 16); }
 AI uint16_t f_to_bf16(float f) {
     uint32_t u = f2b(f);
@@ -137,6 +206,26 @@ AI float sr_mag(float a, uint32_t r, const int E5) {
     return (out > F) ? F : out;
 }
 
+/* enc_fp8(copysign(sr_mag(a, r), x)) in one go (s: the sign bit of x as 0x80 or 0): the
+   stochastically rounded value is representable, so its code is read off directly (normal:
+   the top bits of its pattern; subnormal: the integer floor(a·steps + u); above F: F's code). */
+AI uint8_t sr_code(float a, uint32_t r, uint32_t s, const int E5) {
+    const uint32_t drop = E5 ? E5M2_SR_DROP : E4M3_SR_DROP;
+    const uint32_t mask = (1u << drop) - 1u;
+    const uint32_t cmax = E5 ? 0x7Bu : 0x7Eu; /* the code of F */
+    const float steps = E5 ? E5M2_SR_STEPS : E4M3_SR_STEPS;
+    const float unit = E5 ? E5M2_SR_UNIT : E4M3_SR_UNIT;
+    const float min_normal = E5 ? E5M2_SR_MIN_NORMAL : E4M3_SR_MIN_NORMAL;
+    uint32_t low = r & mask;
+    uint32_t cn = (((f2b(a) + low) & ~mask) >> drop) - (E5 ? (112u << 2) : (120u << 3));
+    float u = (float)(int32_t)low * unit;
+    uint32_t cs = (uint32_t)(int32_t)floorf(a * steps + u);
+    uint32_t c = (a < min_normal) ? cs : cn;
+    c = (c > cmax) ? cmax : c;
+    c = (f2b(a) > INF_BITS) ? 0x7Fu : c; /* NaN (not reached from requant: kept for safety) */
+    return (uint8_t)(c | s);
+}
+
 AI float expansion_k(float amax, float amin, float steps) {
     int valid = amax >= FLT_MIN_F;
     float lr = flog2(valid ? amax : 1.0f) - flog2(valid ? amin : 1.0f);
@@ -167,8 +256,10 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
             float mag = fexp2_nc(y);
             mag = nz ? mag : 0.0f;
             mag = (mag > F) ? F : mag;
-            if (SR) mag = sr_mag(mag, hash32(key + (uint32_t)i), E5);
-            q[i] = enc_fp8(copysignf(mag, x), E5);
+            if (SR)
+                q[i] = sr_code(mag, hash32(key + (uint32_t)i), (f2b(x) >> 24) & 0x80u, E5);
+            else
+                q[i] = enc_fp8(copysignf(mag, x), E5);
         }
     } else {
         float s = amax / F;
@@ -217,7 +308,7 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
                      float sm, float sv, float ik_m, float b_m, float ik_v, float b_v,
                      const float* restrict hp, int64_t n, uint32_t* restrict red,
                      const int PB, const int GB, const int E5, const int EX, const int SQ,
-                     const int CLAMP) {
+                     const int CLAMP, const int PRE) {
     const float decay = hp[HP_DECAY], step_size = hp[HP_STEP_SIZE], w1 = hp[HP_ONE_MINUS_BETA1];
     const float b2 = hp[HP_BETA2], w2 = hp[HP_ONE_MINUS_BETA2];
     const float eps = hp[HP_EPS], inv_bc2s = hp[HP_INV_BC2];
@@ -227,9 +318,12 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
     const uint16_t* restrict gbf = (const uint16_t*)g_;
     uint32_t amx = 0u, amn = INF_BITS, avx = 0u, avn = INF_BITS;
     for (int64_t i = 0; i < n; ++i) {
-        float qmf = dec_fp8(qm[i], E5), qvf = dec_fp8(qv[i], E5);
         float mo, vo;
-        if (EX) {
+        if (PRE) { /* decoded by dec_group_avx512 into the output buffers */
+            mo = m_out[i];
+            vo = v_out[i];
+        } else if (EX) {
+            float qmf = dec_fp8(qm[i], E5), qvf = dec_fp8(qv[i], E5);
             float am = fabsf(qmf), av = fabsf(qvf);
             int nzm = am > 0.0f, nzv = av > 0.0f;
             float ym = flog2(nzm ? am : 1.0f) * ik_m + b_m;
@@ -239,8 +333,8 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
             mo = copysignf(nzm ? mm : 0.0f, qmf);
             vo = copysignf(nzv ? mv : 0.0f, qvf);
         } else {
-            mo = qmf * sm;
-            vo = qvf * sv;
+            mo = dec_fp8(qm[i], E5) * sm;
+            vo = dec_fp8(qv[i], E5) * sv;
         }
         if (SQ) vo = vo * vo; /* the second moment is stored as sqrt(v) */
         float g = GB ? bf16_to_f(gbf[i]) : g32[i];
@@ -292,6 +386,15 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
     const uint32_t key_m = (uint32_t)t[T_KEY_M], key_v = (uint32_t)t[T_KEY_V];
     const float LOG2_MIN_CODE = E5 ? -16.0f : -9.0f; /* flog2 of the smallest positive code */
     const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
+#if HAVE_DEC_AVX512
+    const int fast_dec = EX && !E5; /* E4M3 codes with expansion: the table decode */
+    float tbf[128];
+    __m512 tab[8];
+    if (fast_dec) {
+        make_log2_tab(tbf);
+        for (int i = 0; i < 8; ++i) tab[i] = _mm512_loadu_ps(tbf + 16 * i);
+    }
+#endif
     for (int64_t g0 = lo; g0 < hi; g0 += CHUNK) {
         const int nb = (int)((hi - g0) < CHUNK ? (hi - g0) : CHUNK);
         float ikm[CHUNK] = {0}, bm[CHUNK] = {0}, ikv[CHUNK] = {0}, bv[CHUNK] = {0};
@@ -312,14 +415,30 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
                both moments, fexp2's clamp is a no-op and the cheaper loop gives equal bits */
             int clamp = EX && !((LOG2_MIN_CODE * ikm[j] + bm[j] >= -126.0f) &&
                                 (LOG2_MIN_CODE * ikv[j] + bv[j] >= -126.0f));
-            if (clamp)
+            int pre = 0;
+#if HAVE_DEC_AVX512
+            if (fast_dec && n % 16 == 0) {
+                if (clamp)
+                    dec_group_avx512(mq + gi * gs, vq + gi * gs, mb + j * gs, vb + j * gs, tab,
+                                     ikm[j], bm[j], ikv[j], bv[j], n, 1);
+                else
+                    dec_group_avx512(mq + gi * gs, vq + gi * gs, mb + j * gs, vb + j * gs, tab,
+                                     ikm[j], bm[j], ikv[j], bv[j], n, 0);
+                pre = 1;
+            }
+#endif
+            if (pre)
                 update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
                              mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
-                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 1);
+                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 0, 1);
+            else if (clamp)
+                update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
+                             mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
+                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 1, 0);
             else
                 update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
                              mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
-                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 0);
+                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 0, 0);
             mmax[j] = red[0]; mmin[j] = red[1]; vmax[j] = red[2]; vmin[j] = red[3];
         }
         float km[CHUNK], kv[CHUNK], lm[CHUNK], lv[CHUNK], am[CHUNK], av[CHUNK];
