@@ -458,11 +458,17 @@ def _fp8_mm_impl(
     # threads: torch.mm(..., out=) and a @ tile.T per tile ran 5-10x slower than this.
     buf = torch.empty(rows * k, dtype=a.dtype)
     parts = []
+    # without scales after the matmul the bias joins the fp32 sum before the one rounding to
+    # bf16, as F.linear(a, w, bias) does (the epilogue would round twice)
+    bias_in_mm = bias is not None and a.dtype == torch.bfloat16 and not w_post and a_scale is None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         scale = None if w_post else w_scale
         tile = decode(w, scale, w_gran, (bn, bk), a.dtype, rows=(r0, r1), out=buf, path=path)
-        parts.append(torch.nn.functional.linear(tile, a))
+        if bias_in_mm:
+            parts.append(torch.addmm(bias[r0:r1, None], tile, a.t()))
+        else:
+            parts.append(torch.nn.functional.linear(tile, a))
     out_t = parts[0] if len(parts) == 1 else torch.cat(parts)
     if a.dtype != torch.bfloat16:
         out = out_t.t()
@@ -471,7 +477,7 @@ def _fp8_mm_impl(
     lib = library(path)
     _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
     ws = w_scale if w_post else None
-    b = bias
+    b = None if bias_in_mm else bias
     for t, name, want in (
         (a_scale, "activation scale", (1, a.shape[0])),
         (ws, "weight scale", (1, n)),
@@ -513,25 +519,43 @@ def fused_mm(
     result is written into (eager callers only: it is not a custom op)."""
     _check_weight(w, w_scale, w_gran, bn, bk)
     n, k = w.shape
-    m = a.shape[0]
     _check(
-        a.dtype == torch.bfloat16 and a.is_contiguous() and a.device.type == "cpu" and m >= 1,
-        f"activation must be contiguous CPU bf16, got {tuple(a.shape)} {a.dtype}",
+        a.dim() == 2
+        and a.shape[1] == k
+        and a.shape[0] >= 1
+        and a.dtype == torch.bfloat16
+        and a.is_contiguous()
+        and a.device.type == "cpu",
+        f"activation must be a contiguous CPU bf16 [M >= 1, {k}] tensor, got "
+        f"{tuple(a.shape)} {a.dtype} on {a.device}",
     )
+    m = a.shape[0]
     _check(k % 2 == 0, f"the fused matmul needs an even K, got {k}")
+    _check(
+        not w_post or w_gran in ("tensor", "row"),
+        f"weight scales after the matmul (w_post) are per tensor or per row, not {w_gran!r}",
+    )
     ws = w_scale if w_post else None
     _check(
         a_scale is None
         or (
-            a_scale.dtype == torch.float32 and a_scale.is_contiguous() and a_scale.numel() in (1, m)
+            a_scale.dtype == torch.float32
+            and a_scale.is_contiguous()
+            and a_scale.device.type == "cpu"
+            and a_scale.numel() in (1, m)
         ),
-        f"activation scale must be float32 with 1 or {m} values",
+        f"activation scale must be CPU float32 with 1 or {m} values",
     )
     _check(ws is None or ws.numel() in (1, n), f"a post weight scale has 1 or {n} values")
     _check(
         bias is None
-        or (bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.numel() == n),
-        f"bias must be {n} contiguous bf16 values",
+        or (
+            bias.dtype == torch.bfloat16
+            and bias.is_contiguous()
+            and bias.device.type == "cpu"
+            and bias.numel() == n
+        ),
+        f"bias must be {n} contiguous CPU bf16 values",
     )
     lib = library(path)
     _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
@@ -544,6 +568,11 @@ def fused_mm(
         and out.stride() == (n, 1),
         f"out must be a [{m}, {n}] CPU bf16 tensor with contiguous rows, got "
         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}",
+    )
+    a0, o0 = a.data_ptr(), out.data_ptr()
+    _check(
+        o0 + out.numel() * 2 <= a0 or a0 + a.numel() * 2 <= o0,
+        "out must not overlap the activation (the kernel reads a while it writes out)",
     )
     folded = None if w_post else w_scale
     rc = lib.fp8_mm_bf16(

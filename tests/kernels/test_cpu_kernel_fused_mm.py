@@ -104,7 +104,7 @@ def test_nan_code_and_subnormal_codes(fused, monkeypatch):
 
 
 def test_threads_do_not_change_a_bit(fused, monkeypatch):
-    """Threads split whole 32-row panels: each output is one thread's sum, in one order."""
+    """Threads split whole panels of MM_MR weight rows: each output is one thread's sum, in one order."""
     w8 = _all_codes_weight(700, 1030, torch.float8_e4m3fn)
     ws = _weight_scale(700, 1030, "row")
     x = torch.randn(40, 1030).to(torch.bfloat16)
@@ -149,3 +149,45 @@ def test_out_writes_rows_of_a_larger_tensor(monkeypatch):
     assert bool((big[:5] == 7).all()) and bool((big[25:] == 7).all())
     with pytest.raises(ValueError, match="contiguous rows"):
         cpu_kernel.fused_mm(*args, out=torch.empty(50, 20, dtype=torch.bfloat16).t())
+
+
+@pytest.mark.parametrize("use_fused", [True, False])
+@pytest.mark.parametrize("m", [17, 37])
+def test_bias_is_added_before_the_one_rounding(monkeypatch, use_fused, m):
+    """Found by review: with the weight scales folded into the decoded weight (block scales in
+    bf16, weight-only) and a bias, the C paths rounded the product to bf16, added the bias and
+    rounded again; the emulation (``F.linear(a, w, bias)``) adds the bias to the fp32 sum and
+    rounds once. 469 of 1665 outputs differed; now bit for bit (K <= 1024: one K block)."""
+    monkeypatch.setenv(cpu_kernel.ENV, PATH)
+    torch.manual_seed(0)
+    n, k, bs = 45, 130, (16, 64)
+    w8 = (torch.randn(n, k) * 3).to(torch.float8_e4m3fn)
+    ws = torch.rand(-(-n // bs[0]), -(-k // bs[1])) + 0.1
+    x, bias = torch.randn(m, k).bfloat16(), torch.randn(n).bfloat16()
+    ref = emulated._mm_forward(
+        x, w8, ws, bias, None, w_gran="block", block_size=bs, act_dtype=None, a_gran=None,
+        w_post=False, a_post=False,
+    )  # fmt: skip
+    monkeypatch.setattr(cpu_kernel, "FUSED_MM", use_fused)
+    got = emulated.emulated_linear(x, w8, ws, bias, "block", bs)
+    assert int((got != ref).sum()) == 0
+
+
+def test_fused_mm_refuses_what_the_kernel_cannot_read(monkeypatch):
+    """Found by review: the public ``fused_mm`` let an activation of the wrong width (the C
+    code reads M x K values: out of bounds), a 3-D activation, and block weight scales
+    applied after the matmul (read as row scales: 28 % error) through without an error."""
+    w = torch.randn(64, 256).to(torch.float8_e4m3fn)
+    rows = torch.ones(64)
+    cases = [
+        (torch.randn(3, 8).bfloat16(), rows, "row", (1, 1), True, r"\[M >= 1, 256\]"),
+        (torch.randn(2, 256, 5).bfloat16(), rows, "row", (1, 1), True, r"\[M >= 1, 256\]"),
+        (torch.randn(20, 256).bfloat16(), torch.ones(64), "block", (2, 128), True, "w_post"),
+    ]
+    for a, ws, gran, (bn, bk), post, message in cases:
+        with pytest.raises(ValueError, match=message):
+            cpu_kernel.fused_mm(a, w, ws, None, None, gran, bn, bk, post, PATH)
+    buf = torch.randn(4 * 256 + 4 * 64).bfloat16()
+    a, out = buf[: 4 * 256].view(4, 256), buf[512 : 512 + 4 * 64].view(4, 64)
+    with pytest.raises(ValueError, match="overlap"):
+        cpu_kernel.fused_mm(a, w, rows, None, None, "row", 1, 1, True, PATH, out=out)

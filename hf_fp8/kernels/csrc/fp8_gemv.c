@@ -1120,7 +1120,9 @@ static void mm_epilogue(const mm_t *g, const __m512 *acc, int64_t m0, int64_t mv
             r[i] = _mm512_setzero_si512();
             continue;
         }
-        __m512 v = mm_round_bf16(acc[i]); /* the bf16 matmul's own rounding */
+        /* with scales after the matmul the emulation rounds the bf16 product first; without,
+         * F.linear(a, w, bias) adds the bias to the fp32 sum and rounds once */
+        __m512 v = (g->as || g->ps) ? mm_round_bf16(acc[i]) : acc[i];
         int64_t n = n0 + i;
         if (g->as || g->ps) {
             float wsn = g->ps ? g->ps[g->ps_n == 1 ? 0 : n] : 1.0f;
