@@ -246,7 +246,7 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
     const float LOG2F = E5 ? E5M2_LOG2MAX : E4M3_LOG2MAX;
     int valid = amax >= FLT_MIN_F;
     if (EX) {
-        for (int64_t i = 0; i < n; ++i) {
+        for (uint32_t i = 0; i < (uint32_t)n; ++i) { /* 32-bit index: key + i in 32-bit lanes */
             float x = buf[i];
             float ax = fabsf(x);
             int nz = ax >= FLT_MIN_F;
@@ -257,18 +257,18 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
             mag = nz ? mag : 0.0f;
             mag = (mag > F) ? F : mag;
             if (SR)
-                q[i] = sr_code(mag, hash32(key + (uint32_t)i), (f2b(x) >> 24) & 0x80u, E5);
+                q[i] = sr_code(mag, hash32(key + i), (f2b(x) >> 24) & 0x80u, E5);
             else
                 q[i] = enc_fp8(copysignf(mag, x), E5);
         }
     } else {
         float s = amax / F;
         float ss = valid ? s : 1.0f;
-        for (int64_t i = 0; i < n; ++i) {
+        for (uint32_t i = 0; i < (uint32_t)n; ++i) {
             float v = valid ? buf[i] / ss : 0.0f;
             v = (v < -F) ? -F : v;
             v = (v > F) ? F : v;
-            if (SR) v = copysignf(sr_mag(fabsf(v), hash32(key + (uint32_t)i), E5), v);
+            if (SR) v = copysignf(sr_mag(fabsf(v), hash32(key + i), E5), v);
             q[i] = enc_fp8(v, E5);
         }
     }
