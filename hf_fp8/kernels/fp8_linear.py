@@ -206,6 +206,14 @@ def fp8_linear(
             activation_scheme, activation_granularity, weight_granularity,
             (int(block_size[0]), int(block_size[1])), fmt.value, kernel,
         )  # fmt: skip
+    if w_fp8.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(
+            f"FP8 linear expects fp8 weight codes (float8_e4m3fn / float8_e5m2), got "
+            f"{w_fp8.dtype}: something cast the stored codes. With FSDP2 and a "
+            "MixedPrecisionPolicy(param_dtype=...), shard the FP8 modules with "
+            "hf_fp8.fully_shard_fp8(model) first (accelerate's FSDP2 does it through hf_fp8's "
+            "patch); to compute in high precision, load with Fp8Config(dequantize=True)"
+        )
     if not x_hp.is_floating_point():
         raise RuntimeError(
             f"FP8 linear expects a floating-point input (bfloat16, float16 or float32), got "

@@ -273,7 +273,11 @@ def grouped_fp8_linear(
         )
     if w_fp8.dtype != fp8_dtype(recipe.fp8_format):
         raise ValueError(
-            f"expert weights are {w_fp8.dtype} but the recipe's format is {recipe.fp8_format!r}"
+            f"expert weights are {w_fp8.dtype} but the recipe's format is "
+            f"{recipe.fp8_format!r}: something cast the stored codes. With FSDP2 and a "
+            "MixedPrecisionPolicy(param_dtype=...), shard the FP8 modules with "
+            "hf_fp8.fully_shard_fp8(model) first; to compute in high precision, load with "
+            "Fp8Config(dequantize=True)"
         )
     if recipe.is_static and input_scale is None:
         raise RuntimeError(

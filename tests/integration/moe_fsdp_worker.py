@@ -121,7 +121,7 @@ def no_helper_error() -> str | None:
     model, opt = sharded("fp8_bf16", helper=False)
     try:
         train_steps(model, opt)
-    except (ValueError, RuntimeError) as err:
+    except (TypeError, ValueError, RuntimeError) as err:
         return f"{type(err).__name__}: {err}"
     return None
 

@@ -116,7 +116,7 @@ def test_bf16_mixed_precision_keeps_fp8_codes_with_fully_shard_fp8(
 ) -> None:
     """MixedPrecisionPolicy(param_dtype=bf16) on the layers: with ``fully_shard_fp8`` the
     codes stay fp8 (checked above) and training follows the fp32 run to bf16 precision;
-    without it FSDP2 casts the codes to bf16 and ``Fp8Experts`` refuses them."""
+    without it FSDP2 casts the codes to bf16 and the FP8 layers refuse them, naming the fix."""
     bf16, fp32 = sharded_runs["fp8_bf16"], single_runs["fp8_bf16"]
     assert bf16["losses"][-1] < bf16["losses"][0]
     assert bf16["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
@@ -131,3 +131,4 @@ def test_bf16_mixed_precision_keeps_fp8_codes_with_fully_shard_fp8(
     assert (diff / moved) ** 0.5 < 0.2, (diff / moved) ** 0.5
     error = sharded_runs["no_helper_error"]
     assert error is not None and "bfloat16" in error, error
+    assert "fully_shard_fp8" in error, error

@@ -198,3 +198,16 @@ def test_requires_grad_on_fp8_codes_is_refused_with_the_fix() -> None:
     assert model[0].weight.grad is None and model[1].weight.grad is not None
     assert model[0].bias.grad is not None  # the bias trains
     torch.testing.assert_close(out.detach(), expected, rtol=0, atol=0)
+
+
+def test_weight_codes_cast_to_bf16_are_refused_with_the_fix() -> None:
+    """Found with accelerate FSDP2 (HA2): a bf16 MixedPrecisionPolicy all-gathers the fp8
+    codes as bf16 and Fp8Linear computed with them silently (twice the bytes)."""
+    _, layer = _layer(Fp8Config("dynamic"))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    expected = layer(x)
+    layer.weight = nn.Parameter(layer.weight.to(torch.bfloat16), requires_grad=False)
+    with pytest.raises(TypeError, match=r"got torch.bfloat16.*fully_shard_fp8"):
+        layer(x)
+    layer.weight = nn.Parameter(layer.weight.to(torch.float8_e4m3fn), requires_grad=False)
+    assert torch.equal(layer(x), expected)  # e4m3 -> bf16 -> e4m3 is exact
