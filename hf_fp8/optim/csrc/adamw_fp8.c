@@ -5,7 +5,9 @@
    bit-identical to the reference. Two families of variants: the fp8 codes (run_groups) and
    moment_format="log" (run_groups_log: no polynomial at all, ~3x faster). Loops are branch-free so
    that the compiler vectorizes them; max/min reductions run on the bit patterns of
-   non-negative floats.
+   non-negative floats. With AVX-512, E4M3 codes with COAT expansion decode through a 128-entry
+   table of flog2 of every code (dec_group_avx512: permutes instead of the log2 polynomial, the
+   same values bit for bit), then one exp2 per element.
 
    Built by hf_fp8.utils.native.load_library with -D defines generated from ONE Python table
    (hf_fp8/optim/_cpu_kernel.py: kernel_defines()): the task layout T_* / T_FIELDS, the
