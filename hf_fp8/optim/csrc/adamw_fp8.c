@@ -174,6 +174,22 @@ AI void dec_group_avx512(const uint8_t* restrict qm, const uint8_t* restrict qv,
 }
 #endif
 
+/* enc_fp8 of a magnitude known to be in [0, F] (not NaN), with the sign bit s (0x80 or 0) of
+   the value: the same code without the sign / NaN handling of the general cast. */
+AI uint8_t enc_fp8_mag(float a, uint32_t s, const int E5) {
+    uint32_t ab = f2b(a), c;
+    if (E5) {
+        uint32_t cn = ((ab + 0xFFFFFu + ((ab >> 21) & 1u)) >> 21) - (112u << 2);
+        uint32_t cs = f2b(a * 65536.0f + MAGIC) - MAGIC_BITS;
+        c = (a < 6.103515625e-05f) ? cs : cn;
+    } else {
+        uint32_t cn = ((ab + 0x7FFFFu + ((ab >> 20) & 1u)) >> 20) - (120u << 3);
+        uint32_t cs = f2b(a * 512.0f + MAGIC) - MAGIC_BITS;
+        c = (a < 0.015625f) ? cs : cn;
+    }
+    return (uint8_t)(c | s);
+}
+
 AI float bf16_to_f(uint16_t h) { return b2f(((uint32_t)h) << 16); }
 AI uint16_t f_to_bf16(float f) {
     uint32_t u = f2b(f);
@@ -260,8 +276,8 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
             mag = (mag > F) ? F : mag;
             if (SR)
                 q[i] = sr_code(mag, hash32(key + i), (f2b(x) >> 24) & 0x80u, E5);
-            else
-                q[i] = enc_fp8(copysignf(mag, x), E5);
+            else /* mag in [0, F]: y is finite and >= -126 (see above) */
+                q[i] = enc_fp8_mag(mag, (f2b(x) >> 24) & 0x80u, E5);
         }
     } else {
         float s = amax / F;
