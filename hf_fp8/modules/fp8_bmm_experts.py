@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,12 +31,9 @@ from hf_fp8.kernels.grouped import Routing
 from hf_fp8.modules.fp8_experts import (
     ExpertsLayout,
     Fp8Experts,
+    checked_source_layout,
     experts_layout,
 )
-from hf_fp8.numerics import is_fp8
-
-if TYPE_CHECKING:
-    pass
 
 _CHUNK = re.compile(r"(\w+)\s*,\s*(\w+)\s*=\s*\w+\.chunk\(\s*2")
 _ACT = re.compile(r"self\.act_fn\(\s*(\w+)\s*\)")
@@ -92,25 +88,15 @@ def bmm_experts_layout(module: nn.Module) -> ExpertsLayout | None:
     )
 
 
-def _check_source(module: nn.Module, module_name: str) -> ExpertsLayout:
-    layout = bmm_experts_layout(module)
-    name = module_name or type(module).__name__
-    if layout is None:
-        raise ValueError(f"cannot convert {name}: it is not a bmm experts module")
-    for proj in layout.projections:
-        tensor = getattr(module, proj)
-        if is_fp8(tensor.dtype) or not tensor.is_floating_point():
-            raise ValueError(f"cannot convert {name}: {proj} is {tensor.dtype}, not high precision")
-    return layout
-
-
 class Fp8BmmExperts(Fp8Experts):
     """FP8 ``Llama4TextExperts``-style experts: the call takes ``[E * T, H]`` rows grouped
     by expert; storage and everything else are ``Fp8Experts``'."""
 
     @classmethod
     def _source_layout(cls, module: nn.Module, module_name: str) -> ExpertsLayout:
-        return _check_source(module, module_name)
+        return checked_source_layout(
+            module, module_name, bmm_experts_layout(module), "a bmm experts module"
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``[E * T, H]`` rows grouped by expert (the source's call) -> ``[E * T, H]``."""

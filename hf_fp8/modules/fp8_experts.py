@@ -341,6 +341,21 @@ def _scale_shape(granularity: str, n: int, k: int, block_size: tuple[int, int]) 
     return block_scale_shape((n, k), block_size)
 
 
+def checked_source_layout(
+    module: nn.Module, module_name: str, layout: ExpertsLayout | None, kind: str
+) -> ExpertsLayout:
+    """``layout`` of a high-precision ``module`` of another experts ``kind`` (bmm, parallel),
+    or ``ValueError`` naming why it cannot convert."""
+    name = module_name or type(module).__name__
+    if layout is None:
+        raise ValueError(f"cannot convert {name}: it is not {kind}")
+    for proj in layout.projections:
+        tensor = getattr(module, proj)
+        if is_fp8(tensor.dtype) or not tensor.is_floating_point():
+            raise ValueError(f"cannot convert {name}: {proj} is {tensor.dtype}, not high precision")
+    return layout
+
+
 class Fp8Experts(RecipeWords, nn.Module):
     """Experts with FP8 weights and per-expert fp32 scales (see the module docstring).
 

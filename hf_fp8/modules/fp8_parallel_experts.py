@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,12 +28,9 @@ from hf_fp8.kernels.grouped import Routing
 from hf_fp8.modules.fp8_experts import (
     ExpertsLayout,
     Fp8Experts,
+    checked_source_layout,
     experts_layout,
 )
-from hf_fp8.numerics import is_fp8
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True)
@@ -83,22 +79,14 @@ def parallel_experts_layout(module: nn.Module) -> ParallelExpertsLayout | None:
     )
 
 
-def _checked_layout(module: nn.Module, module_name: str) -> ParallelExpertsLayout:
-    layout = parallel_experts_layout(module)
-    name = module_name or type(module).__name__
-    if layout is None:
-        raise ValueError(f"cannot convert {name}: it is not a parallel experts linear")
-    if is_fp8(module.weight.dtype) or not module.weight.is_floating_point():
-        raise ValueError(f"cannot convert {name}: weight is {module.weight.dtype}")
-    return layout
-
-
 class Fp8ParallelExperts(Fp8Experts):
     """FP8 ``JetMoeParallelExperts``-style linear: ``forward(inputs, expert_size)``."""
 
     @classmethod
     def _source_layout(cls, module: nn.Module, module_name: str) -> ExpertsLayout:
-        return _checked_layout(module, module_name)
+        return checked_source_layout(
+            module, module_name, parallel_experts_layout(module), "a parallel experts linear"
+        )
 
     def forward(self, inputs: torch.Tensor, expert_size) -> torch.Tensor:  # type: ignore[override]
         """``inputs [S, in]`` sorted by expert, ``expert_size`` rows per expert (ints) ->

@@ -150,3 +150,23 @@ def test_quantize_model_converts_llama4_experts() -> None:
     model = tf.Llama4ForCausalLM(tf.Llama4TextConfig(**TEXT))
     hf_fp8.quantize_model(model, Fp8Config(), skip=["lm_head"])
     assert isinstance(model.model.layers[0].feed_forward.experts, Fp8BmmExperts)
+
+
+def test_conversion_refuses_other_modules_and_fp8_weights() -> None:
+    """The bmm and parallel kinds refuse what they cannot read, naming the module."""
+    from hf_fp8.modules import Fp8ParallelExperts
+
+    with pytest.raises(ValueError, match="cannot convert up_first: it is not a bmm experts"):
+        Fp8BmmExperts.from_experts(
+            UpFirstExperts(tf.Llama4TextConfig(**TEXT)), module_name="up_first"
+        )
+    experts = _moe().experts
+    experts.down_proj.data = experts.down_proj.data.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"down_proj is torch\.float8_e4m3fn, not high precision"):
+        Fp8BmmExperts.empty_like(experts, Fp8Config(), device="meta")
+    parallel = JetMoeParallelExperts(4, 8, 16)
+    parallel.weight.data = parallel.weight.data.to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match=r"weight is torch\.float8_e5m2, not high precision"):
+        Fp8ParallelExperts.from_experts(parallel)
+    with pytest.raises(ValueError, match="it is not a parallel experts linear"):
+        Fp8ParallelExperts.from_experts(experts)
