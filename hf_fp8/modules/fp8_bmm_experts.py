@@ -9,7 +9,8 @@ and computes ``bmm(x.view(E, T, H), gate_up_proj [E, H, 2I])``, ``gate, up = chu
 structure from the module itself (no list of names): exactly the parameters
 ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]``, a parameter-free ``act_fn``, a
 forward of one argument whose source multiplies both with ``bmm`` and splits the first
-product with ``chunk(2)`` into ``gate, up`` with ``act_fn(gate)``. Anything else stays in
+product with ``chunk(2)`` into ``gate, up`` with ``act_fn(gate)``, and does nothing else
+(``hf_fp8.modules.forward_ops``: no other call, arithmetic or branch). Anything else stays in
 high precision with ``unsupported_reason`` (``hf_fp8.modules.fp8_experts``) naming why.
 
 ``Fp8BmmExperts`` is an ``Fp8Experts`` (same storage ``[E, out, in]``, scales, recipe,
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from hf_fp8.kernels.grouped import Routing
+from hf_fp8.modules.forward_ops import forward_ops
 from hf_fp8.modules.fp8_experts import (
     ExpertsLayout,
     Fp8Experts,
@@ -64,8 +66,11 @@ def bmm_experts_layout(module: nn.Module) -> ExpertsLayout | None:
     args = list(inspect.signature(type(module).forward).parameters)[1:]
     source = _forward_source(type(module))
     chunk, act = _CHUNK.search(source), _ACT.search(source)
+    ops = forward_ops(type(module))
     if (
         len(args) != 1
+        or ops is None  # nothing but views, the two bmm, chunk, act_fn and up * act(gate)
+        or not ops.only({"view", "reshape", "bmm", "chunk", "act_fn"}, ("Mult",), set())
         or "bmm(" not in source
         or "self.gate_up_proj" not in source
         or "self.down_proj" not in source

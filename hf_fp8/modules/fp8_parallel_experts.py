@@ -8,7 +8,7 @@ in]`` and ``forward(inputs [S, in], expert_size)`` = ``inputs.split(expert_size)
 transformers' experts interface. :func:`parallel_experts_layout` recognises the structure
 from the module (no list of names): exactly one parameter ``weight`` of 3 dims, no buffers
 or children, a forward of two arguments whose source splits its input and calls ``linear``
-on ``self.weight[...]``. Anything else stays in high precision with its reason.
+on ``self.weight[...]``, and does nothing else (``hf_fp8.modules.forward_ops``). Anything else stays in high precision with its reason.
 
 ``Fp8ParallelExperts`` is an ``Fp8Experts`` with one projection, ``weight`` (storage
 ``weight`` fp8 ``[E, out, in]``, ``weight_weight_scale``, static ``weight_input_scale``
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hf_fp8.kernels.grouped import Routing
+from hf_fp8.modules.forward_ops import forward_ops
 from hf_fp8.modules.fp8_experts import (
     ExpertsLayout,
     Fp8Experts,
@@ -63,6 +64,9 @@ def parallel_experts_layout(module: nn.Module) -> ParallelExpertsLayout | None:
     if len(args) != 2 or ".split(" not in source or "self.weight[" not in source:
         return None
     if "linear(" not in source:
+        return None
+    ops = forward_ops(type(module))  # split, one linear per expert, cat; nothing else
+    if ops is None or not ops.only({"split", "range", "append", "linear", "cat"}, (), {"For"}):
         return None
     num_experts, out_features, in_features = params["weight"].shape
     return ParallelExpertsLayout(

@@ -170,3 +170,45 @@ def test_conversion_refuses_other_modules_and_fp8_weights() -> None:
         Fp8ParallelExperts.from_experts(parallel)
     with pytest.raises(ValueError, match="it is not a parallel experts linear"):
         Fp8ParallelExperts.from_experts(experts)
+
+
+class ScaledOutputExperts(Llama4TextExperts):
+    """Llama-4's forward plus one multiplication of the output: converting it as the plain
+    kind would drop the factor silently."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+        gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
+        next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)
+        return next_states.view(-1, self.hidden_size) * 0.5
+
+
+class ClampedExperts(Llama4TextExperts):
+    """Llama-4's forward with the gate/up product clamped (another call)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+        gate, up = torch.bmm(hidden_states, self.gate_up_proj).clamp(-7, 7).chunk(2, dim=-1)
+        next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)
+        return next_states.view(-1, self.hidden_size)
+
+
+class BranchingExperts(Llama4TextExperts):
+    """Llama-4's forward behind a branch the source text alone cannot decide."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+        gate, up = torch.bmm(hidden_states, self.gate_up_proj).chunk(2, dim=-1)
+        if self.training:
+            up = up.neg()
+        next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)
+        return next_states.view(-1, self.hidden_size)
+
+
+@pytest.mark.parametrize("cls", [ScaledOutputExperts, ClampedExperts, BranchingExperts])
+def test_look_alike_forwards_with_other_operations_stay_high_precision(cls: type) -> None:
+    experts = cls(tf.Llama4TextConfig(**TEXT))
+    assert bmm_experts_layout(experts) is None
+    with pytest.raises(ValueError, match="not a bmm experts module"):
+        Fp8BmmExperts.from_experts(experts, Fp8Config("weight_only"))

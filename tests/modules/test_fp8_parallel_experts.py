@@ -131,3 +131,33 @@ def test_jetmoe_from_pretrained_quantizes_saves_and_reloads_bit_exact(tmp_path) 
     with torch.no_grad():
         assert torch.equal(back(ids).logits, got)
         torch.testing.assert_close(deq(ids).logits, got, rtol=1e-5, atol=1e-5)
+
+
+class ScaledParallel(JetMoeParallelExperts):
+    """JetMoE's forward with each expert's output scaled: not the plain linear."""
+
+    def forward(self, inputs, expert_size):
+        input_list = inputs.split(expert_size, dim=0)
+        output_list = []
+        for i in range(self.num_experts):
+            output_list.append(nn.functional.linear(input_list[i], self.weight[i]) * 2.0)
+        return torch.cat(output_list, dim=0)
+
+
+class ActivatedParallel(JetMoeParallelExperts):
+    """JetMoE's forward with an activation after the linear (another call)."""
+
+    def forward(self, inputs, expert_size):
+        input_list = inputs.split(expert_size, dim=0)
+        output_list = []
+        for i in range(self.num_experts):
+            output_list.append(torch.relu(nn.functional.linear(input_list[i], self.weight[i])))
+        return torch.cat(output_list, dim=0)
+
+
+@pytest.mark.parametrize("cls", [ScaledParallel, ActivatedParallel])
+def test_look_alike_forwards_with_other_operations_stay_high_precision(cls: type) -> None:
+    module = cls(4, 16, 24)
+    assert parallel_experts_layout(module) is None
+    with pytest.raises(ValueError, match="not a parallel experts linear"):
+        Fp8ParallelExperts.from_experts(module, Fp8Config("weight_only"))
