@@ -507,6 +507,159 @@ AI float log_uniform(uint32_t key, uint32_t i) {
     return (float)(int32_t)(h >> LOG_SR_SHIFT) * LOG_SR_UNIT;
 }
 
+#if HAVE_DEC_AVX512
+/* moment_format="log" on 16 lanes (groups whose length is a multiple of 16): the same fp32 /
+   int32 operations as update_group_log / requant_log_v / requant_log_m, in the same order,
+   written with intrinsics so that each C ternary is the one instruction it means (a
+   clamp `x > b ? x : b` is vmaxps(x, b), rintf / floorf are vrndscaleps, the cast of an
+   integer-valued float is vcvttps2dq), and the stochastic-rounding counter (key + i)·WEYL
+   advances by 16·WEYL per vector instead of a multiply per element. */
+AI __m512 bf16x16_to_f(const uint16_t* h) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)h));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+AI void f_to_bf16x16(uint16_t* out, __m512 f) { /* f_to_bf16 on 16 lanes */
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                            _mm512_set1_epi32((int)INF_BITS));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(r));
+}
+
+/* floorf / rintf of 16 lanes */
+#define FLOOR_V(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define RINT_V(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* log_m_scale on 16 lanes: 2^e (inv = 0) or 2^-e (inv = 1) from the codes c (floats). */
+AI __m512 log_m_scale_v(__m512 c, __m512 slope, __m512 offset, const int inv) {
+    __m512 e = FLOOR_V(_mm512_add_ps(_mm512_mul_ps(c, slope), offset));
+    e = _mm512_max_ps(e, _mm512_set1_ps(-(float)LOG_E_MAX));
+    __m512i ei = _mm512_cvttps_epi32(e);
+    __m512i b = inv ? _mm512_sub_epi32(_mm512_set1_epi32(127), ei)
+                    : _mm512_add_epi32(ei, _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(b, 23));
+}
+
+AI void update_group_log_v(char* p_, const char* g_, const int8_t* restrict qm,
+                           const uint8_t* restrict qv, float* restrict m_out,
+                           float* restrict v_out, float sm, int32_t av, float dv, float slope,
+                           float offset, const float* restrict hp, int64_t n,
+                           uint32_t* restrict red, const int PB, const int GB) {
+    const __m512 decay = _mm512_set1_ps(hp[HP_DECAY]), step_size = _mm512_set1_ps(hp[HP_STEP_SIZE]);
+    const __m512 w1 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA1]), b2 = _mm512_set1_ps(hp[HP_BETA2]);
+    const __m512 w2 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA2]), eps = _mm512_set1_ps(hp[HP_EPS]);
+    const __m512 inv_bc2s = _mm512_set1_ps(hp[HP_INV_BC2]);
+    const __m512 smv = _mm512_set1_ps(sm), dvv = _mm512_set1_ps(dv);
+    const __m512 slv = _mm512_set1_ps(slope), ofv = _mm512_set1_ps(offset);
+    const __m512 vmaxc = _mm512_set1_ps((float)LOG_V_MAX), floor_ = _mm512_set1_ps(LOG_BITS_FLOOR);
+    const __m512i avv = _mm512_set1_epi32(av), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
+    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF);
+    float* restrict p32 = (float*)p_;
+    uint16_t* restrict pbf = (uint16_t*)p_;
+    const float* restrict g32 = (const float*)g_;
+    const uint16_t* restrict gbf = (const uint16_t*)g_;
+    __m512i avx = _mm512_setzero_si512(), avn = _mm512_set1_epi32((int)INF_BITS);
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qv + i)));
+        __m512 c = _mm512_cvtepi32_ps(ci);
+        /* log_v_bits */
+        __m512 off = _mm512_mul_ps(_mm512_sub_ps(c, vmaxc), dvv);
+        off = _mm512_max_ps(off, floor_);
+        __m512i b = _mm512_add_epi32(avv, _mm512_cvttps_epi32(RINT_V(off)));
+        __mmask16 keep = _mm512_test_epi32_mask(ci, ci) & _mm512_cmpge_epi32_mask(b, fmin);
+        __m512 vo = _mm512_castsi512_ps(_mm512_maskz_mov_epi32(keep, b));
+        __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qm + i))));
+        __m512 mo = _mm512_mul_ps(_mm512_mul_ps(q, smv), log_m_scale_v(c, slv, ofv, 0));
+        __m512 g = GB ? bf16x16_to_f(gbf + i) : _mm512_loadu_ps(g32 + i);
+        __m512 p = PB ? bf16x16_to_f(pbf + i) : _mm512_loadu_ps(p32 + i);
+        __m512 mn = _mm512_add_ps(mo, _mm512_mul_ps(w1, _mm512_sub_ps(g, mo)));
+        __m512 vn = _mm512_add_ps(_mm512_mul_ps(vo, b2), _mm512_mul_ps(_mm512_mul_ps(w2, g), g));
+        __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vn), inv_bc2s), eps);
+        __m512 pn = _mm512_sub_ps(_mm512_mul_ps(p, decay),
+                                  _mm512_div_ps(_mm512_mul_ps(step_size, mn), den));
+        if (PB) f_to_bf16x16(pbf + i, pn); else _mm512_storeu_ps(p32 + i, pn);
+        _mm512_storeu_ps(m_out + i, mn);
+        _mm512_storeu_ps(v_out + i, vn);
+        __m512i vb = _mm512_and_si512(_mm512_castps_si512(vn), absm);
+        avx = _mm512_max_epu32(avx, vb);
+        avn = _mm512_mask_min_epu32(avn, _mm512_cmpge_epu32_mask(vb, fmin), avn, vb);
+    }
+    red[0] = _mm512_reduce_max_epu32(avx);
+    red[1] = _mm512_reduce_min_epu32(avn);
+}
+
+AI uint32_t requant_log_v_v(float* restrict mb, const float* restrict vb, uint8_t* restrict qv,
+                            uint32_t vmax, float ev, float slope, float offset, int64_t n,
+                            int64_t gs, uint32_t key_v, const int SRV) {
+    const __m512 evv = _mm512_set1_ps(ev), slv = _mm512_set1_ps(slope), ofv = _mm512_set1_ps(offset);
+    const __m512 vmaxc = _mm512_set1_ps((float)LOG_V_MAX), zero = _mm512_setzero_ps();
+    const __m512i vmx = _mm512_set1_epi32((int32_t)vmax), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
+    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512 unit = _mm512_set1_ps(LOG_SR_UNIT);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i dh = _mm512_set1_epi32((int)(16u * (uint32_t)LOG_WEYL));
+    __m512i h = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)key_v), lanes),
+                                   _mm512_set1_epi32((int)(uint32_t)LOG_WEYL));
+    __m512i mmax = _mm512_setzero_si512();
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512i a = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(vb + i)), absm);
+        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a, vmx)), evv),
+                                 vmaxc);
+        __m512 c;
+        if (SRV) {
+            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, LOG_SR_SHIFT)), unit);
+            c = FLOOR_V(_mm512_add_ps(t, u));
+            h = _mm512_add_epi32(h, dh);
+        } else {
+            c = RINT_V(t);
+        }
+        c = _mm512_max_ps(c, zero);
+        c = _mm512_min_ps(c, vmaxc);
+        c = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(a, fmin), c);
+        _mm_storeu_si128((__m128i*)(qv + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(c)));
+        __m512 mn = _mm512_mul_ps(_mm512_loadu_ps(mb + i), log_m_scale_v(c, slv, ofv, 1));
+        _mm512_storeu_ps(mb + i, mn);
+        mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(mn), absm));
+    }
+    for (int64_t i = n; i < gs; ++i) qv[i] = 0;
+    return _mm512_reduce_max_epu32(mmax);
+}
+
+AI void requant_log_m_v(const float* restrict mb, int8_t* restrict qm, float inv, int valid,
+                        int64_t n, int64_t gs, uint32_t key_m, const int SRM) {
+    const __m512 invv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-(float)LOG_M_MAX);
+    const __m512 hi = _mm512_set1_ps((float)LOG_M_MAX), unit = _mm512_set1_ps(LOG_SR_UNIT);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i dh = _mm512_set1_epi32((int)(16u * (uint32_t)LOG_WEYL));
+    __m512i h = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)key_m), lanes),
+                                   _mm512_set1_epi32((int)(uint32_t)LOG_WEYL));
+    const __mmask16 keep = valid ? 0xFFFF : 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512 t = _mm512_mul_ps(_mm512_loadu_ps(mb + i), invv);
+        __m512 q;
+        if (SRM) {
+            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, LOG_SR_SHIFT)), unit);
+            __m512i s = _mm512_and_si512(_mm512_castps_si512(t), sign);
+            __m512 fl = FLOOR_V(_mm512_add_ps(_mm512_abs_ps(t), u));
+            q = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(fl), s));
+            h = _mm512_add_epi32(h, dh);
+        } else {
+            q = RINT_V(t);
+        }
+        q = _mm512_max_ps(q, lo);
+        q = _mm512_min_ps(q, hi);
+        q = _mm512_maskz_mov_ps(keep, q);
+        _mm_storeu_si128((__m128i*)(qm + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
+    }
+    for (int64_t i = n; i < gs; ++i) qm[i] = 0;
+}
+#endif
+
 AI void update_group_log(char* p_, const char* g_, const int8_t* restrict qm,
                          const uint8_t* restrict qv, float* restrict m_out,
                          float* restrict v_out, float sm, int32_t av, float dv, float slope,
@@ -519,6 +672,13 @@ AI void update_group_log(char* p_, const char* g_, const int8_t* restrict qm,
     uint16_t* restrict pbf = (uint16_t*)p_;
     const float* restrict g32 = (const float*)g_;
     const uint16_t* restrict gbf = (const uint16_t*)g_;
+#if HAVE_DEC_AVX512
+    if (n % 16 == 0) {
+        update_group_log_v(p_, g_, qm, qv, m_out, v_out, sm, av, dv, slope, offset, hp, n, red,
+                           PB, GB);
+        return;
+    }
+#endif
     uint32_t avx = 0u, avn = INF_BITS;
     for (uint32_t i = 0; i < (uint32_t)n; ++i) {
         float c = (float)qv[i];
@@ -558,6 +718,10 @@ AI float log_v_exponent(uint32_t vmax, uint32_t vmin) {
 AI uint32_t requant_log_v(float* restrict mb, const float* restrict vb, uint8_t* restrict qv,
                           uint32_t vmax, float ev, float slope, float offset, int64_t n,
                           int64_t gs, uint32_t key_v, const int SRV) {
+#if HAVE_DEC_AVX512
+    if (n % 16 == 0)
+        return requant_log_v_v(mb, vb, qv, vmax, ev, slope, offset, n, gs, key_v, SRV);
+#endif
     uint32_t mmax = 0u;
     for (uint32_t i = 0; i < (uint32_t)n; ++i) {
         float x = vb[i];
@@ -580,6 +744,12 @@ AI uint32_t requant_log_v(float* restrict mb, const float* restrict vb, uint8_t*
 /* int8 codes of m·2^-e (mb) with the group's 127 / amax (0 codes when invalid). */
 AI void requant_log_m(const float* restrict mb, int8_t* restrict qm, float inv, int valid,
                       int64_t n, int64_t gs, uint32_t key_m, const int SRM) {
+#if HAVE_DEC_AVX512
+    if (n % 16 == 0) {
+        requant_log_m_v(mb, qm, inv, valid, n, gs, key_m, SRM);
+        return;
+    }
+#endif
     for (uint32_t i = 0; i < (uint32_t)n; ++i) {
         float t = mb[i] * inv;
         float q = SRM ? copysignf(floorf(fabsf(t) + log_uniform(key_m, i)), t) : rintf(t);
