@@ -191,3 +191,51 @@ def test_fused_mm_refuses_what_the_kernel_cannot_read(monkeypatch):
     a, out = buf[: 4 * 256].view(4, 256), buf[512 : 512 + 4 * 64].view(4, 64)
     with pytest.raises(ValueError, match="overlap"):
         cpu_kernel.fused_mm(a, w, rows, None, None, "row", 1, 1, True, PATH, out=out)
+
+
+def _exact_weight(n: int, k: int, fmt: torch.dtype) -> torch.Tensor:
+    """fp8 weights whose values are small multiples of 1/4: every product and every fp32
+    partial sum below is exact, so any summation order gives the same bits."""
+    values = torch.tensor([0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    signs = torch.randint(0, 2, (n, k)) * 2 - 1
+    return (values[torch.randint(0, len(values), (n, k))] * signs).to(fmt)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [
+        # 2 token blocks (256 + 44: a last tile of 16), 3 K blocks of 684, 684, 682 codes
+        # (not multiples of 64; the next panel of the last block is a longer one), 2 row
+        # chunks (448 + 47: a last panel of 5 rows)
+        (300, 2050, 495),
+        (40, 130, 30),  # one K block, one panel of 14 + one of 2 rows
+        (33, 4, 29),  # K shorter than one decoded 64-code piece
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_is_exact_across_blocking_edges(fused, monkeypatch, fmt, gran, m, k, n, threads):
+    """Exact operands (sums of small multiples of 1/4 times small integers; power-of-two
+    scales): the fused kernel, whose weight panels are decoded ahead inside the previous
+    panel's last token tile, must give the bits of the exact product, at 1 and 2 threads,
+    wherever a token, K or row block ends."""
+    dtype = FORMATS[fmt]
+    w8 = _exact_weight(n, k, dtype)
+    shape = {"tensor": (1,), "row": (n, 1), "block": (-(-n // BLOCK[0]), -(-k // BLOCK[1]))}
+    ws = 2.0 ** torch.randint(-3, 4, shape[gran]).float()
+    x = torch.randint(-3, 4, (m, k)).to(torch.bfloat16)
+    w64 = w8.double() * _expand64(ws, n, k, gran, BLOCK)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = _run(x, w8, ws, None, gran, {}, monkeypatch, True)
+    finally:
+        torch.set_num_threads(saved)
+    assert fused, "the fused kernel did not run"
+    if gran == "block":  # the scale is folded into the decoded weight: one rounding
+        ref = (x.double() @ w64.T).to(torch.bfloat16)
+    else:  # the emulation rounds the unscaled product, then scales and rounds again
+        acc = (x.double() @ w8.double().T).to(torch.bfloat16).double()
+        ref = (acc * ws.double().reshape(1, -1)).to(torch.bfloat16)
+    assert torch.equal(out, ref), f"{int((out != ref).sum())} of {out.numel()} outputs differ"

@@ -326,14 +326,19 @@ static void tables_init(void) {
 }
 
 /* 64 codes -> 64 exact bf16 values, in order: elements 0..31 in *o0, 32..63 in *o1. */
-AI void dec64_bf16(const uint8_t *p, __m512i hi0, __m512i hi1, __m512i lo0, __m512i lo1,
-                   __m512i perm, __m512i *o0, __m512i *o1) {
-    __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(p));
+AI void dec64_bf16_v(__m512i codes, __m512i hi0, __m512i hi1, __m512i lo0, __m512i lo1,
+                     __m512i perm, __m512i *o0, __m512i *o1) {
+    __m512i c = _mm512_permutexvar_epi8(perm, codes);
     __m512i hi = _mm512_permutex2var_epi8(hi0, c, hi1); /* index bit 6 picks the table half */
     __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
     hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8); /* | sign */
     *o0 = _mm512_unpacklo_epi8(lo, hi);
     *o1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+AI void dec64_bf16(const uint8_t *p, __m512i hi0, __m512i hi1, __m512i lo0, __m512i lo1,
+                   __m512i perm, __m512i *o0, __m512i *o1) {
+    dec64_bf16_v(_mm512_loadu_si512(p), hi0, hi1, lo0, lo1, perm, o0, o1);
 }
 
 AI float bf16_to_f32(uint16_t h) {
@@ -619,6 +624,15 @@ static void decode_span(const decode_t *d, const uint8_t *w, int64_t len, float 
             dec64_bf16(w + k, hi0, hi1, lo0, lo1, perm, &o0, &o1);
             _mm512_storeu_si512((uint16_t *)out + k, o0);
             _mm512_storeu_si512((uint16_t *)out + k + 32, o1);
+        }
+        if (k < len) { /* the last 1..63 codes: masked loads and stores, same tables */
+            int64_t left = len - k;
+            __mmask64 lm = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+            __m512i o0, o1;
+            dec64_bf16_v(_mm512_maskz_loadu_epi8(lm, w + k), hi0, hi1, lo0, lo1, perm, &o0, &o1);
+            _mm512_mask_storeu_epi16((uint16_t *)out + k, (__mmask32)lm, o0);
+            _mm512_mask_storeu_epi16((uint16_t *)out + k + 32, (__mmask32)(lm >> 32), o1);
+            k = len;
         }
     } else if (d->out_kind == OUT_BF16) { /* scaled: exact values from the tables, one fp32
         multiply, vcvtne2ps2bf16 (round to nearest even); lanes that instruction would treat
@@ -994,15 +1008,39 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
  * of fp8_epilogue: bf16((acc * (a_scale[m] * w_scale[n])) + bias[n]).
  * Blocking: per thread, chunks of MM_NC weight rows; their fp32 partial sums [MM_NC, MM_MC]
  * stay in L2 across K blocks (K split evenly into blocks of at most MM_KC; large blocks keep
- * the micro-tile's prologue and epilogue rare). K must be even (the Python side checks). */
+ * the micro-tile's prologue and epilogue rare). With unscaled codes (per-tensor / per-row
+ * scales applied after the matmul) the next panel is decoded inside the current panel's last
+ * token tile, 64 codes a row after every 32 k-pairs, where the decode's shuffles overlap the
+ * dot products (a separate decode pass cost ~3 % at M = 256, K = 5632). K must be even (the
+ * Python side checks). */
 #if FP8_PATH == 4
 #ifndef MM_KC /* the largest K block; overridable for tuning builds only */
 #define MM_KC 1024
 #endif
 #define MM_MR 14            /* weight rows per micro-tile (28 accumulators) */
 #define MM_TT 32            /* tokens per micro-tile: two vectors */
+#ifndef MM_NC
 #define MM_NC (MM_MR * 32)  /* weight rows per chunk */
+#endif
+#ifndef MM_MC
 #define MM_MC 256           /* tokens per block */
+#endif
+#ifndef MM_WPAD
+#define MM_WPAD 0
+#endif
+#ifndef MM_XPAD
+#define MM_XPAD 0
+#endif
+#ifndef MM_CPAD
+#define MM_CPAD 0
+#endif
+#ifndef MM_FUSE_DEC
+#define MM_FUSE_DEC 1
+#endif
+#ifndef MM_PF_HINT
+#define MM_PF_HINT _MM_HINT_T0
+#endif
+#define MM_WLD (MM_KC + MM_WPAD) /* row stride of the decoded panel (bf16 elements) */
 
 typedef struct {
     const uint16_t *x;    /* [M, K] bf16 */
@@ -1045,10 +1083,11 @@ AI void tr16x16(__m512i r[16]) {
 
 /* Activations [mc0, mc0 + mc) x K into xp: per K block b, [pairs][mcp] 32-bit (k, k + 1)
  * pairs of each token (tokens mc .. mcp, a multiple of 16: zeros). */
-static void mm_pack_x(const mm_t *g, int64_t mc0, int64_t mc, int64_t mcp, uint32_t *xp) {
+static void mm_pack_x(const mm_t *g, int64_t mc0, int64_t mc, int64_t mcp, int64_t ldx,
+                      uint32_t *xp) {
     for (int64_t k0 = 0, b = 0; k0 < g->K; k0 += g->kc, ++b) {
         int64_t pairs = (g->K - k0 < g->kc ? g->K - k0 : g->kc) / 2;
-        uint32_t *dst = xp + b * (g->kc / 2) * mcp;
+        uint32_t *dst = xp + b * (g->kc / 2) * ldx;
         for (int64_t m0 = 0; m0 < mcp; m0 += 16) {
             for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
                 int64_t jn = pairs - j0 < 16 ? pairs - j0 : 16;
@@ -1061,33 +1100,32 @@ static void mm_pack_x(const mm_t *g, int64_t mc0, int64_t mc, int64_t mcp, uint3
                                   : _mm512_setzero_si512();
                 }
                 tr16x16(r);
-                for (int64_t j = 0; j < jn; ++j) _mm512_storeu_si512(dst + (j0 + j) * mcp + m0, r[j]);
+                for (int64_t j = 0; j < jn; ++j) _mm512_storeu_si512(dst + (j0 + j) * ldx + m0, r[j]);
             }
         }
     }
 }
 
-/* Weight rows [p0, p0 + rows) x codes [k0, k0 + kc) decoded to bf16 into wb[MM_MR][MM_KC]
- * (rows past `rows`: zeros). */
-static void mm_decode_panel(const mm_t *g, int64_t p0, int64_t rows, int64_t k0, int64_t kc,
-                            uint16_t *wb) {
+/* Weight rows [p0, p0 + rows) x codes [k0 + c0, k0 + kc) decoded to bf16 into columns
+ * c0 .. kc of wb[MM_MR][MM_WLD] (rows past `rows`: zeros in columns 0 .. kc). */
+static void mm_decode_panel_cols(const mm_t *g, int64_t p0, int64_t rows, int64_t k0,
+                                 int64_t c0, int64_t kc, uint16_t *wb) {
     int64_t kblocks = (g->K + g->bk - 1) / g->bk;
     decode_t d = {NULL, g->ws, NULL, g->K, 0, g->bn, g->bk, 0, 0, g->fmt, g->wgran, OUT_BF16};
     float factor = dec_factor(g->fmt);
     for (int64_t r = 0; r < MM_MR; ++r) {
-        uint16_t *row = wb + r * MM_KC;
+        uint16_t *row = wb + r * MM_WLD;
         int64_t n = p0 + r;
         if (r >= rows) {
             memset(row, 0, (size_t)kc * 2);
             continue;
         }
-        const uint8_t *w = g->w + n * g->K + k0;
         if (g->ws == NULL || g->wgran != GRAN_BLOCK) {
             float s = g->ws == NULL ? 1.0f : g->wgran == GRAN_ROW ? g->ws[n] : g->ws[0];
-            decode_span(&d, w, kc, s, factor, row);
+            decode_span(&d, g->w + n * g->K + k0 + c0, kc - c0, s, factor, row + c0);
             continue;
         }
-        for (int64_t k = k0; k < k0 + kc;) {
+        for (int64_t k = k0 + c0; k < k0 + kc;) {
             int64_t b = k / g->bk, end = (b + 1) * g->bk;
             end = end < k0 + kc ? end : k0 + kc;
             decode_span(&d, g->w + n * g->K + k, end - k, g->ws[(n / g->bn) * kblocks + b],
@@ -1095,6 +1133,11 @@ static void mm_decode_panel(const mm_t *g, int64_t p0, int64_t rows, int64_t k0,
             k = end;
         }
     }
+}
+
+static void mm_decode_panel(const mm_t *g, int64_t p0, int64_t rows, int64_t k0, int64_t kc,
+                            uint16_t *wb) {
+    mm_decode_panel_cols(g, p0, rows, k0, 0, kc, wb);
 }
 
 AI __m512 mm_round_bf16(__m512 v) { /* the bf16 value nearest v (RNE), as fp32; NaN kept */
@@ -1143,28 +1186,61 @@ static void mm_epilogue(const mm_t *g, const __m512 *acc, int64_t m0, int64_t mv
         _mm256_mask_storeu_epi16(g->out + (m0 + t) * g->N + n0, nm, _mm512_cvtepi32_epi16(r[t]));
 }
 
+/* The next panel's decode, done inside the last token tile of the current one (unscaled
+ * codes only): rows [0, rows) x codes [0, cols) of src (row stride ld) into the panel buffer,
+ * 64 codes of every row after each 32 k-pairs of the tile, i.e. into columns the tile has
+ * just read for the last time. The caller decodes the rest (mm_dec_done columns are done). */
+typedef struct {
+    const uint8_t *src;
+    int64_t ld, rows, cols;
+    int fmt;
+} mm_dec_t;
+
+AI int64_t mm_dec_done(const mm_dec_t *dec, int64_t pairs) {
+    int64_t a = pairs / 32, b = dec->cols / 64;
+    return 64 * (a < b ? a : b);
+}
+
+AI void mm_dec_cols(const mm_dec_t *dec, int64_t col, uint16_t *wb) {
+    const __m512i hi0 = T_HI[dec->fmt][0], hi1 = T_HI[dec->fmt][1];
+    const __m512i lo0 = T_LO[dec->fmt][0], lo1 = T_LO[dec->fmt][1];
+    for (int64_t r = 0; r < dec->rows; ++r) {
+        __m512i o0, o1;
+        dec64_bf16(dec->src + r * dec->ld + col, hi0, hi1, lo0, lo1, PERM, &o0, &o1);
+        _mm512_storeu_si512(wb + r * MM_WLD + col, o0);
+        _mm512_storeu_si512(wb + r * MM_WLD + col + 32, o1);
+    }
+}
+
 /* MM_MR rows x NV * 16 tokens over `pairs` k-pairs. wb: the decoded panel; xt: the packed
  * activations of the first token (pair stride ldx); c: partial sums [row][token] (stride
- * ldc), unless first (start at 0) / last (the epilogue writes out instead). */
+ * ldc), unless first (start at 0) / last (the epilogue writes out instead); dec: NULL, or
+ * the next panel to decode into wb as the tile goes (see mm_dec_t). */
 #define DEFINE_MMK(NV)                                                                        \
-    static void mmk_##NV(const mm_t *g, const uint16_t *wb, const uint32_t *xt, int64_t ldx,  \
+    static void mmk_##NV(const mm_t *g, uint16_t *wb, const uint32_t *xt, int64_t ldx,        \
                          int64_t pairs, float *c, int64_t ldc, int first, int last,           \
-                         int64_t m0, int64_t mvalid, int64_t n0, int64_t nvalid) {            \
+                         int64_t m0, int64_t mvalid, int64_t n0, int64_t nvalid,              \
+                         const mm_dec_t *dec) {                                               \
         __m512 acc[NV][MM_MR];                                                                \
         for (int r = 0; r < MM_MR; ++r)                                                       \
             for (int v = 0; v < NV; ++v)                                                      \
                 acc[v][r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * v); \
-        for (int64_t j = 0; j < pairs; ++j) {                                                 \
-            __m512bh x0 = (__m512bh)_mm512_loadu_si512(xt + j * ldx);                        \
-            __m512bh x1 = x0;                                                                 \
-            if (NV == 2) x1 = (__m512bh)_mm512_loadu_si512(xt + j * ldx + 16);               \
-            for (int r = 0; r < MM_MR; ++r) {                                                 \
-                int32_t pair;                                                                 \
-                memcpy(&pair, wb + r * MM_KC + 2 * j, 4);                                     \
-                __m512bh b = (__m512bh)_mm512_set1_epi32(pair);                              \
-                acc[0][r] = _mm512_dpbf16_ps(acc[0][r], b, x0);                               \
-                if (NV == 2) acc[NV - 1][r] = _mm512_dpbf16_ps(acc[NV - 1][r], b, x1);        \
+        int64_t dec_end = dec ? mm_dec_done(dec, pairs) : 0;                                  \
+        for (int64_t j0 = 0; j0 < pairs; j0 += 32) {                                          \
+            int64_t j1 = j0 + 32 < pairs ? j0 + 32 : pairs;                                   \
+            for (int64_t j = j0; j < j1; ++j) {                                               \
+                __m512bh x0 = (__m512bh)_mm512_loadu_si512(xt + j * ldx);                    \
+                __m512bh x1 = x0;                                                             \
+                if (NV == 2) x1 = (__m512bh)_mm512_loadu_si512(xt + j * ldx + 16);           \
+                for (int r = 0; r < MM_MR; ++r) {                                             \
+                    int32_t pair;                                                             \
+                    memcpy(&pair, wb + r * MM_WLD + 2 * j, 4);                                \
+                    __m512bh b = (__m512bh)_mm512_set1_epi32(pair);                          \
+                    acc[0][r] = _mm512_dpbf16_ps(acc[0][r], b, x0);                           \
+                    if (NV == 2) acc[NV - 1][r] = _mm512_dpbf16_ps(acc[NV - 1][r], b, x1);    \
+                }                                                                             \
             }                                                                                 \
+            if (2 * j0 < dec_end) mm_dec_cols(dec, 2 * j0, wb);                               \
         }                                                                                     \
         if (!last) {                                                                          \
             for (int r = 0; r < MM_MR; ++r)                                                   \
@@ -1230,9 +1306,9 @@ static void *mm_worker(void *arg) {
     int multi = kblocks > 1;
     /* scratch of this thread, kept for its next call: a decoded panel (28 KiB), MM_MC x K
        bf16 activations, MM_NC x MM_MC fp32 partial sums when K > MM_KC */
-    size_t n_wb = (size_t)MM_MR * MM_KC * 2;
-    size_t n_xp = (size_t)kblocks * (g->kc / 2) * mcp_max * 4;
-    size_t n_c = multi ? (size_t)MM_NC * mcp_max * 4 : 0;
+    size_t n_wb = (size_t)MM_MR * MM_WLD * 2;
+    size_t n_xp = (size_t)kblocks * (g->kc / 2) * (mcp_max + MM_XPAD) * 4;
+    size_t n_c = multi ? (size_t)MM_NC * (mcp_max + MM_CPAD) * 4 : 0;
     char *scratch = (char *)mm_scratch(n_wb + n_xp + n_c);
     if (scratch == NULL) {
         __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
@@ -1241,39 +1317,54 @@ static void *mm_worker(void *arg) {
     uint16_t *wb = (uint16_t *)scratch;
     uint32_t *xp = (uint32_t *)(scratch + n_wb);
     float *c = multi ? (float *)(scratch + n_wb + n_xp) : NULL;
+    int ahead = 0; /* 1: the previous panel's last tile already decoded this one into wb */
     for (int64_t mc0 = 0; mc0 < g->M; mc0 += MM_MC) {
         int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC, mcp = (mc + 15) & ~(int64_t)15;
-        mm_pack_x(g, mc0, mc, mcp, xp);
+        int64_t ldx = mcp + MM_XPAD, ldc = mcp + MM_CPAD;
+        mm_pack_x(g, mc0, mc, mcp, ldx, xp);
         for (int64_t nc0 = r0; nc0 < r1; nc0 += MM_NC) {
             int64_t nc1 = nc0 + MM_NC < r1 ? nc0 + MM_NC : r1;
             for (int64_t k0 = 0, kb = 0; k0 < g->K; k0 += g->kc, ++kb) {
                 int64_t kc = g->K - k0 < g->kc ? g->K - k0 : g->kc;
                 int first = k0 == 0, last = k0 + kc == g->K;
-                const uint32_t *xb = xp + kb * (g->kc / 2) * mcp;
+                const uint32_t *xb = xp + kb * (g->kc / 2) * ldx;
                 for (int64_t p0 = nc0; p0 < nc1; p0 += MM_MR) {
                     int64_t rows = nc1 - p0 < MM_MR ? nc1 - p0 : MM_MR;
-                    mm_decode_panel(g, p0, rows, k0, kc, wb);
-                    /* the next panel's codes, a piece after each token tile: short row
-                       pieces that the hardware prefetcher does not pick up */
+                    if (!ahead) mm_decode_panel(g, p0, rows, k0, kc, wb);
+                    /* the next panel of this loop nest (none after the thread's last chunk:
+                       qn = 0): rows q0 .. q0 + qn, codes qk .. qk + qkc */
                     int64_t q0 = p0 + MM_MR < nc1 ? p0 + MM_MR : k0 + kc < g->K ? nc0 : nc1;
                     int64_t qk = p0 + MM_MR < nc1 ? k0 : k0 + kc < g->K ? k0 + kc : 0;
                     int64_t qn = q0 + MM_MR < r1 ? MM_MR : r1 - q0;
                     int64_t qkc = g->K - qk < g->kc ? g->K - qk : g->kc;
+                    /* unscaled codes: the last token tile decodes the next panel as it goes */
+                    int fuse = MM_FUSE_DEC && g->ws == NULL && qn > 0;
+                    mm_dec_t dec = {g->w + q0 * g->K + qk, g->K, qn, qkc, g->fmt};
                     int64_t tiles = (mcp + MM_TT - 1) / MM_TT;
                     for (int64_t t = 0; t < tiles; ++t) {
                         int64_t t0 = t * MM_TT;
-                        float *ct = c ? c + (p0 - nc0) * mcp + t0 : NULL;
-                        if (mcp - t0 >= MM_TT)
-                            mmk_2(g, wb, xb + t0, mcp, kc / 2, ct, mcp, first, last, mc0 + t0,
-                                  mc - t0, p0, rows);
-                        else
-                            mmk_1(g, wb, xb + t0, mcp, kc / 2, ct, mcp, first, last, mc0 + t0,
-                                  mc - t0, p0, rows);
-                        for (int64_t r = qn * t / tiles; r < qn * (t + 1) / tiles; ++r)
+                        float *ct = c ? c + (p0 - nc0) * ldc + t0 : NULL;
+                        const mm_dec_t *dt = fuse && t == tiles - 1 ? &dec : NULL;
+                        /* the next panel's codes, a piece before each token tile but the
+                           last: short row pieces that the hardware prefetcher does not
+                           pick up */
+                        int64_t pt = tiles > 1 ? tiles - 1 : 1;
+                        for (int64_t r = qn * t / pt; t < pt && r < qn * (t + 1) / pt; ++r)
                             for (int64_t k = 0; k < qkc; k += 64)
                                 _mm_prefetch((const char *)(g->w + (q0 + r) * g->K + qk + k),
-                                             _MM_HINT_T0);
+                                             MM_PF_HINT);
+                        if (mcp - t0 >= MM_TT)
+                            mmk_2(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0,
+                                  mc - t0, p0, rows, dt);
+                        else
+                            mmk_1(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0,
+                                  mc - t0, p0, rows, dt);
                     }
+                    if (fuse) { /* the columns the last tile did not decode, zero rows */
+                        int64_t done = mm_dec_done(&dec, kc / 2);
+                        mm_decode_panel_cols(g, q0, qn, qk, done, qkc, wb);
+                    }
+                    ahead = fuse;
                 }
             }
         }
