@@ -56,6 +56,30 @@ def mitchell_exp(lg: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(1 + (lg - e), e.to(torch.int32)).float()
 
 
+PHI = 0.6180339887498949  # golden ratio: frac(base + t * PHI) is low-discrepancy in t
+
+
+class TimeLowDiscrepancy:
+    """Stochastic-rounding thresholds ``frac(base + t * PHI)``: uniform per element and step
+    like independent draws, but evenly spread over consecutive steps of one element, so
+    the rounding errors of a slowly moving moment cancel over time instead of adding up as
+    a random walk. ``base``: fixed random per (parameter, moment), reproducible."""
+
+    def __init__(self, t: int, key: int) -> None:
+        self.t, self.key = t, key
+
+    def rand(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        base = torch.rand(shape, generator=torch.Generator().manual_seed(self.key), dtype=dtype)
+        return torch.frac(base + (self.t * PHI) % 1.0)
+
+
+def uniform(gen: Any, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Independent draws from a ``torch.Generator``, or ``gen.rand`` (time low-discrepancy)."""
+    if isinstance(gen, torch.Generator):
+        return torch.rand(shape, generator=gen, dtype=dtype)
+    return gen.rand(shape, dtype)
+
+
 def round_grid(y: torch.Tensor, fmt: str, u: torch.Tensor | None) -> torch.Tensor:
     """Round magnitudes ``y >= 0`` to the grid of ``fmt`` (``u``: uniform noise = stochastic)."""
     mbits, emin, fmax = FORMATS[fmt]
@@ -78,14 +102,14 @@ def roundtrip(x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator) -> to
         amax = xg.abs().amax(-1, keepdim=True)
         safe = torch.where(amax > 0, amax, torch.ones_like(amax))
         y = xg.abs() / safe * 127
-        u = torch.rand(xg.shape, generator=gen) if spec.get("sr") else None
+        u = uniform(gen, xg.shape) if spec.get("sr") else None
         q = torch.floor(y + u) if u is not None else torch.round(y)
         return (torch.sign(xg) * q * safe / 127).reshape(rows, cols)
     fmax = FORMATS[fmt][2]
     xg = x.reshape(rows, cols // gs, gs).float()
     ax = xg.abs()
     amax = ax.amax(-1, keepdim=True)
-    u = torch.rand(xg.shape, generator=gen) if spec.get("sr") else None
+    u = uniform(gen, xg.shape) if spec.get("sr") else None
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     if spec.get("expand", True):
         amin = torch.where(ax > 0, ax, torch.full_like(ax, math.inf)).amin(-1, keepdim=True)
@@ -115,13 +139,13 @@ def mlog_roundtrip(x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator) 
     lmax = torch.where(nz, lx, torch.full_like(lx, -1e9)).amax(-1, keepdim=True)
     lmin = torch.where(nz, lx, torch.full_like(lx, 1e9)).amin(-1, keepdim=True)
     lr = (lmax - lmin).clamp(min=0)
-    k = torch.where(lr > 0, torch.floor(16 * (cmax - 1) / steps / lr.clamp(min=1e-30)) / 16, 1.0)
+    span = cmax - 2 if spec.get("snap") else cmax - 1  # snapping may cost one code
+    k = torch.where(lr > 0, torch.floor(16 * span / steps / lr.clamp(min=1e-30)) / 16, 1.0)
     k = k.clamp(1 / 16, 1024)
+    if spec.get("snap"):  # the grid at fixed points j / (steps k): it moves only when k does
+        lmax = torch.ceil(lmax * steps * k) / (steps * k)
     t = cmax + steps * k * (lx - lmax)
-    if spec.get("sr"):
-        c = torch.floor(t + torch.rand(t.shape, generator=gen, dtype=t.dtype))
-    else:
-        c = torch.round(t)
+    c = torch.floor(t + uniform(gen, t.shape, t.dtype)) if spec.get("sr") else torch.round(t)
     c = c.clamp(0, cmax)
     keep = nz & (c > 0)
     out = mitchell_exp(lmax + (c - cmax) / (steps * k))
@@ -172,6 +196,31 @@ VARIANTS: dict[str, tuple[dict | None, dict | None]] = {
         {"fmt": "mlog16u", "sr": True},
     ),
     "m_mlog8|v_mlog16u_sr": ({"fmt": "mlog8"}, {"fmt": "mlog16u", "sr": True}),
+    # stochastic rounding with thresholds low-discrepancy in time ("ld", TimeLowDiscrepancy)
+    "m_exact|v_mlog16u_ld": (None, {"fmt": "mlog16u", "sr": "ld"}),
+    "m_exact|v_sr_ld": (None, {**E4, "sr": "ld"}),
+    "m_exact|v_e4m4u_ld": (None, {"fmt": "e4m4u", "sr": "ld"}),
+    "mnorm2_int8|v_mlog16u_ld": ({"fmt": "int8", "norm": "pow2"}, {"fmt": "mlog16u", "sr": "ld"}),
+    "mnorm2_int8_ld|v_mlog16u_ld": (
+        {"fmt": "int8", "norm": "pow2", "sr": "ld"},
+        {"fmt": "mlog16u", "sr": "ld"},
+    ),
+    "m_rtn|v_sr_ld": (E4, {**E4, "sr": "ld"}),
+    # "snap": the group's grid at fixed points (the largest code rounded up to one)
+    "m_exact|v_mlog16u_sr_snap": (None, {"fmt": "mlog16u", "sr": True, "snap": True}),
+    "m_exact|v_mlog16u_ld_snap": (None, {"fmt": "mlog16u", "sr": "ld", "snap": True}),
+    "mnorm2_int8_ld|v_mlog16u_ld_snap": (
+        {"fmt": "int8", "norm": "pow2", "sr": "ld"},
+        {"fmt": "mlog16u", "sr": "ld", "snap": True},
+    ),
+    "mnorm_int8_ld|v_mlog16u_ld_snap": (
+        {"fmt": "int8", "norm": True, "sr": "ld"},
+        {"fmt": "mlog16u", "sr": "ld", "snap": True},
+    ),
+    "mnorm_int8_ld|v_mlog16u_ld": (
+        {"fmt": "int8", "norm": True, "sr": "ld"},
+        {"fmt": "mlog16u", "sr": "ld"},
+    ),
 }
 
 
@@ -218,14 +267,18 @@ class OracleShadows:
                 v = self.v[name][i] * b2 + (1 - b2) * g * g
                 upd = -lr * fid.WD * s - (lr / bc1) * m / (v.sqrt() / math.sqrt(bc2) + eps)
                 diff += float((upd - ref[i]).double().pow(2).sum())
+                vgen, mgen = (
+                    TimeLowDiscrepancy(self.t, 2 * i + j) if s_.get("sr") == "ld" else self.gen
+                    for j, s_ in enumerate((vspec or {}, mspec or {}))
+                )
                 if vspec is None:
                     self.v[name][i] = v
                 elif vspec.get("sqrt"):
-                    root = roundtrip(v.sqrt().reshape(rows, -1), vspec, self.gen)
+                    root = roundtrip(v.sqrt().reshape(rows, -1), vspec, vgen)
                     self.v[name][i] = (root * root).view_as(v)
                 else:
-                    self.v[name][i] = roundtrip(v.reshape(rows, -1), vspec, self.gen).view_as(v)
-                self.m[name][i] = store_m(m, self.v[name][i], mspec, self.gen)
+                    self.v[name][i] = roundtrip(v.reshape(rows, -1), vspec, vgen).view_as(v)
+                self.m[name][i] = store_m(m, self.v[name][i], mspec, mgen)
             self.err[name].append(math.sqrt(diff) / ref_norm)
 
 
