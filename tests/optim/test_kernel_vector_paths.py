@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fp8.optim import AdamWFp8
+from hf_fp8.optim import AdamWFp8, _cpu_kernel
 from tests.optim.test_implementations import (
     HP,
     SHAPES,
@@ -69,3 +69,41 @@ def test_vector_and_scalar_group_loops_are_bit_identical_to_reference(
     reference = run("reference", param_dtype, grad_dtype, grads, **options)
     kernel = run("cpu_kernel", param_dtype, grad_dtype, grads, **options)
     assert_bit_identical(reference, kernel)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "options",
+    [{"moment_format": "log"}, {}, {"moment_format": "log", "stochastic_rounding": True}],
+    ids=["log-sr_v", "fp8-sr_v", "log-sr"],
+)
+@pytest.mark.parametrize("openmp", [True, False], ids=["torch-openmp-pool", "posix-threads"])
+def test_thread_split_does_not_change_results(options, openmp, monkeypatch):
+    """Enough groups (1,266) for the kernel to run 1, 2 and 3 threads (it starts one per 256
+    groups), which take the groups dynamically: every split gives the reference's bits, on
+    torch's OpenMP pool and on POSIX threads."""
+    monkeypatch.setenv(_cpu_kernel.OPENMP_ENV, "1" if openmp else "0")
+    monkeypatch.setattr(_cpu_kernel, "_LIBS", {})
+    monkeypatch.setattr(_cpu_kernel, "_ERRORS", {})
+    if openmp and not _cpu_kernel.shares_torch_openmp():
+        pytest.skip("torch does not run on GCC's libgomp here")
+    shapes = [(600, 256), (33, 200)]
+
+    def steps(threads: int, implementation: str = "cpu_kernel"):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            g = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+            opt = AdamWFp8(params, implementation=implementation, **HP, **options)
+            for step in range(2):
+                realistic_grads(params, step, torch.float32)
+                opt.step()
+        finally:
+            torch.set_num_threads(saved)
+        return params, opt
+
+    reference = steps(1, "reference")
+    assert sum(-(-s[1] // 128) * s[0] for s in shapes) > 3 * 256
+    for threads in (1, 2, 3):
+        assert_bit_identical(reference, steps(threads))

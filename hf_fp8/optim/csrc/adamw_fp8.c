@@ -19,6 +19,9 @@
 #include <string.h>
 #include <math.h>
 #include <pthread.h>
+#if defined(USE_OMP)
+#include <omp.h>
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_DEC_AVX512 1
@@ -888,27 +891,51 @@ static int check_task(const int64_t* t) {
     return 0;
 }
 
+/* Threads take the groups SPAN at a time from one shared counter (dynamic scheduling), so
+   that a thread slowed by another process on its core (on a shared machine, or torch's
+   OpenMP threads still spin-waiting after the previous parallel region) does not hold the
+   step back: the others take its share. Every group is independent and its random bits come
+   from its element index, so the split never changes results. */
+#ifndef SPAN
+#define SPAN 64 /* groups per grab: 8192 elements at the default group size */
+#endif
+
 typedef struct {
     const int64_t* tasks;
-    int64_t ntasks, start, stop, maxgs;
+    int64_t ntasks, total, maxgs;
+    int64_t next; /* the first group not yet taken (atomic) */
+} shared_t;
+
+typedef struct {
+    shared_t* sh;
     int rc;
 } work_t;
 
 static void* worker(void* arg) {
     work_t* w = (work_t*)arg;
-    float* buf = (float*)malloc(2 * CHUNK * w->maxgs * sizeof(float));
+    shared_t* sh = w->sh;
+    float* buf = (float*)malloc(2 * CHUNK * sh->maxgs * sizeof(float));
     if (!buf) { w->rc = 1; return NULL; }
-    int64_t base = 0;
-    for (int64_t k = 0; k < w->ntasks && base < w->stop; ++k) {
-        const int64_t* t = w->tasks + T_FIELDS * k;
-        int64_t ng = task_groups(t);
-        int64_t lo = (w->start > base ? w->start : base) - base;
-        int64_t hi = (w->stop < base + ng ? w->stop : base + ng) - base;
-        if (lo < hi) {
-            int rc = dispatch(t, lo, hi, buf, buf + CHUNK * w->maxgs);
-            if (rc) w->rc = rc;
+    int64_t k = 0, base = 0; /* a thread's grabs only increase: scan the tasks forward */
+    for (;;) {
+        const int64_t start = __atomic_fetch_add(&sh->next, SPAN, __ATOMIC_RELAXED);
+        if (start >= sh->total) break;
+        const int64_t stop = start + SPAN < sh->total ? start + SPAN : sh->total;
+        while (k < sh->ntasks && base + task_groups(sh->tasks + T_FIELDS * k) <= start) {
+            base += task_groups(sh->tasks + T_FIELDS * k);
+            ++k;
         }
-        base += ng;
+        for (int64_t j = k, b = base; j < sh->ntasks && b < stop; ++j) {
+            const int64_t* t = sh->tasks + T_FIELDS * j;
+            const int64_t ng = task_groups(t);
+            const int64_t lo = (start > b ? start : b) - b;
+            const int64_t hi = (stop < b + ng ? stop : b + ng) - b;
+            if (lo < hi) {
+                int rc = dispatch(t, lo, hi, buf, buf + CHUNK * sh->maxgs);
+                if (rc) w->rc = rc;
+            }
+            b += ng;
+        }
     }
     free(buf);
     return NULL;
@@ -927,17 +954,29 @@ int adamw_fp8_step(int64_t ntasks, const int64_t* tasks, int64_t nthreads) {
     nt = nt > MAX_THREADS ? MAX_THREADS : nt;
     int64_t useful = total / 256 + 1; /* at least 256 groups per thread */
     nt = nt > useful ? useful : nt;
+    shared_t sh = {tasks, ntasks, total, maxgs, 0};
     work_t w[MAX_THREADS];
     pthread_t th[MAX_THREADS];
     int started[MAX_THREADS];
     for (int64_t i = 0; i < nt; ++i) {
-        w[i].tasks = tasks; w[i].ntasks = ntasks; w[i].maxgs = maxgs; w[i].rc = 0;
-        w[i].start = total * i / nt; w[i].stop = total * (i + 1) / nt;
+        w[i].sh = &sh; w[i].rc = 0;
         started[i] = 0;
     }
-    for (int64_t i = 1; i < nt; ++i) started[i] = pthread_create(&th[i], NULL, worker, &w[i]) == 0;
-    for (int64_t i = 1; i < nt; ++i) if (!started[i]) worker(&w[i]);
-    worker(&w[0]);
+    if (nt == 1) {
+        worker(&w[0]);
+    } else {
+#if defined(USE_OMP)
+        /* Built with -fopenmp only where torch's own libgomp is loaded (_cpu_kernel.py): the
+           parallel region runs on torch's thread pool, whose threads are still spin-waiting
+           after torch's last parallel region, instead of new threads competing with them. */
+#pragma omp parallel num_threads(nt)
+        worker(&w[omp_get_thread_num()]);
+#else
+        for (int64_t i = 1; i < nt; ++i)
+            started[i] = pthread_create(&th[i], NULL, worker, &w[i]) == 0;
+        worker(&w[0]); /* the calling thread works too (and alone if no thread started) */
+#endif
+    }
     int rc = w[0].rc;
     for (int64_t i = 1; i < nt; ++i) {
         if (started[i]) pthread_join(th[i], NULL);
