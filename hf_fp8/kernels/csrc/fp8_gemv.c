@@ -786,7 +786,9 @@ static void *quant_worker(void *arg) {
             float *sp = q->gran == GRAN_TENSOR ? q->scale
                         : q->gran == GRAN_ROW  ? q->scale + m
                                                : q->scale + m * kb + b;
-            float scale = q->phase ? *sp : 1.0f;
+            /* phase 2 (token / block scales): both phases per segment, while it is in L1 */
+            for (int ph = q->phase == 2 ? 0 : q->phase; ph <= (q->phase == 2 ? 1 : q->phase); ++ph) {
+            float scale = ph ? *sp : 1.0f;
             uint32_t umax = 0; /* |x| of finite values as bits: they order like the floats */
             for (int64_t c0 = k0; c0 < k1; c0 += QCHUNK) {
                 int64_t n = k1 - c0 < QCHUNK ? k1 - c0 : QCHUNK, at = m * q->K + c0, nv = 0;
@@ -800,11 +802,24 @@ static void *quant_worker(void *arg) {
                 } else {
                     memcpy(xf + nv, (const float *)q->x + at + nv, (size_t)(n - nv) * 4);
                 }
-                if (q->phase == 0) {
+                if (ph == 0) {
                     uint32_t cm = 0;
                     int64_t i = 0;
 #if FP8_PATH >= 3
                     __m512i vm = _mm512_setzero_si512();
+                    if (q->x_bf16) { /* 32 bf16 at a time: |x| bits as 16-bit lanes */
+                        const uint16_t *xb16 = (const uint16_t *)q->x + at;
+                        __m512i vh = _mm512_setzero_si512();
+                        for (; i + 32 <= n; i += 32) {
+                            __m512i u = _mm512_and_si512(_mm512_loadu_si512(xb16 + i),
+                                                         _mm512_set1_epi16(0x7fff));
+                            __mmask32 fin = _mm512_cmplt_epu16_mask(u, _mm512_set1_epi16(0x7f80));
+                            vh = _mm512_mask_max_epu16(vh, fin, vh, u);
+                        }
+                        vm = _mm512_slli_epi32(_mm512_max_epu32(_mm512_srli_epi32(vh, 16),
+                                                                _mm512_and_si512(vh, _mm512_set1_epi32(0xffff))),
+                                               16);
+                    }
                     for (; i + 16 <= n; i += 16) {
                         __m512i xi = q->x_bf16
                             ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
@@ -852,23 +867,42 @@ static void *quant_worker(void *arg) {
                     const __m512i inf = _mm512_set1_epi32(0x7f800000), qnan = _mm512_set1_epi32(0x7fc00000);
                     const uint16_t *xb16 = (const uint16_t *)q->x + at;
                     const float *xf32 = (const float *)q->x + at;
+#define QUANT16(xv, v, ru)                                                                         \
+    __m512 v = _mm512_div_ps(xv, vs);                                                              \
+    __m512i ru;                                                                                    \
+    {                                                                                              \
+        __m512 c = _mm512_min_ps(_mm512_max_ps(v, vmin), vmax); /* NaN: below */                   \
+        __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), abs));            \
+        __m512 e = _mm512_max_ps(_mm512_getexp_ps(a), emin); /* getexp(0) = -inf */               \
+        __m512 t = _mm512_scalef_ps(a, _mm512_sub_ps(_mm512_setzero_ps(), e));                    \
+        t = e4 ? _mm512_roundscale_ps(t, (3 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) \
+               : _mm512_roundscale_ps(t, (2 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);\
+        ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_scalef_ps(t, e)),               \
+                                       _mm512_castps_si512(c), abs, 0xf4); /* | sign(c) */        \
+        __mmask16 fin = _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs), inf); \
+        ru = _mm512_mask_blend_epi32(fin, qnan, ru);                                               \
+    }
+                    if (q->x_bf16 && q->post && q->out_kind == OUT_BF16) {
+                        /* 32 at a time: bf16 -> fp32 and back by 16-bit unpacks / one pack
+                           (in-lane; the pack restores the order the unpacks took apart) */
+                        const __m512i zero = _mm512_setzero_si512();
+                        for (; i0 + 32 <= n; i0 += 32) {
+                            __m512i xw = _mm512_loadu_si512(xb16 + i0);
+                            __m512 xlo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, xw));
+                            __m512 xhi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, xw));
+                            QUANT16(xlo, vlo, rlo)
+                            QUANT16(xhi, vhi, rhi)
+                            _mm512_storeu_si512((uint16_t *)q->out + at + i0,
+                                                _mm512_packus_epi32(_mm512_srli_epi32(rlo, 16),
+                                                                    _mm512_srli_epi32(rhi, 16)));
+                        }
+                    }
                     for (; i0 + 16 <= n; i0 += 16) {
                         __m512 xv = q->x_bf16
                             ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb16 + i0))), 16))
                             : _mm512_loadu_ps(xf32 + i0);
-                        __m512 v = _mm512_div_ps(xv, vs);
-                        __m512 c = _mm512_min_ps(_mm512_max_ps(v, vmin), vmax); /* NaN: below */
-                        __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), abs));
-                        __m512 e = _mm512_max_ps(_mm512_getexp_ps(a), emin); /* getexp(0) = -inf */
-                        __m512 t = _mm512_scalef_ps(a, _mm512_sub_ps(_mm512_setzero_ps(), e));
-                        t = e4 ? _mm512_roundscale_ps(t, (3 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                               : _mm512_roundscale_ps(t, (2 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                        __m512i ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_scalef_ps(t, e)),
-                                                               _mm512_castps_si512(c), abs, 0xf4); /* | sign(c) */
-                        __mmask16 fin = _mm512_cmplt_epu32_mask(
-                            _mm512_and_si512(_mm512_castps_si512(v), abs), inf);
-                        ru = _mm512_mask_blend_epi32(fin, qnan, ru);
+                        QUANT16(xv, v, ru)
                         if (q->post && q->out_kind == OUT_BF16) { /* fp8 values are exact bf16 */
                             _mm256_storeu_si256((__m256i *)((uint16_t *)q->out + at + i0),
                                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(ru, 16)));
@@ -908,11 +942,12 @@ static void *quant_worker(void *arg) {
                     memcpy((float *)q->out + at + i0, r + i0, (size_t)(n - i0) * 4);
                 }
             }
-            if (q->phase == 0) {
+            if (ph == 0) {
                 float amax;
                 memcpy(&amax, &umax, 4);
                 if (q->gran == GRAN_TENSOR) ((float *)q->out)[m] = amax;
                 else *sp = amax / fmax < q->floor ? q->floor : amax / fmax;
+            }
             }
         }
     }
@@ -936,6 +971,10 @@ int fp8_quant_act(const void *x, int64_t x_bf16, int64_t M, int64_t K, int64_t g
                  (int)out_kind, (int)post, 0, (int)given, floor};
     int64_t useful = (M * K) / 65536;
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
+    if (!given && gran != GRAN_TENSOR) { /* a scale per token / block: one pass per row */
+        q.phase = 2;
+        return run_split(quant_worker, &q, sizeof q, M, nthreads, quant_range);
+    }
     if (!given) {
         float *rowmax = (float *)out; /* tensor: per-row amax in the output buffer */
         int rc = run_split(quant_worker, &q, sizeof q, M, nthreads, quant_range);
