@@ -62,10 +62,9 @@ AI float flog2(float x) {
 
 /* 2^y for y >= -126 (callers clamp, or know the bound: see requant). */
 AI float fexp2_nc(float y) {
-    float r = (y + MAGIC) - MAGIC;
-    r = (r > y) ? r - 1.0f : r; /* floor */
+    float r = floorf(y); /* one vrndscaleps; coat.fast_exp2's torch.floor */
     float f = y - r;
-    uint32_t n = f2b(r + MAGIC) - MAGIC_BITS;
+    uint32_t n = (uint32_t)(int32_t)r;
     float acc = f * EXP2_C3 + EXP2_C2;
     acc = acc * f + EXP2_C1;
     acc = acc * f + EXP2_C0;
@@ -124,15 +123,17 @@ AI void make_log2_tab(float* restrict tab) {
 }
 
 #if HAVE_DEC_AVX512
+/* floorf / rintf of 16 lanes */
+#define FLOOR_V(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define RINT_V(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
 /* fexp2_nc / fexp2 on 16 lanes, the same fp32 operations in the same order. */
 AI __m512 fexp2_v(__m512 y, const int CLAMP) {
-    const __m512 magic = _mm512_set1_ps(MAGIC), one = _mm512_set1_ps(1.0f);
+    const __m512 one = _mm512_set1_ps(1.0f);
     if (CLAMP) y = _mm512_max_ps(y, _mm512_set1_ps(-126.0f)); /* (y < -126) ? -126 : y */
-    __m512 r = _mm512_sub_ps(_mm512_add_ps(y, magic), magic);
-    r = _mm512_mask_sub_ps(r, _mm512_cmp_ps_mask(r, y, _CMP_GT_OQ), r, one);
+    __m512 r = FLOOR_V(y);
     __m512 f = _mm512_sub_ps(y, r);
-    __m512i n = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(r, magic)),
-                                 _mm512_set1_epi32((int)MAGIC_BITS));
+    __m512i n = _mm512_cvttps_epi32(r);
     __m512 acc = _mm512_add_ps(_mm512_mul_ps(f, _mm512_set1_ps(EXP2_C3)), _mm512_set1_ps(EXP2_C2));
     acc = _mm512_add_ps(_mm512_mul_ps(acc, f), _mm512_set1_ps(EXP2_C1));
     acc = _mm512_add_ps(_mm512_mul_ps(acc, f), _mm512_set1_ps(EXP2_C0));
@@ -532,10 +533,6 @@ AI void f_to_bf16x16(uint16_t* out, __m512 f) { /* f_to_bf16 on 16 lanes */
     r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
     _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(r));
 }
-
-/* floorf / rintf of 16 lanes */
-#define FLOOR_V(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
-#define RINT_V(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 /* log_m_scale on 16 lanes: 2^e (inv = 0) or 2^-e (inv = 1) from the codes c (floats). */
 AI __m512 log_m_scale_v(__m512 c, __m512 slope, __m512 offset, const int inv) {
