@@ -1091,8 +1091,7 @@ typedef struct {
     int *err;             /* set when a worker cannot allocate its scratch */
     int64_t M, K, N, bn, bk, n0, n1, as_n, ps_n;
     int64_t kc;           /* K block: K split evenly into blocks of at most MM_KC (even) */
-    const uint32_t *xp;   /* tokens [mc0, mc0 + mc) packed by mm_pack_x (stride ldx) */
-    int64_t mc0, mc, mcp, ldx;
+    int64_t mc0, mc, mcp, ldx; /* the token block mm_pack_x packs (pair stride ldx) */
     int fmt, wgran;
 } mm_t;
 
@@ -1124,9 +1123,7 @@ AI void tr16x16(__m512i r[16]) {
 
 /* Activations [mc0, mc0 + mc) x K into xp: per K block b, [pairs][ldx] 32-bit (k, k + 1)
  * pairs of each token (tokens mc .. mcp, a multiple of 16: zeros). Work units: 16 tokens of
- * a K block (mm_pack_units of them), [u0, u1) here; each reads its 16 rows front to back. */
-static int64_t mm_pack_units(const mm_t *g) { return (g->K + g->kc - 1) / g->kc * (g->mcp / 16); }
-
+ * a K block (mcp / 16 per block), [u0, u1) here; each reads its 16 rows front to back. */
 static void mm_pack_x(const mm_t *g, int64_t u0, int64_t u1, uint32_t *xp) {
     int64_t per = g->mcp / 16; /* units per K block */
     for (int64_t u = u0; u < u1; ++u) {
@@ -1147,23 +1144,6 @@ static void mm_pack_x(const mm_t *g, int64_t u0, int64_t u1, uint32_t *xp) {
             for (int64_t j = 0; j < jn; ++j) _mm512_storeu_si512(dst + (j0 + j) * g->ldx + m0, r[j]);
         }
     }
-}
-
-typedef struct {
-    const mm_t *g;
-    uint32_t *xp;
-    int64_t u0, u1;
-} mm_pack_t;
-
-static void *mm_pack_worker(void *arg) {
-    const mm_pack_t *p = (const mm_pack_t *)arg;
-    mm_pack_x(p->g, p->u0, p->u1, p->xp);
-    return NULL;
-}
-
-static void mm_pack_range(void *p, int64_t u0, int64_t u1) {
-    ((mm_pack_t *)p)->u0 = u0;
-    ((mm_pack_t *)p)->u1 = u1;
 }
 
 /* Weight rows [p0, p0 + rows) x codes [k0 + c0, k0 + kc) decoded to bf16 into columns
@@ -1314,15 +1294,13 @@ DEFINE_MMK(1)
 DEFINE_MMK(2)
 
 /* Per-thread scratch, grown on demand and kept between calls (freed when the thread ends):
- * kind 0, each worker's: a decoded panel (28 KiB) and MM_NC x MM_MC fp32 partial sums
- * (448 KiB); kind 1, the calling thread's: MM_MC x K packed bf16 activations (512 * K bytes),
- * shared by the workers. A fresh allocation per call costs page faults (about 3 MiB at
- * K = 5632, every call). */
+ * at most 28 KiB + 512 * K + 448 KiB bytes for the largest K a thread has multiplied. A
+ * fresh allocation per call costs page faults (about 3 MiB at K = 5632, every call). */
 typedef struct {
     void *p;
     size_t cap;
 } scratch_t;
-static pthread_key_t MM_KEY[2];
+static pthread_key_t MM_KEY;
 static pthread_once_t MM_KEY_ONCE = PTHREAD_ONCE_INIT;
 static int MM_KEY_OK = 0;
 
@@ -1332,19 +1310,16 @@ static void mm_scratch_free(void *p) {
     free(s);
 }
 
-static void mm_key_init(void) {
-    MM_KEY_OK = pthread_key_create(&MM_KEY[0], mm_scratch_free) == 0 &&
-                pthread_key_create(&MM_KEY[1], mm_scratch_free) == 0;
-}
+static void mm_key_init(void) { MM_KEY_OK = pthread_key_create(&MM_KEY, mm_scratch_free) == 0; }
 
-static void *mm_scratch(int kind, size_t bytes) {
+static void *mm_scratch(size_t bytes) {
     pthread_once(&MM_KEY_ONCE, mm_key_init);
     if (!MM_KEY_OK) return NULL;
-    scratch_t *s = (scratch_t *)pthread_getspecific(MM_KEY[kind]);
+    scratch_t *s = (scratch_t *)pthread_getspecific(MM_KEY);
     if (s == NULL) {
         s = (scratch_t *)calloc(1, sizeof *s);
         if (s == NULL) return NULL;
-        if (pthread_setspecific(MM_KEY[kind], s)) {
+        if (pthread_setspecific(MM_KEY, s)) {
             free(s);
             return NULL;
         }
@@ -1363,67 +1338,77 @@ static void *mm_scratch(int kind, size_t bytes) {
 }
 
 static void *mm_worker(void *arg) {
-    const mm_t *g = (const mm_t *)arg;
+    mm_t gl = *(const mm_t *)arg; /* its token block fields change below */
+    const mm_t *g = &gl;
     int64_t r0 = g->n0 * MM_MR, r1 = g->n1 * MM_MR < g->N ? g->n1 * MM_MR : g->N;
     if (r0 >= r1) return NULL;
     int64_t kblocks = (g->K + g->kc - 1) / g->kc;
     int multi = kblocks > 1;
-    int64_t mc0 = g->mc0, mc = g->mc, mcp = g->mcp, ldx = g->ldx, ldc = mcp + MM_CPAD;
-    /* scratch of this thread, kept for its next call: a decoded panel, MM_NC x MM_MC fp32
-       partial sums when K > MM_KC */
+    int64_t mcp_max = ((g->M < MM_MC ? g->M : MM_MC) + 15) & ~(int64_t)15;
+    int64_t ldx = mcp_max + MM_XPAD, ldc = mcp_max + MM_CPAD;
+    /* scratch of this thread, kept for its next call: a decoded panel (28 KiB), MM_MC x K
+       bf16 activations, MM_NC x MM_MC fp32 partial sums when K > MM_KC */
     size_t n_wb = (size_t)MM_MR * MM_WLD * 2;
-    size_t n_c = multi ? (size_t)MM_NC * (MM_MC + MM_CPAD) * 4 : 0;
-    char *scratch = (char *)mm_scratch(0, n_wb + n_c);
+    size_t n_xp = (size_t)kblocks * (g->kc / 2) * ldx * 4;
+    size_t n_c = multi ? (size_t)MM_NC * ldc * 4 : 0;
+    char *scratch = (char *)mm_scratch(n_wb + n_xp + n_c);
     if (scratch == NULL) {
         __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
         return NULL;
     }
     uint16_t *wb = (uint16_t *)scratch;
-    float *c = multi ? (float *)(scratch + n_wb) : NULL;
+    uint32_t *xp = (uint32_t *)(scratch + n_wb);
+    float *c = multi ? (float *)(scratch + n_wb + n_xp) : NULL;
     int ahead = 0; /* 1: the previous panel's last tile already decoded this one into wb */
-    for (int64_t nc0 = r0; nc0 < r1; nc0 += MM_NC) {
-        int64_t nc1 = nc0 + MM_NC < r1 ? nc0 + MM_NC : r1;
-        for (int64_t k0 = 0, kb = 0; k0 < g->K; k0 += g->kc, ++kb) {
-            int64_t kc = g->K - k0 < g->kc ? g->K - k0 : g->kc;
-            int first = k0 == 0, last = k0 + kc == g->K;
-            const uint32_t *xb = g->xp + kb * (g->kc / 2) * ldx;
-            for (int64_t p0 = nc0; p0 < nc1; p0 += MM_MR) {
-                int64_t rows = nc1 - p0 < MM_MR ? nc1 - p0 : MM_MR;
-                if (!ahead) mm_decode_panel(g, p0, rows, k0, kc, wb);
-                /* the next panel of this loop nest (none after the thread's last chunk:
-                   qn = 0): rows q0 .. q0 + qn, codes qk .. qk + qkc */
-                int64_t q0 = p0 + MM_MR < nc1 ? p0 + MM_MR : k0 + kc < g->K ? nc0 : nc1;
-                int64_t qk = p0 + MM_MR < nc1 ? k0 : k0 + kc < g->K ? k0 + kc : 0;
-                int64_t qn = q0 + MM_MR < r1 ? MM_MR : r1 - q0;
-                int64_t qkc = g->K - qk < g->kc ? g->K - qk : g->kc;
-                /* unscaled codes: the last token tile decodes the next panel as it goes */
-                int fuse = MM_FUSE_DEC && g->ws == NULL && qn > 0;
-                mm_dec_t dec = {g->w + q0 * g->K + qk, g->K, qn, qkc, g->fmt};
-                int64_t tiles = (mcp + MM_TT - 1) / MM_TT;
-                for (int64_t t = 0; t < tiles; ++t) {
-                    int64_t t0 = t * MM_TT;
-                    float *ct = c ? c + (p0 - nc0) * ldc + t0 : NULL;
-                    const mm_dec_t *dt = fuse && t == tiles - 1 ? &dec : NULL;
-                    /* the next panel's codes, a piece before each token tile but the
-                       last: short row pieces that the hardware prefetcher does not
-                       pick up */
-                    int64_t pt = tiles > 1 ? tiles - 1 : 1;
-                    for (int64_t r = qn * t / pt; t < pt && r < qn * (t + 1) / pt; ++r)
-                        for (int64_t k = 0; k < qkc; k += 64)
-                            _mm_prefetch((const char *)(g->w + (q0 + r) * g->K + qk + k),
-                                         MM_PF_HINT);
-                    if (mcp - t0 >= MM_TT)
-                        mmk_2(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0,
-                              mc - t0, p0, rows, dt);
-                    else
-                        mmk_1(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0,
-                              mc - t0, p0, rows, dt);
+    for (int64_t mc0 = 0; mc0 < g->M; mc0 += MM_MC) {
+        int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC, mcp = (mc + 15) & ~(int64_t)15;
+        gl.mc0 = mc0, gl.mc = mc, gl.mcp = mcp, gl.ldx = ldx;
+        /* each thread packs the activations it reads (no waiting on other threads) */
+        mm_pack_x(g, 0, kblocks * (mcp / 16), xp);
+        for (int64_t nc0 = r0; nc0 < r1; nc0 += MM_NC) {
+            int64_t nc1 = nc0 + MM_NC < r1 ? nc0 + MM_NC : r1;
+            for (int64_t k0 = 0, kb = 0; k0 < g->K; k0 += g->kc, ++kb) {
+                int64_t kc = g->K - k0 < g->kc ? g->K - k0 : g->kc;
+                int first = k0 == 0, last = k0 + kc == g->K;
+                const uint32_t *xb = xp + kb * (g->kc / 2) * ldx;
+                for (int64_t p0 = nc0; p0 < nc1; p0 += MM_MR) {
+                    int64_t rows = nc1 - p0 < MM_MR ? nc1 - p0 : MM_MR;
+                    if (!ahead) mm_decode_panel(g, p0, rows, k0, kc, wb);
+                    /* the next panel of this loop nest (none after the thread's last chunk:
+                       qn = 0): rows q0 .. q0 + qn, codes qk .. qk + qkc */
+                    int64_t q0 = p0 + MM_MR < nc1 ? p0 + MM_MR : k0 + kc < g->K ? nc0 : nc1;
+                    int64_t qk = p0 + MM_MR < nc1 ? k0 : k0 + kc < g->K ? k0 + kc : 0;
+                    int64_t qn = q0 + MM_MR < r1 ? MM_MR : r1 - q0;
+                    int64_t qkc = g->K - qk < g->kc ? g->K - qk : g->kc;
+                    /* unscaled codes: the last token tile decodes the next panel as it goes */
+                    int fuse = MM_FUSE_DEC && g->ws == NULL && qn > 0;
+                    mm_dec_t dec = {g->w + q0 * g->K + qk, g->K, qn, qkc, g->fmt};
+                    int64_t tiles = (mcp + MM_TT - 1) / MM_TT;
+                    for (int64_t t = 0; t < tiles; ++t) {
+                        int64_t t0 = t * MM_TT;
+                        float *ct = c ? c + (p0 - nc0) * ldc + t0 : NULL;
+                        const mm_dec_t *dt = fuse && t == tiles - 1 ? &dec : NULL;
+                        /* the next panel's codes, a piece before each token tile but the
+                           last: short row pieces that the hardware prefetcher does not
+                           pick up */
+                        int64_t pt = tiles > 1 ? tiles - 1 : 1;
+                        for (int64_t r = qn * t / pt; t < pt && r < qn * (t + 1) / pt; ++r)
+                            for (int64_t k = 0; k < qkc; k += 64)
+                                _mm_prefetch((const char *)(g->w + (q0 + r) * g->K + qk + k),
+                                             MM_PF_HINT);
+                        if (mcp - t0 >= MM_TT)
+                            mmk_2(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0,
+                                  mc - t0, p0, rows, dt);
+                        else
+                            mmk_1(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0,
+                                  mc - t0, p0, rows, dt);
+                    }
+                    if (fuse) { /* the columns the last tile did not decode, zero rows */
+                        int64_t done = mm_dec_done(&dec, kc / 2);
+                        mm_decode_panel_cols(g, q0, qn, qk, done, qkc, wb);
+                    }
+                    ahead = fuse;
                 }
-                if (fuse) { /* the columns the last tile did not decode, zero rows */
-                    int64_t done = mm_dec_done(&dec, kc / 2);
-                    mm_decode_panel_cols(g, q0, qn, qk, done, qkc, wb);
-                }
-                ahead = fuse;
             }
         }
     }
@@ -1449,30 +1434,13 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
     pthread_once(&LUT_ONCE, lut_init);
     int err = 0;
     int64_t blocks = (K + MM_KC - 1) / MM_KC, kc = ((K + blocks - 1) / blocks + 1) & ~(int64_t)1;
-    int64_t mcp_max = ((M < MM_MC ? M : MM_MC) + 15) & ~(int64_t)15;
     mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, kc,
-              NULL, 0, 0, 0, mcp_max + MM_XPAD, (int)fmt, (int)wgran};
-    /* the packed activations of one token block, shared by the threads */
-    uint32_t *xp = (uint32_t *)mm_scratch(1, (size_t)blocks * (kc / 2) * g.ldx * 4);
-    if (xp == NULL) return -4;
-    g.xp = xp;
+              0, 0, 0, 0, (int)fmt, (int)wgran};
     int64_t panels = (N + MM_MR - 1) / MM_MR;
-    for (int64_t mc0 = 0; mc0 < M; mc0 += MM_MC) {
-        g.mc0 = mc0;
-        g.mc = M - mc0 < MM_MC ? M - mc0 : MM_MC;
-        g.mcp = (g.mc + 15) & ~(int64_t)15;
-        mm_pack_t pk = {&g, xp, 0, 0};
-        int64_t units = mm_pack_units(&g);
-        int64_t pack_threads = (g.mc * K) / 65536 < nthreads ? (g.mc * K) / 65536 : nthreads;
-        int rc = run_split(mm_pack_worker, &pk, sizeof pk, units, pack_threads, mm_pack_range);
-        if (rc) return rc;
-        int64_t useful = (g.mc * N * K) / (1 << 22), nt = nthreads;
-        if (nt > useful) nt = useful < 1 ? 1 : useful;
-        rc = run_split(mm_worker, &g, sizeof g, panels, nt, mm_range);
-        if (rc) return rc;
-        if (err) return -4;
-    }
-    return 0;
+    int64_t useful = (M * N * K) / (1 << 22);
+    if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
+    int rc = run_split(mm_worker, &g, sizeof g, panels, nthreads, mm_range);
+    return rc ? rc : err ? -4 : 0;
 #else
     (void)x, (void)M, (void)K, (void)w, (void)N, (void)ws, (void)wgran, (void)bn, (void)bk;
     (void)as, (void)as_n, (void)ps, (void)ps_n, (void)bias, (void)out, (void)fmt, (void)nthreads;
