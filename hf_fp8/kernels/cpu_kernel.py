@@ -165,7 +165,7 @@ def _build(path: str) -> ctypes.CDLL:
     lib.fp8_epilogue.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64]
     lib.fp8_epilogue.restype = ctypes.c_int
     lib.fp8_mm_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64]
-    lib.fp8_mm_bf16.argtypes += [ptr, ptr, i64, i64]
+    lib.fp8_mm_bf16.argtypes += [ptr, ptr, i64, i64, i64, ctypes.c_float]
     lib.fp8_mm_bf16.restype = ctypes.c_int
     lib.fp8_set_openmp.argtypes = [ptr]
     lib.fp8_set_openmp.restype = None
@@ -512,11 +512,16 @@ def fused_mm(
     path: str,
     *,
     out: torch.Tensor | None = None,
+    quantize: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``_fp8_mm_impl`` for bf16 ``a`` and even K in one C call (``fp8_mm_bf16``): the
     same operands, products and epilogue; only the fp32 summation order differs. ``out``:
     an ``[m, n]`` bf16 tensor with contiguous rows (e.g. rows of a larger output) that the
-    result is written into (eager callers only: it is not a custom op)."""
+    result is written into (eager callers only: it is not a custom op). ``quantize``: an
+    fp8 dtype for dynamic per-token activation scales (``a_scale`` must be ``None``): ``a``
+    is the raw activation, fake-quantized inside the kernel exactly as
+    :func:`quantize_activation` ``(a, None, quantize, "row", _, bf16, post=True)`` would,
+    its scales applied after the matmul; one C call and one parallel region."""
     _check_weight(w, w_scale, w_gran, bn, bk)
     n, k = w.shape
     _check(
@@ -536,6 +541,10 @@ def fused_mm(
         f"weight scales after the matmul (w_post) are per tensor or per row, not {w_gran!r}",
     )
     ws = w_scale if w_post else None
+    _check(
+        quantize is None or (quantize in FORMATS and a_scale is None),
+        f"in-kernel quantization takes an fp8 dtype and no given scale, got {quantize}",
+    )
     _check(
         a_scale is None
         or (
@@ -579,7 +588,7 @@ def fused_mm(
         a.data_ptr(), m, k, w.data_ptr(), n, _ptr(folded), GRANULARITIES[w_gran], bn, bk,
         _ptr(a_scale), 0 if a_scale is None else a_scale.numel(), _ptr(ws),
         0 if ws is None else ws.numel(), _ptr(bias), out.data_ptr(), FORMATS[w.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads(), -1 if quantize is None else FORMATS[quantize], min_scale(),
     )  # fmt: skip
     _check(rc == 0, f"fp8_mm_bf16 failed with code {rc} (-4: out of memory for its scratch)")
     return out

@@ -8,7 +8,10 @@ lengths never recompile), then
 * up to ``gemv_limit()`` tokens (16 with bf16 dot products, else 4): the fused GEMV (fp32 activation, fp32 accumulation,
   the emulation's epilogue in C; block weight scales applied per K-block partial sum);
 * above: the weight decoded tile by tile into the compute dtype (bf16 / fp32, bit-identical
-  to the emulation's decode) and torch's matmul, then the emulation's epilogue.
+  to the emulation's decode) and torch's matmul, then the emulation's epilogue; with bf16
+  on the ``avx512bf16`` path, the fused decode + GEMM instead (``cpu_kernel.fused_mm``),
+  which also fake-quantizes dynamic per-token activations itself (same bits as
+  ``quantize_activation``, one C call).
 
 :func:`linear` returns ``None`` where it does not apply (fp16 compute above the GEMV
 limit, kernels off or unavailable); the caller runs the compiled emulation then.
@@ -80,6 +83,20 @@ def linear(
     if dtype not in (torch.bfloat16, torch.float32):
         return None
     w_post = _emu.post_scaled(w_gran, dtype)
+    if (
+        act_dtype is not None
+        and a_gran == "row"
+        and input_scale is None
+        and dtype == torch.bfloat16
+        and x.shape[1] % 2 == 0
+        and _eager(x, w_fp8)  # first: a compile traces the quantization + op instead
+        and cpu_kernel.fused_mm_enabled(path)
+    ):  # dynamic per-token scales: quantized inside the fused kernel, one call, one region
+        b = None if bias is None else bias.detach().contiguous()
+        return cpu_kernel.fused_mm(
+            x.detach().contiguous(), w_fp8, w_scale, None, b, w_gran, bn, bk, w_post, path,
+            quantize=act_dtype,
+        )  # fmt: skip
     a, a_scale, a_post = x.detach().contiguous(), None, False
     if act_dtype is not None:
         a_post = _emu.post_scaled(a_gran, dtype)

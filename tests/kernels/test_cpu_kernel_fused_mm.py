@@ -239,3 +239,48 @@ def test_fused_is_exact_across_blocking_edges(fused, monkeypatch, fmt, gran, m, 
         acc = (x.double() @ w8.double().T).to(torch.bfloat16).double()
         ref = (acc * ws.double().reshape(1, -1)).to(torch.bfloat16)
     assert torch.equal(out, ref), f"{int((out != ref).sum())} of {out.numel()} outputs differ"
+
+
+@pytest.mark.parametrize("act", sorted(FORMATS))
+@pytest.mark.parametrize("gran", ["row", "block"])
+@pytest.mark.parametrize(("m", "k", "n"), [(300, 2050, 61), (17, 96, 40), (40, 130, 30)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_kernel_dynamic_quantization_is_the_two_step_path(act, gran, m, k, n, threads):
+    """Dynamic per-token activation scales computed and applied inside the fused kernel:
+    the bits of ``quantize_activation`` followed by the fused matmul with those scales, for
+    an all-zero token (the scale floor), NaN, inf, a huge and tiny values, two token blocks
+    and a partial last 16 tokens, at 1 and 2 threads (each thread quantizes for itself)."""
+    w8 = _all_codes_weight(n, k, torch.float8_e4m3fn)
+    ws = _weight_scale(n, k, gran)
+    x = torch.randn(m, k) * torch.logspace(-6, 3, k)
+    x[1] = 0.0
+    x[2, 3], x[3, 5], x[4, 0], x[5, :7] = float("nan"), float("inf"), 1e30, 1e-30
+    x = x.to(torch.bfloat16)
+    post = gran == "row"
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        args = (w8, ws, None, None, gran, *BLOCK, post, PATH)
+        got = cpu_kernel.fused_mm(x, *args, quantize=FORMATS[act])
+        a, s = cpu_kernel.quantize_activation(
+            x, None, FORMATS[act], "row", 1, torch.bfloat16, True, PATH
+        )
+        want = cpu_kernel.fused_mm(a, w8, ws, s.reshape(-1), None, gran, *BLOCK, post, PATH)
+    finally:
+        torch.set_num_threads(saved)
+    assert got.isnan().any(), "the NaN token should reach the output"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_dynamic_linear_quantizes_inside_the_fused_kernel(fused, monkeypatch):
+    """A bf16 dynamic (per-token) linear above the GEMV limit is one fused_mm call with
+    in-kernel quantization (no separate quantize_activation pass)."""
+    monkeypatch.setattr(
+        cpu_kernel, "quantize_activation", lambda *a, **k: pytest.fail("separate quantization")
+    )
+    w8 = _all_codes_weight(40, 96, torch.float8_e4m3fn)
+    ws = _weight_scale(40, 96, "row")
+    x = torch.randn(33, 96).to(torch.bfloat16)
+    _, kwargs = _activation(x, "dynamic_token", torch.float8_e4m3fn)
+    out = _run(x, w8, ws, None, "row", kwargs, monkeypatch, True)
+    assert len(fused) == 1 and out.shape == (33, 40)

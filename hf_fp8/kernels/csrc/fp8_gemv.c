@@ -1093,6 +1093,8 @@ typedef struct {
     int64_t kc;           /* K block: K split evenly into blocks of at most MM_KC (even) */
     int64_t mc0, mc, mcp, ldx; /* the token block mm_pack_x packs (pair stride ldx) */
     int fmt, wgran;
+    int qfmt;             /* >= 0: quantize x per token to this fp8 format first (dynamic) */
+    float qfloor;         /* its scale floor */
 } mm_t;
 
 /* 16 x 16 transpose of 32-bit elements (rows r[0..15] -> columns). */
@@ -1121,28 +1123,40 @@ AI void tr16x16(__m512i r[16]) {
     for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-/* Activations [mc0, mc0 + mc) x K into xp: per K block b, [pairs][ldx] 32-bit (k, k + 1)
- * pairs of each token (tokens mc .. mcp, a multiple of 16: zeros). Work units: 16 tokens of
- * a K block (mcp / 16 per block), [u0, u1) here; each reads its 16 rows front to back. */
-static void mm_pack_x(const mm_t *g, int64_t u0, int64_t u1, uint32_t *xp) {
-    int64_t per = g->mcp / 16; /* units per K block */
-    for (int64_t u = u0; u < u1; ++u) {
-        int64_t b = u / per, m0 = (u % per) * 16, k0 = b * g->kc;
+/* Tokens [m0, m0 + 16) of the token block (rows of them real, from src, stride K) into xp:
+ * per K block b, [pairs][ldx] 32-bit (k, k + 1) pairs of each token (missing tokens: zeros). */
+static void mm_pack_rows(const mm_t *g, const uint16_t *src, int64_t m0, int64_t rows,
+                         uint32_t *xp) {
+    for (int64_t k0 = 0, b = 0; k0 < g->K; k0 += g->kc, ++b) {
         int64_t pairs = (g->K - k0 < g->kc ? g->K - k0 : g->kc) / 2;
         uint32_t *dst = xp + b * (g->kc / 2) * g->ldx;
         for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
             int64_t jn = pairs - j0 < 16 ? pairs - j0 : 16;
             __mmask16 km = (__mmask16)((1u << jn) - 1u);
             __m512i r[16];
-            for (int i = 0; i < 16; ++i) {
-                int64_t m = m0 + i;
-                r[i] = m < g->mc ? _mm512_maskz_loadu_epi32(
-                                       km, g->x + (g->mc0 + m) * g->K + k0 + 2 * j0)
-                                 : _mm512_setzero_si512();
-            }
+            for (int i = 0; i < 16; ++i)
+                r[i] = i < rows ? _mm512_maskz_loadu_epi32(km, src + i * g->K + k0 + 2 * j0)
+                                : _mm512_setzero_si512();
             tr16x16(r);
             for (int64_t j = 0; j < jn; ++j) _mm512_storeu_si512(dst + (j0 + j) * g->ldx + m0, r[j]);
         }
+    }
+}
+
+/* The token block [mc0, mc0 + mc) into xp (tokens mc .. mcp, a multiple of 16: zeros), 16
+ * tokens at a time; with qfmt >= 0 each 16 first go through fp8_quant_act's per-token code
+ * (scales into sc[token], values into tmp: 16 x K bf16), so they are the same bits. */
+static void mm_pack_x(const mm_t *g, uint32_t *xp, uint16_t *tmp, float *sc) {
+    for (int64_t m0 = 0; m0 < g->mcp; m0 += 16) {
+        int64_t rows = g->mc - m0 < 16 ? g->mc - m0 : 16;
+        const uint16_t *src = g->x + (g->mc0 + m0) * g->K;
+        if (g->qfmt >= 0) {
+            quant_t q = {src, sc + g->mc0 + m0, tmp, rows, g->K, g->K, 0, rows, 1, GRAN_ROW,
+                         g->qfmt, OUT_BF16, 1, 2, 0, g->qfloor};
+            quant_worker(&q);
+            src = tmp;
+        }
+        mm_pack_rows(g, src, m0, rows, xp);
     }
 }
 
@@ -1351,7 +1365,9 @@ static void *mm_worker(void *arg) {
     size_t n_wb = (size_t)MM_MR * MM_WLD * 2;
     size_t n_xp = (size_t)kblocks * (g->kc / 2) * ldx * 4;
     size_t n_c = multi ? (size_t)MM_NC * ldc * 4 : 0;
-    char *scratch = (char *)mm_scratch(n_wb + n_xp + n_c);
+    /* dynamic quantization: 16 quantized tokens, the scales of all tokens */
+    size_t n_q = gl.qfmt >= 0 ? (size_t)16 * g->K * 2 + (((size_t)g->M * 4 + 63) & ~(size_t)63) : 0;
+    char *scratch = (char *)mm_scratch(n_wb + n_xp + n_c + n_q);
     if (scratch == NULL) {
         __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
         return NULL;
@@ -1359,12 +1375,15 @@ static void *mm_worker(void *arg) {
     uint16_t *wb = (uint16_t *)scratch;
     uint32_t *xp = (uint32_t *)(scratch + n_wb);
     float *c = multi ? (float *)(scratch + n_wb + n_xp) : NULL;
+    float *sc = gl.qfmt >= 0 ? (float *)(scratch + n_wb + n_xp + n_c) : NULL;
+    uint16_t *tmp = gl.qfmt >= 0 ? (uint16_t *)(scratch + n_wb + n_xp + n_c + n_q - 16 * g->K * 2) : NULL;
+    if (sc) gl.as = sc, gl.as_n = g->M; /* this thread's (identical) token scales */
     int ahead = 0; /* 1: the previous panel's last tile already decoded this one into wb */
     for (int64_t mc0 = 0; mc0 < g->M; mc0 += MM_MC) {
         int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC, mcp = (mc + 15) & ~(int64_t)15;
         gl.mc0 = mc0, gl.mc = mc, gl.mcp = mcp, gl.ldx = ldx;
         /* each thread packs the activations it reads (no waiting on other threads) */
-        mm_pack_x(g, 0, kblocks * (mcp / 16), xp);
+        mm_pack_x(g, xp, tmp, sc);
         for (int64_t nc0 = r0; nc0 < r1; nc0 += MM_NC) {
             int64_t nc1 = nc0 + MM_NC < r1 ? nc0 + MM_NC : r1;
             for (int64_t k0 = 0, kb = 0; k0 < g->K; k0 += g->kc, ++kb) {
@@ -1422,20 +1441,25 @@ static void mm_range(void *p, int64_t n0, int64_t n1) {
 #endif
 
 /* out [M, N] bf16 = epilogue(bf16(x @ decode(w).T)): see above. ws: folded into the decode
- * (NULL: unscaled codes); as / ps: post scales. Returns -3 where the path lacks the kernel. */
+ * (NULL: unscaled codes); as / ps: post scales. qfmt >= 0 (then as = NULL): x is first
+ * fake-quantized per token to that format, exactly as fp8_quant_act(gran row, post, bf16
+ * out, floor qfloor) does, inside the kernel (each thread quantizes the tokens it reads: no
+ * second parallel region), and the token scales are the activation post scales. Returns -3
+ * where the path lacks the kernel. */
 int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                 const float *ws, int64_t wgran, int64_t bn, int64_t bk, const float *as,
                 int64_t as_n, const float *ps, int64_t ps_n, const uint16_t *bias,
-                uint16_t *out, int64_t fmt, int64_t nthreads) {
+                uint16_t *out, int64_t fmt, int64_t nthreads, int64_t qfmt, float qfloor) {
 #if FP8_PATH == 4
     if (M < 1 || K < 2 || (K & 1) || N < 1 || bn < 1 || bk < 1 || (fmt != 0 && fmt != 1) ||
-        (as && as_n != 1 && as_n != M) || (ps && ps_n != 1 && ps_n != N))
+        (as && as_n != 1 && as_n != M) || (ps && ps_n != 1 && ps_n != N) || qfmt < -1 ||
+        qfmt > 1 || (qfmt >= 0 && as))
         return -1;
     pthread_once(&LUT_ONCE, lut_init);
     int err = 0;
     int64_t blocks = (K + MM_KC - 1) / MM_KC, kc = ((K + blocks - 1) / blocks + 1) & ~(int64_t)1;
     mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, kc,
-              0, 0, 0, 0, (int)fmt, (int)wgran};
+              0, 0, 0, 0, (int)fmt, (int)wgran, (int)qfmt, qfloor};
     int64_t panels = (N + MM_MR - 1) / MM_MR;
     int64_t useful = (M * N * K) / (1 << 22);
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
@@ -1444,6 +1468,7 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
 #else
     (void)x, (void)M, (void)K, (void)w, (void)N, (void)ws, (void)wgran, (void)bn, (void)bk;
     (void)as, (void)as_n, (void)ps, (void)ps_n, (void)bias, (void)out, (void)fmt, (void)nthreads;
+    (void)qfmt, (void)qfloor;
     return -3;
 #endif
 }
