@@ -760,13 +760,16 @@ AI void requant_log_m(const float* restrict mb, int8_t* restrict qm, float inv, 
     for (uint32_t i = (uint32_t)n; i < (uint32_t)gs; ++i) qm[i] = 0;
 }
 
-/* Groups lo..hi-1 of a task, CHUNK at a time: the per-group scalars (k, 2^19/k, 127/amax: the
-   divisions) are computed across the chunk's groups, where they vectorize. mb / vb hold
-   CHUNK * group_size floats. */
-AI void run_groups_log(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
-                       float* restrict vb, const int PB, const int GB, const int SRM,
-                       const int SRV) {
-    const int64_t cols = t[T_COLS], gs = t[T_GROUP_SIZE];
+/* The LOG_CHUNK (or fewer: nb) groups g0.. of a task: the per-group scalars (k, 2^19/k,
+   127/amax: the divisions) are computed across the chunk's groups, where they vectorize.
+   FULL: rows of whole 128-element groups (the default group size), so that the group of gi
+   starts at element gi·128 and every loop has a constant trip count (called with nb ==
+   LOG_CHUNK too: the chunk's own loops are then straight-line vector code). mb / vb hold
+   LOG_CHUNK * group_size floats. */
+AI void log_chunk(const int64_t* t, int64_t g0, const int nb, float* restrict mb,
+                  float* restrict vb, const int FULL, const int PB, const int GB, const int SRM,
+                  const int SRV) {
+    const int64_t cols = t[T_COLS], gs = FULL ? 128 : t[T_GROUP_SIZE];
     const int64_t gc = (cols + gs - 1) / gs;
     char* pbase = (char*)(intptr_t)t[T_P];
     const char* gbase = (const char*)(intptr_t)t[T_G];
@@ -778,70 +781,71 @@ AI void run_groups_log(const int64_t* t, int64_t lo, int64_t hi, float* restrict
     const float* hp = (const float*)(intptr_t)t[T_HP];
     const uint32_t key_m = (uint32_t)t[T_KEY_M], key_v = (uint32_t)t[T_KEY_V];
     const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
-    const int full = gs == 128 && cols % 128 == 0; /* constant trip counts (default size) */
+    float dv[LOG_CHUNK], ev[LOG_CHUNK], kk[LOG_CHUNK], inv[LOG_CHUNK], am[LOG_CHUNK];
+    float slope[LOG_CHUNK], hl[LOG_CHUNK];
+    uint32_t vmax[LOG_CHUNK], vmin[LOG_CHUNK], mmax[LOG_CHUNK];
+    int64_t nn[LOG_CHUNK];
+    for (int j = 0; j < nb; ++j) {
+        dv[j] = LOG_V_DEC / vk[g0 + j];
+        slope[j] = LOG_E_SLOPE / vk[g0 + j];
+        hl[j] = log_m_offset(f2b(vs[g0 + j]), slope[j]);
+    }
+    for (int j = 0; j < nb; ++j) {
+        const int64_t gi = g0 + j;
+        int64_t off = gi * 128, n = 128;
+        if (!FULL) { /* the group's row and column */
+            const int64_t r = gi / gc, c0 = (gi - r * gc) * gs;
+            off = r * cols + c0;
+            n = (cols - c0 < gs) ? cols - c0 : gs;
+        }
+        nn[j] = n;
+        uint32_t red[2];
+        update_group_log(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
+                         mb + j * gs, vb + j * gs, ms[gi], (int32_t)f2b(vs[gi]), dv[j],
+                         slope[j], hl[j], hp, FULL ? 128 : n, red, PB, GB);
+        vmax[j] = red[0];
+        vmin[j] = red[1];
+    }
+    for (int j = 0; j < nb; ++j) {
+        kk[j] = log_v_exponent(vmax[j], vmin[j]);
+        ev[j] = kk[j] * LOG_V_ENC;
+        slope[j] = LOG_E_SLOPE / kk[j];
+        hl[j] = log_m_offset((vmax[j] >= FLT_MIN_BITS) ? vmax[j] : 0u, slope[j]);
+        vs[g0 + j] = b2f((vmax[j] >= FLT_MIN_BITS) ? vmax[j] : 0u);
+        vk[g0 + j] = kk[j];
+    }
+    for (int j = 0; j < nb; ++j) {
+        const uint32_t e0 = (uint32_t)((g0 + j) * gs); /* flat index of the group */
+        mmax[j] = requant_log_v(mb + j * gs, vb + j * gs, vq + (g0 + j) * gs, vmax[j], ev[j],
+                                slope[j], hl[j], FULL ? 128 : nn[j], gs, key_v + e0, SRV);
+    }
+    for (int j = 0; j < nb; ++j) {
+        am[j] = b2f(mmax[j]);
+        int valid = am[j] >= LOG_M_MIN;
+        inv[j] = (float)LOG_M_MAX / (valid ? am[j] : 1.0f);
+        ms[g0 + j] = valid ? am[j] / (float)LOG_M_MAX : 0.0f;
+    }
+    for (int j = 0; j < nb; ++j) {
+        const uint32_t e0 = (uint32_t)((g0 + j) * gs);
+        const int valid = am[j] >= LOG_M_MIN;
+        requant_log_m(mb + j * gs, mq + (g0 + j) * gs, inv[j], valid, FULL ? 128 : nn[j], gs,
+                      key_m + e0, SRM);
+    }
+}
+
+/* Groups lo..hi-1 of a task, LOG_CHUNK at a time. */
+AI void run_groups_log(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
+                       float* restrict vb, const int PB, const int GB, const int SRM,
+                       const int SRV) {
+    const int full = t[T_GROUP_SIZE] == 128 && t[T_COLS] % 128 == 0;
     for (int64_t g0 = lo; g0 < hi; g0 += LOG_CHUNK) {
         const int nb = (int)((hi - g0) < LOG_CHUNK ? (hi - g0) : LOG_CHUNK);
-        float dv[LOG_CHUNK], ev[LOG_CHUNK], kk[LOG_CHUNK], inv[LOG_CHUNK], am[LOG_CHUNK];
-        float slope[LOG_CHUNK], hl[LOG_CHUNK];
-        uint32_t vmax[LOG_CHUNK], vmin[LOG_CHUNK], mmax[LOG_CHUNK];
-        int64_t nn[LOG_CHUNK];
-        for (int j = 0; j < nb; ++j) {
-            dv[j] = LOG_V_DEC / vk[g0 + j];
-            slope[j] = LOG_E_SLOPE / vk[g0 + j];
-            hl[j] = log_m_offset(f2b(vs[g0 + j]), slope[j]);
-        }
-        for (int j = 0; j < nb; ++j) {
-            const int64_t gi = g0 + j, r = gi / gc, c0 = (gi - r * gc) * gs, off = r * cols + c0;
-            int64_t n = cols - c0;
-            n = (n < gs) ? n : gs;
-            nn[j] = n;
-            uint32_t red[2];
-            if (full)
-                update_group_log(pbase + off * psz, gbase + off * gsz, mq + gi * gs,
-                                 vq + gi * gs, mb + j * gs, vb + j * gs, ms[gi],
-                                 (int32_t)f2b(vs[gi]), dv[j], slope[j], hl[j], hp, 128, red,
-                                 PB, GB);
-            else
-                update_group_log(pbase + off * psz, gbase + off * gsz, mq + gi * gs,
-                                 vq + gi * gs, mb + j * gs, vb + j * gs, ms[gi],
-                                 (int32_t)f2b(vs[gi]), dv[j], slope[j], hl[j], hp, n, red, PB,
-                                 GB);
-            vmax[j] = red[0];
-            vmin[j] = red[1];
-        }
-        for (int j = 0; j < nb; ++j) {
-            kk[j] = log_v_exponent(vmax[j], vmin[j]);
-            ev[j] = kk[j] * LOG_V_ENC;
-            slope[j] = LOG_E_SLOPE / kk[j];
-            hl[j] = log_m_offset((vmax[j] >= FLT_MIN_BITS) ? vmax[j] : 0u, slope[j]);
-            vs[g0 + j] = b2f((vmax[j] >= FLT_MIN_BITS) ? vmax[j] : 0u);
-            vk[g0 + j] = kk[j];
-        }
-        for (int j = 0; j < nb; ++j) {
-            const uint32_t e0 = (uint32_t)((g0 + j) * gs); /* flat index of the group */
-            if (full)
-                mmax[j] = requant_log_v(mb + j * gs, vb + j * gs, vq + (g0 + j) * gs, vmax[j],
-                                        ev[j], slope[j], hl[j], 128, 128, key_v + e0, SRV);
-            else
-                mmax[j] = requant_log_v(mb + j * gs, vb + j * gs, vq + (g0 + j) * gs, vmax[j],
-                                        ev[j], slope[j], hl[j], nn[j], gs, key_v + e0, SRV);
-        }
-        for (int j = 0; j < nb; ++j) {
-            am[j] = b2f(mmax[j]);
-            int valid = am[j] >= LOG_M_MIN;
-            inv[j] = (float)LOG_M_MAX / (valid ? am[j] : 1.0f);
-            ms[g0 + j] = valid ? am[j] / (float)LOG_M_MAX : 0.0f;
-        }
-        for (int j = 0; j < nb; ++j) {
-            const uint32_t e0 = (uint32_t)((g0 + j) * gs);
-            const int valid = am[j] >= LOG_M_MIN;
-            if (full)
-                requant_log_m(mb + j * gs, mq + (g0 + j) * gs, inv[j], valid, 128, 128,
-                              key_m + e0, SRM);
-            else
-                requant_log_m(mb + j * gs, mq + (g0 + j) * gs, inv[j], valid, nn[j], gs,
-                              key_m + e0, SRM);
-        }
+        if (full && nb == LOG_CHUNK)
+            log_chunk(t, g0, LOG_CHUNK, mb, vb, 1, PB, GB, SRM, SRV);
+        else if (full)
+            log_chunk(t, g0, nb, mb, vb, 1, PB, GB, SRM, SRV);
+        else
+            log_chunk(t, g0, nb, mb, vb, 0, PB, GB, SRM, SRV);
     }
 }
 
