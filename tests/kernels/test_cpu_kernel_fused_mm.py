@@ -210,6 +210,8 @@ def _exact_weight(n: int, k: int, fmt: torch.dtype) -> torch.Tensor:
         # (not multiples of 64; the next panel of the last block is a longer one), 2 row
         # chunks (448 + 47: a last panel of 5 rows)
         (300, 2050, 495),
+        # one token block packed by all threads together (shared, on first use), 3 K blocks
+        (250, 2050, 230),
         (40, 130, 30),  # one K block, one panel of 14 + one of 2 rows
         (33, 4, 29),  # K shorter than one decoded 64-code piece
     ],
@@ -243,13 +245,16 @@ def test_fused_is_exact_across_blocking_edges(fused, monkeypatch, fmt, gran, m, 
 
 @pytest.mark.parametrize("act", sorted(FORMATS))
 @pytest.mark.parametrize("gran", ["row", "block"])
-@pytest.mark.parametrize(("m", "k", "n"), [(300, 2050, 61), (17, 96, 40), (40, 130, 30)])
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(300, 2050, 61), (250, 2050, 230), (17, 96, 40), (40, 130, 30)]
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_in_kernel_dynamic_quantization_is_the_two_step_path(act, gran, m, k, n, threads):
     """Dynamic per-token activation scales computed and applied inside the fused kernel:
     the bits of ``quantize_activation`` followed by the fused matmul with those scales, for
     an all-zero token (the scale floor), NaN, inf, a huge and tiny values, two token blocks
-    and a partial last 16 tokens, at 1 and 2 threads (each thread quantizes for itself)."""
+    (each thread quantizes for itself) or one (the threads quantize and pack it together),
+    a partial last 16 tokens, at 1 and 2 threads."""
     w8 = _all_codes_weight(n, k, torch.float8_e4m3fn)
     ws = _weight_scale(n, k, gran)
     x = torch.randn(m, k) * torch.logspace(-6, 3, k)

@@ -1095,7 +1095,22 @@ typedef struct {
     int fmt, wgran;
     int qfmt;             /* >= 0: quantize x per token to this fp8 format first (dynamic) */
     float qfloor;         /* its scale floor */
+    struct mm_share *sh;  /* one token block: the packing shared by the threads, or NULL */
 } mm_t;
+
+/* The packing shared by the threads (a single token block): the packed activations (and
+ * token scales) exist once, in the calling thread's scratch. Threads claim pack units in
+ * order from an atomic counter; before each K block a thread helps until that block's units
+ * are done, so it only ever waits for units another thread is in the middle of (a few
+ * microseconds), never for a thread that has not reached the packing (no barrier: a thread
+ * preempted by another process cannot hold the others up for a scheduler slice). A unit:
+ * 16 tokens of one K block, or with quantization 16 tokens (quantized, then all K blocks). */
+typedef struct mm_share {
+    uint32_t *xp;
+    float *sc;     /* token scales (quantizing) */
+    int64_t *done; /* units done per K block (quantizing: [0], per token group) */
+    int64_t next, units, groups;
+} mm_share_t;
 
 /* 16 x 16 transpose of 32-bit elements (rows r[0..15] -> columns). */
 AI void tr16x16(__m512i r[16]) {
@@ -1123,11 +1138,12 @@ AI void tr16x16(__m512i r[16]) {
     for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-/* Tokens [m0, m0 + 16) of the token block (rows of them real, from src, stride K) into xp:
- * per K block b, [pairs][ldx] 32-bit (k, k + 1) pairs of each token (missing tokens: zeros). */
+/* Tokens [m0, m0 + 16) of the token block (rows of them real, from src, stride K) into xp,
+ * K blocks [b0, b1): per K block b, [pairs][ldx] 32-bit (k, k + 1) pairs of each token
+ * (missing tokens: zeros). */
 static void mm_pack_rows(const mm_t *g, const uint16_t *src, int64_t m0, int64_t rows,
-                         uint32_t *xp) {
-    for (int64_t k0 = 0, b = 0; k0 < g->K; k0 += g->kc, ++b) {
+                         int64_t b0, int64_t b1, uint32_t *xp) {
+    for (int64_t b = b0, k0 = b0 * g->kc; b < b1 && k0 < g->K; k0 += g->kc, ++b) {
         int64_t pairs = (g->K - k0 < g->kc ? g->K - k0 : g->kc) / 2;
         uint32_t *dst = xp + b * (g->kc / 2) * g->ldx;
         for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
@@ -1146,17 +1162,39 @@ static void mm_pack_rows(const mm_t *g, const uint16_t *src, int64_t m0, int64_t
 /* The token block [mc0, mc0 + mc) into xp (tokens mc .. mcp, a multiple of 16: zeros), 16
  * tokens at a time; with qfmt >= 0 each 16 first go through fp8_quant_act's per-token code
  * (scales into sc[token], values into tmp: 16 x K bf16), so they are the same bits. */
+static void mm_pack_group(const mm_t *g, int64_t m0, int64_t b0, int64_t b1, uint32_t *xp,
+                          uint16_t *tmp, float *sc) {
+    int64_t rows = g->mc - m0 < 16 ? g->mc - m0 : 16;
+    const uint16_t *src = g->x + (g->mc0 + m0) * g->K;
+    if (g->qfmt >= 0) {
+        quant_t q = {src, sc + g->mc0 + m0, tmp, rows, g->K, g->K, 0, rows, 1, GRAN_ROW,
+                     g->qfmt, OUT_BF16, 1, 2, 0, g->qfloor};
+        quant_worker(&q);
+        src = tmp;
+    }
+    mm_pack_rows(g, src, m0, rows, b0, b1, xp);
+}
+
 static void mm_pack_x(const mm_t *g, uint32_t *xp, uint16_t *tmp, float *sc) {
-    for (int64_t m0 = 0; m0 < g->mcp; m0 += 16) {
-        int64_t rows = g->mc - m0 < 16 ? g->mc - m0 : 16;
-        const uint16_t *src = g->x + (g->mc0 + m0) * g->K;
-        if (g->qfmt >= 0) {
-            quant_t q = {src, sc + g->mc0 + m0, tmp, rows, g->K, g->K, 0, rows, 1, GRAN_ROW,
-                         g->qfmt, OUT_BF16, 1, 2, 0, g->qfloor};
-            quant_worker(&q);
-            src = tmp;
+    int64_t kblocks = (g->K + g->kc - 1) / g->kc;
+    for (int64_t m0 = 0; m0 < g->mcp; m0 += 16) mm_pack_group(g, m0, 0, kblocks, xp, tmp, sc);
+}
+
+/* Shared packing: return once K block kb is packed (see mm_share_t), helping meanwhile. */
+static void mm_share_wait(const mm_t *g, mm_share_t *sh, int64_t kb, uint16_t *tmp) {
+    int q = g->qfmt >= 0;
+    int64_t slot = q ? 0 : kb, kblocks = (g->K + g->kc - 1) / g->kc;
+    while (__atomic_load_n(&sh->done[slot], __ATOMIC_ACQUIRE) < sh->groups) {
+        int64_t u = __atomic_load_n(&sh->next, __ATOMIC_RELAXED) < sh->units
+                        ? __atomic_fetch_add(&sh->next, 1, __ATOMIC_RELAXED)
+                        : sh->units;
+        if (u >= sh->units) { /* all claimed: another thread is finishing one */
+            _mm_pause();
+            continue;
         }
-        mm_pack_rows(g, src, m0, rows, xp);
+        int64_t grp = q ? u : u % sh->groups, b = q ? 0 : u / sh->groups;
+        mm_pack_group(g, grp * 16, b, q ? kblocks : b + 1, sh->xp, tmp, sh->sc);
+        __atomic_fetch_add(&sh->done[b], 1, __ATOMIC_RELEASE);
     }
 }
 
@@ -1308,13 +1346,15 @@ DEFINE_MMK(1)
 DEFINE_MMK(2)
 
 /* Per-thread scratch, grown on demand and kept between calls (freed when the thread ends):
- * at most 28 KiB + 512 * K + 448 KiB bytes for the largest K a thread has multiplied. A
- * fresh allocation per call costs page faults (about 3 MiB at K = 5632, every call). */
+ * a worker's decoded panel (28 KiB), partial sums (448 KiB), 16 quantized tokens (32 * K
+ * bytes) and, with more tokens than MM_MC, its own packed activations (512 * K bytes); the
+ * calling thread's packed activations shared by the workers (at most 512 * K bytes). A fresh
+ * allocation per call costs page faults (about 3 MiB at K = 5632, every call). */
 typedef struct {
     void *p;
     size_t cap;
 } scratch_t;
-static pthread_key_t MM_KEY;
+static pthread_key_t MM_KEY[2];
 static pthread_once_t MM_KEY_ONCE = PTHREAD_ONCE_INIT;
 static int MM_KEY_OK = 0;
 
@@ -1324,16 +1364,20 @@ static void mm_scratch_free(void *p) {
     free(s);
 }
 
-static void mm_key_init(void) { MM_KEY_OK = pthread_key_create(&MM_KEY, mm_scratch_free) == 0; }
+static void mm_key_init(void) {
+    MM_KEY_OK = pthread_key_create(&MM_KEY[0], mm_scratch_free) == 0 &&
+                pthread_key_create(&MM_KEY[1], mm_scratch_free) == 0;
+}
 
-static void *mm_scratch(size_t bytes) {
+/* kind 0: a worker's own; kind 1: the calling thread's, for what the workers share */
+static void *mm_scratch(int kind, size_t bytes) {
     pthread_once(&MM_KEY_ONCE, mm_key_init);
     if (!MM_KEY_OK) return NULL;
-    scratch_t *s = (scratch_t *)pthread_getspecific(MM_KEY);
+    scratch_t *s = (scratch_t *)pthread_getspecific(MM_KEY[kind]);
     if (s == NULL) {
         s = (scratch_t *)calloc(1, sizeof *s);
         if (s == NULL) return NULL;
-        if (pthread_setspecific(MM_KEY, s)) {
+        if (pthread_setspecific(MM_KEY[kind], s)) {
             free(s);
             return NULL;
         }
@@ -1363,33 +1407,36 @@ static void *mm_worker(void *arg) {
     /* scratch of this thread, kept for its next call: a decoded panel (28 KiB), MM_MC x K
        bf16 activations, MM_NC x MM_MC fp32 partial sums when K > MM_KC */
     size_t n_wb = (size_t)MM_MR * MM_WLD * 2;
-    size_t n_xp = (size_t)kblocks * (g->kc / 2) * ldx * 4;
+    mm_share_t *sh = g->sh;
+    size_t n_xp = sh ? 0 : (size_t)kblocks * (g->kc / 2) * ldx * 4;
     size_t n_c = multi ? (size_t)MM_NC * ldc * 4 : 0;
-    /* dynamic quantization: 16 quantized tokens, the scales of all tokens */
-    size_t n_q = gl.qfmt >= 0 ? (size_t)16 * g->K * 2 + (((size_t)g->M * 4 + 63) & ~(size_t)63) : 0;
-    char *scratch = (char *)mm_scratch(n_wb + n_xp + n_c + n_q);
+    /* dynamic quantization: the scales of all tokens (unless shared), 16 quantized tokens */
+    size_t n_sc = gl.qfmt >= 0 && !sh ? ((size_t)g->M * 4 + 63) & ~(size_t)63 : 0;
+    size_t n_q = gl.qfmt >= 0 ? n_sc + (size_t)16 * g->K * 2 : 0;
+    char *scratch = (char *)mm_scratch(0, n_wb + n_xp + n_c + n_q);
     if (scratch == NULL) {
         __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
         return NULL;
     }
     uint16_t *wb = (uint16_t *)scratch;
-    uint32_t *xp = (uint32_t *)(scratch + n_wb);
+    uint32_t *xp = sh ? sh->xp : (uint32_t *)(scratch + n_wb);
     float *c = multi ? (float *)(scratch + n_wb + n_xp) : NULL;
-    float *sc = gl.qfmt >= 0 ? (float *)(scratch + n_wb + n_xp + n_c) : NULL;
-    uint16_t *tmp = gl.qfmt >= 0 ? (uint16_t *)(scratch + n_wb + n_xp + n_c + n_q - 16 * g->K * 2) : NULL;
-    if (sc) gl.as = sc, gl.as_n = g->M; /* this thread's (identical) token scales */
+    float *sc = gl.qfmt < 0 ? NULL : sh ? sh->sc : (float *)(scratch + n_wb + n_xp + n_c);
+    uint16_t *tmp = gl.qfmt >= 0 ? (uint16_t *)(scratch + n_wb + n_xp + n_c + n_sc) : NULL;
+    if (sc) gl.as = sc, gl.as_n = g->M; /* the token scales (identical in every thread) */
     int ahead = 0; /* 1: the previous panel's last tile already decoded this one into wb */
     for (int64_t mc0 = 0; mc0 < g->M; mc0 += MM_MC) {
         int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC, mcp = (mc + 15) & ~(int64_t)15;
         gl.mc0 = mc0, gl.mc = mc, gl.mcp = mcp, gl.ldx = ldx;
-        /* each thread packs the activations it reads (no waiting on other threads) */
-        mm_pack_x(g, xp, tmp, sc);
+        /* several token blocks: each thread packs the activations it reads */
+        if (!sh) mm_pack_x(g, xp, tmp, sc);
         for (int64_t nc0 = r0; nc0 < r1; nc0 += MM_NC) {
             int64_t nc1 = nc0 + MM_NC < r1 ? nc0 + MM_NC : r1;
             for (int64_t k0 = 0, kb = 0; k0 < g->K; k0 += g->kc, ++kb) {
                 int64_t kc = g->K - k0 < g->kc ? g->K - k0 : g->kc;
                 int first = k0 == 0, last = k0 + kc == g->K;
                 const uint32_t *xb = xp + kb * (g->kc / 2) * ldx;
+                if (sh && nc0 == r0) mm_share_wait(g, sh, kb, tmp); /* packed on first use */
                 for (int64_t p0 = nc0; p0 < nc1; p0 += MM_MR) {
                     int64_t rows = nc1 - p0 < MM_MR ? nc1 - p0 : MM_MR;
                     if (!ahead) mm_decode_panel(g, p0, rows, k0, kc, wb);
@@ -1443,9 +1490,8 @@ static void mm_range(void *p, int64_t n0, int64_t n1) {
 /* out [M, N] bf16 = epilogue(bf16(x @ decode(w).T)): see above. ws: folded into the decode
  * (NULL: unscaled codes); as / ps: post scales. qfmt >= 0 (then as = NULL): x is first
  * fake-quantized per token to that format, exactly as fp8_quant_act(gran row, post, bf16
- * out, floor qfloor) does, inside the kernel (each thread quantizes the tokens it reads: no
- * second parallel region), and the token scales are the activation post scales. Returns -3
- * where the path lacks the kernel. */
+ * out, floor qfloor) does, inside the kernel (no second parallel region), and the token
+ * scales are the activation post scales. Returns -3 where the path lacks the kernel. */
 int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                 const float *ws, int64_t wgran, int64_t bn, int64_t bk, const float *as,
                 int64_t as_n, const float *ps, int64_t ps_n, const uint16_t *bias,
@@ -1459,7 +1505,22 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
     int err = 0;
     int64_t blocks = (K + MM_KC - 1) / MM_KC, kc = ((K + blocks - 1) / blocks + 1) & ~(int64_t)1;
     mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, kc,
-              0, 0, 0, 0, (int)fmt, (int)wgran, (int)qfmt, qfloor};
+              0, 0, 0, 0, (int)fmt, (int)wgran, (int)qfmt, qfloor, NULL};
+    mm_share_t sh = {NULL, NULL, NULL, 0, 0, 0};
+    if (M <= MM_MC) { /* one token block: packed once, by all threads together */
+        int64_t mcp = (M + 15) & ~(int64_t)15;
+        size_t n_xp = (size_t)blocks * (kc / 2) * (mcp + MM_XPAD) * 4;
+        size_t n_sc = ((size_t)M * 4 + 63) & ~(size_t)63;
+        char *s = (char *)mm_scratch(1, n_xp + n_sc + (size_t)blocks * 8);
+        if (s == NULL) return -4;
+        sh.xp = (uint32_t *)s;
+        sh.sc = (float *)(s + n_xp);
+        sh.done = (int64_t *)(s + n_xp + n_sc);
+        memset(sh.done, 0, (size_t)blocks * 8);
+        sh.groups = mcp / 16;
+        sh.units = qfmt >= 0 ? sh.groups : blocks * sh.groups;
+        g.sh = &sh;
+    }
     int64_t panels = (N + MM_MR - 1) / MM_MR;
     int64_t useful = (M * N * K) / (1 << 22);
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
