@@ -14,7 +14,8 @@ for each optimizer its own copy of the parameters:
 Also reported: CPU time of one step on a single thread (robust to other processes, which
 slow the many short parallel regions of foreach AdamW far more than one fused kernel), and
 the wall time of the COAT step against ``torch.optim.AdamW(fused=True)`` — the real
-competitor — at 1 and 2 threads (:func:`thread_sweep`).
+competitor — at 1 and 2 threads (:func:`thread_sweep`; ``kernel_threads`` in the JSON says
+whether the C kernel ran on torch's OpenMP pool or on POSIX threads).
 
 The first step (state creation and compilation: torch.compile for torchao, the C kernel
 for ``AdamWFp8``, built in a fresh cache directory so that the time is a cold start) is
@@ -47,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hf_fp8.optim import AdamWFp8  # noqa: E402
+from hf_fp8.optim import AdamWFp8, _cpu_kernel  # noqa: E402
 from hf_fp8.optim._layout import is_quantized_state  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -320,6 +321,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
         "torch": torch.__version__,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "kernel_threads": "torch's OpenMP pool"
+        if _cpu_kernel.shares_torch_openmp()
+        else "POSIX threads",
         "quick": args.quick,
         "parameters": sum(torch.Size(s).numel() for s in SHAPES.values()),
         "shapes": {k: list(v) for k, v in SHAPES.items()},
