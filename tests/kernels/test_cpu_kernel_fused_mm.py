@@ -207,8 +207,8 @@ def _exact_weight(n: int, k: int, fmt: torch.dtype) -> torch.Tensor:
     ("m", "k", "n"),
     [
         # 2 token blocks (256 + 44: a last tile of 16), 3 K blocks of 684, 684, 682 codes
-        # (not multiples of 64; the next panel of the last block is a longer one), 2 row
-        # chunks (448 + 47: a last panel of 5 rows)
+        # (not multiples of 64; the next panel of the last block is a longer one), 3 row
+        # chunks (224 + 224 + 47: a last panel of 5 rows)
         (300, 2050, 495),
         # one token block packed by all threads together (shared, on first use), 3 K blocks
         (250, 2050, 230),

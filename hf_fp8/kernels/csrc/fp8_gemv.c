@@ -1042,7 +1042,8 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
  * The weight is the broadcast operand: a (k, k + 1) pair of a row is what the instruction
  * broadcasts, and rows are already laid out that way, so a panel of MM_MR rows is only
  * decoded (fp8 -> bf16, into L1), never transposed; the activations, far fewer than the
- * weights at these sizes, are packed once per call into pairs-of-k x tokens. The sum is the
+ * weights at these sizes, are packed once per call into pairs-of-k x tokens (by all threads
+ * together, see mm_share_t; with dynamic per-token scales, fake-quantized first). The sum is the
  * bf16 matmul's (exact bf16 products, fp32 sums, one rounding to bf16), then the epilogue
  * of fp8_epilogue: bf16((acc * (a_scale[m] * w_scale[n])) + bias[n]).
  * Blocking: per thread, chunks of MM_NC weight rows; their fp32 partial sums [MM_NC, MM_MC]
@@ -1058,28 +1059,14 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
 #endif
 #define MM_MR 14            /* weight rows per micro-tile (28 accumulators) */
 #define MM_TT 32            /* tokens per micro-tile: two vectors */
-#ifndef MM_NC
-#define MM_NC (MM_MR * 32)  /* weight rows per chunk */
+#ifndef MM_NC /* weight rows per chunk: their partial sums (224 KiB at 256 tokens) share the */
+#define MM_NC (MM_MR * 16) /* L2 with a K block of packed activations (~470 KiB at K = 5632) */
 #endif
 #ifndef MM_MC
 #define MM_MC 256           /* tokens per block */
 #endif
-#ifndef MM_WPAD
-#define MM_WPAD 0
-#endif
-#ifndef MM_XPAD
-#define MM_XPAD 0
-#endif
-#ifndef MM_CPAD
-#define MM_CPAD 0
-#endif
-#ifndef MM_FUSE_DEC
-#define MM_FUSE_DEC 1
-#endif
-#ifndef MM_PF_HINT
-#define MM_PF_HINT _MM_HINT_T0
-#endif
-#define MM_WLD (MM_KC + MM_WPAD) /* row stride of the decoded panel (bf16 elements) */
+#define MM_WLD MM_KC /* row stride of the decoded panel (bf16 elements); padding it (or the
+                        packed activations' pair stride) by 64 bytes measured no different */
 
 typedef struct {
     const uint16_t *x;    /* [M, K] bf16 */
@@ -1346,7 +1333,7 @@ DEFINE_MMK(1)
 DEFINE_MMK(2)
 
 /* Per-thread scratch, grown on demand and kept between calls (freed when the thread ends):
- * a worker's decoded panel (28 KiB), partial sums (448 KiB), 16 quantized tokens (32 * K
+ * a worker's decoded panel (28 KiB), partial sums (224 KiB), 16 quantized tokens (32 * K
  * bytes) and, with more tokens than MM_MC, its own packed activations (512 * K bytes); the
  * calling thread's packed activations shared by the workers (at most 512 * K bytes). A fresh
  * allocation per call costs page faults (about 3 MiB at K = 5632, every call). */
@@ -1403,7 +1390,7 @@ static void *mm_worker(void *arg) {
     int64_t kblocks = (g->K + g->kc - 1) / g->kc;
     int multi = kblocks > 1;
     int64_t mcp_max = ((g->M < MM_MC ? g->M : MM_MC) + 15) & ~(int64_t)15;
-    int64_t ldx = mcp_max + MM_XPAD, ldc = mcp_max + MM_CPAD;
+    int64_t ldx = mcp_max, ldc = mcp_max;
     /* scratch of this thread, kept for its next call: a decoded panel (28 KiB), MM_MC x K
        bf16 activations, MM_NC x MM_MC fp32 partial sums when K > MM_KC */
     size_t n_wb = (size_t)MM_MR * MM_WLD * 2;
@@ -1447,7 +1434,7 @@ static void *mm_worker(void *arg) {
                     int64_t qn = q0 + MM_MR < r1 ? MM_MR : r1 - q0;
                     int64_t qkc = g->K - qk < g->kc ? g->K - qk : g->kc;
                     /* unscaled codes: the last token tile decodes the next panel as it goes */
-                    int fuse = MM_FUSE_DEC && g->ws == NULL && qn > 0;
+                    int fuse = g->ws == NULL && qn > 0;
                     mm_dec_t dec = {g->w + q0 * g->K + qk, g->K, qn, qkc, g->fmt};
                     int64_t tiles = (mcp + MM_TT - 1) / MM_TT;
                     for (int64_t t = 0; t < tiles; ++t) {
@@ -1461,7 +1448,7 @@ static void *mm_worker(void *arg) {
                         for (int64_t r = qn * t / pt; t < pt && r < qn * (t + 1) / pt; ++r)
                             for (int64_t k = 0; k < qkc; k += 64)
                                 _mm_prefetch((const char *)(g->w + (q0 + r) * g->K + qk + k),
-                                             MM_PF_HINT);
+                                             _MM_HINT_T0);
                         if (mcp - t0 >= MM_TT)
                             mmk_2(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0,
                                   mc - t0, p0, rows, dt);
@@ -1509,7 +1496,7 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
     mm_share_t sh = {NULL, NULL, NULL, 0, 0, 0};
     if (M <= MM_MC) { /* one token block: packed once, by all threads together */
         int64_t mcp = (M + 15) & ~(int64_t)15;
-        size_t n_xp = (size_t)blocks * (kc / 2) * (mcp + MM_XPAD) * 4;
+        size_t n_xp = (size_t)blocks * (kc / 2) * mcp * 4;
         size_t n_sc = ((size_t)M * 4 + 63) & ~(size_t)63;
         char *s = (char *)mm_scratch(1, n_xp + n_sc + (size_t)blocks * 8);
         if (s == NULL) return -4;
