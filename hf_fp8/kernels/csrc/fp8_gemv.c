@@ -788,166 +788,170 @@ static void *quant_worker(void *arg) {
                                                : q->scale + m * kb + b;
             /* phase 2 (token / block scales): both phases per segment, while it is in L1 */
             for (int ph = q->phase == 2 ? 0 : q->phase; ph <= (q->phase == 2 ? 1 : q->phase); ++ph) {
-            float scale = ph ? *sp : 1.0f;
-            uint32_t umax = 0; /* |x| of finite values as bits: they order like the floats */
-            for (int64_t c0 = k0; c0 < k1; c0 += QCHUNK) {
-                int64_t n = k1 - c0 < QCHUNK ? k1 - c0 : QCHUNK, at = m * q->K + c0, nv = 0;
+                float scale = ph ? *sp : 1.0f;
+                uint32_t umax = 0; /* |x| of finite values as bits: they order like the floats */
+                for (int64_t c0 = k0; c0 < k1; c0 += QCHUNK) {
+                    int64_t n = k1 - c0 < QCHUNK ? k1 - c0 : QCHUNK, at = m * q->K + c0, nv = 0;
 #if FP8_PATH >= 3
-                nv = n & ~(int64_t)15; /* the vector loops read the input directly */
+                    nv = n & ~(int64_t)15; /* the vector loops read the input directly */
 #endif
-                if (q->x_bf16) { /* the rest as fp32 in xf */
-                    const uint16_t *xb = (const uint16_t *)q->x + at;
-                    for (int64_t i = nv; i < n; ++i) ub[i] = (uint32_t)xb[i] << 16;
-                    memcpy(xf + nv, ub + nv, (size_t)(n - nv) * 4);
-                } else {
-                    memcpy(xf + nv, (const float *)q->x + at + nv, (size_t)(n - nv) * 4);
+                    if (q->x_bf16) { /* the rest as fp32 in xf */
+                        const uint16_t *xb = (const uint16_t *)q->x + at;
+                        for (int64_t i = nv; i < n; ++i) ub[i] = (uint32_t)xb[i] << 16;
+                        memcpy(xf + nv, ub + nv, (size_t)(n - nv) * 4);
+                    } else {
+                        memcpy(xf + nv, (const float *)q->x + at + nv, (size_t)(n - nv) * 4);
+                    }
+                    if (ph == 0) {
+                        uint32_t cm = 0;
+                        int64_t i = 0;
+#if FP8_PATH >= 3
+                        __m512i vm = _mm512_setzero_si512();
+                        if (q->x_bf16) { /* 32 bf16 at a time: |x| bits as 16-bit lanes */
+                            const uint16_t *xb16 = (const uint16_t *)q->x + at;
+                            __m512i vh = _mm512_setzero_si512();
+                            for (; i + 32 <= n; i += 32) {
+                                __m512i u = _mm512_and_si512(_mm512_loadu_si512(xb16 + i),
+                                                             _mm512_set1_epi16(0x7fff));
+                                __mmask32 fin = _mm512_cmplt_epu16_mask(u, _mm512_set1_epi16(0x7f80));
+                                vh = _mm512_mask_max_epu16(vh, fin, vh, u);
+                            }
+                            vm = _mm512_slli_epi32(_mm512_max_epu32(_mm512_srli_epi32(vh, 16),
+                                                                    _mm512_and_si512(vh, _mm512_set1_epi32(0xffff))),
+                                                   16);
+                        }
+                        for (; i + 16 <= n; i += 16) {
+                            __m512i xi = q->x_bf16
+                                ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                      (const __m256i *)((const uint16_t *)q->x + at + i))), 16)
+                                : _mm512_loadu_si512((const float *)q->x + at + i);
+                            __m512i u = _mm512_and_si512(xi, _mm512_set1_epi32(0x7fffffff));
+                            __mmask16 fin = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(0x7f800000));
+                            vm = _mm512_mask_max_epu32(vm, fin, vm, u);
+                        }
+                        cm = _mm512_reduce_max_epu32(vm);
+#elif FP8_PATH == 2
+                        __m256i vm = _mm256_setzero_si256();
+                        for (; i + 8 <= n; i += 8) {
+                            __m256i u = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xf + i)),
+                                                         _mm256_set1_epi32(0x7fffffff));
+                            __m256i fin = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), u);
+                            vm = _mm256_max_epu32(vm, _mm256_and_si256(u, fin));
+                        }
+                        uint32_t lanes[8];
+                        _mm256_storeu_si256((__m256i *)lanes, vm);
+                        for (int j = 0; j < 8; ++j) cm = lanes[j] > cm ? lanes[j] : cm;
+#endif
+                        for (; i < n; ++i) {
+                            uint32_t u;
+                            memcpy(&u, xf + i, 4);
+                            u &= 0x7fffffffu;
+                            u = u < 0x7f800000u ? u : 0u; /* NaN and inf never enter a scale */
+                            cm = u > cm ? u : cm;
+                        }
+                        umax = cm > umax ? cm : umax;
+                        continue;
+                    }
+                    int64_t i0 = 0;
+#if FP8_PATH >= 3
+                    /* the scalar loop below, 16 lanes at a time, straight from the input: the
+                       same quotient, clamp and sign; the rounding to the fp8 grid (ties to even)
+                       as x = t * 2^e with e = max(exponent, min normal exponent) and t rounded
+                       to 3 (E4M3) / 2 (E5M2) fraction bits: exact power-of-two scalings, the
+                       same grid as the bit tricks (subnormal spacing below the normal range) */
+                    {
+                        const __m512 vs = _mm512_set1_ps(scale), vmax = _mm512_set1_ps(fmax);
+                        const __m512 vmin = _mm512_set1_ps(-fmax);
+                        const __m512 emin = _mm512_set1_ps(e4 ? -6.0f : -14.0f);
+                        const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+                        const __m512i inf = _mm512_set1_epi32(0x7f800000), qnan = _mm512_set1_epi32(0x7fc00000);
+                        const uint16_t *xb16 = (const uint16_t *)q->x + at;
+                        const float *xf32 = (const float *)q->x + at;
+#define QUANT16(xv, v, ru) /* the loop below, 16 lanes: quotient v, fp8 value bits ru */     \
+    __m512 v = _mm512_div_ps(xv, vs);                                                         \
+    __m512i ru;                                                                               \
+    {                                                                                         \
+        __m512 c = _mm512_min_ps(_mm512_max_ps(v, vmin), vmax); /* NaN: below */              \
+        __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), abs));       \
+        __m512 e = _mm512_max_ps(_mm512_getexp_ps(a), emin); /* getexp(0) = -inf */          \
+        __m512 t = _mm512_scalef_ps(a, _mm512_sub_ps(_mm512_setzero_ps(), e));               \
+        t = e4 ? _mm512_roundscale_ps(t, (3 << 4) | _MM_FROUND_TO_NEAREST_INT |               \
+                                             _MM_FROUND_NO_EXC)                               \
+               : _mm512_roundscale_ps(t, (2 << 4) | _MM_FROUND_TO_NEAREST_INT |               \
+                                             _MM_FROUND_NO_EXC);                              \
+        ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_scalef_ps(t, e)),          \
+                                       _mm512_castps_si512(c), abs, 0xf4); /* | sign(c) */   \
+        __mmask16 fin =                                                                       \
+            _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs), inf);     \
+        ru = _mm512_mask_blend_epi32(fin, qnan, ru);                                          \
+    }
+                        if (q->x_bf16 && q->post && q->out_kind == OUT_BF16) {
+                            /* 32 at a time: bf16 -> fp32 and back by 16-bit unpacks / one pack
+                               (in-lane; the pack restores the order the unpacks took apart) */
+                            const __m512i zero = _mm512_setzero_si512();
+                            for (; i0 + 32 <= n; i0 += 32) {
+                                __m512i xw = _mm512_loadu_si512(xb16 + i0);
+                                __m512 xlo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, xw));
+                                __m512 xhi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, xw));
+                                QUANT16(xlo, vlo, rlo)
+                                QUANT16(xhi, vhi, rhi)
+                                _mm512_storeu_si512((uint16_t *)q->out + at + i0,
+                                                    _mm512_packus_epi32(_mm512_srli_epi32(rlo, 16),
+                                                                        _mm512_srli_epi32(rhi, 16)));
+                            }
+                        }
+                        for (; i0 + 16 <= n; i0 += 16) {
+                            __m512 xv = q->x_bf16
+                                ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb16 + i0))), 16))
+                                : _mm512_loadu_ps(xf32 + i0);
+                            QUANT16(xv, v, ru)
+                            if (q->post && q->out_kind == OUT_BF16) { /* fp8 values are exact bf16 */
+                                _mm256_storeu_si256((__m256i *)((uint16_t *)q->out + at + i0),
+                                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(ru, 16)));
+                                continue;
+                            }
+                            __m512 out = _mm512_castsi512_ps(ru);
+                            if (!q->post) out = _mm512_mul_ps(out, vs);
+                            if (q->out_kind == OUT_BF16) vstore_bf16((uint16_t *)q->out + at + i0, out);
+                            else _mm512_storeu_ps((float *)q->out + at + i0, out);
+                        }
+                    }
+#undef QUANT16
+#endif
+                    for (int64_t i = i0; i < n; ++i) {
+                        float v = xf[i] / scale;
+                        float c = v < -fmax ? -fmax : (v > fmax ? fmax : v);
+                        float a = fabsf(c), nor, vv;
+                        uint32_t u, uv;
+                        memcpy(&u, &a, 4);
+                        u = (u + half + ((u >> sh) & 1u)) & keep; /* round half to even */
+                        memcpy(&nor, &u, 4);
+                        float sub = ((a * inv + 12582912.0f) - 12582912.0f) * rinv; /* fixed grid */
+                        float rr = copysignf(a < minnorm ? sub : nor, c);
+                        vv = v;
+                        memcpy(&uv, &vv, 4);
+                        rr = (uv & 0x7fffffffu) < 0x7f800000u ? rr : NAN; /* non-finite: NaN */
+                        r[i] = q->post ? rr : rr * scale;
+                    }
+                    if (q->out_kind == OUT_BF16) {
+                        uint16_t *o = (uint16_t *)q->out + at;
+                        memcpy(ub + i0, r + i0, (size_t)(n - i0) * 4);
+                        for (int64_t i = i0; i < n; ++i) {
+                            uint32_t u = ub[i];
+                            uint32_t h = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+                            o[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : h);
+                        }
+                    } else {
+                        memcpy((float *)q->out + at + i0, r + i0, (size_t)(n - i0) * 4);
+                    }
                 }
                 if (ph == 0) {
-                    uint32_t cm = 0;
-                    int64_t i = 0;
-#if FP8_PATH >= 3
-                    __m512i vm = _mm512_setzero_si512();
-                    if (q->x_bf16) { /* 32 bf16 at a time: |x| bits as 16-bit lanes */
-                        const uint16_t *xb16 = (const uint16_t *)q->x + at;
-                        __m512i vh = _mm512_setzero_si512();
-                        for (; i + 32 <= n; i += 32) {
-                            __m512i u = _mm512_and_si512(_mm512_loadu_si512(xb16 + i),
-                                                         _mm512_set1_epi16(0x7fff));
-                            __mmask32 fin = _mm512_cmplt_epu16_mask(u, _mm512_set1_epi16(0x7f80));
-                            vh = _mm512_mask_max_epu16(vh, fin, vh, u);
-                        }
-                        vm = _mm512_slli_epi32(_mm512_max_epu32(_mm512_srli_epi32(vh, 16),
-                                                                _mm512_and_si512(vh, _mm512_set1_epi32(0xffff))),
-                                               16);
-                    }
-                    for (; i + 16 <= n; i += 16) {
-                        __m512i xi = q->x_bf16
-                            ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                  (const __m256i *)((const uint16_t *)q->x + at + i))), 16)
-                            : _mm512_loadu_si512((const float *)q->x + at + i);
-                        __m512i u = _mm512_and_si512(xi, _mm512_set1_epi32(0x7fffffff));
-                        __mmask16 fin = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(0x7f800000));
-                        vm = _mm512_mask_max_epu32(vm, fin, vm, u);
-                    }
-                    cm = _mm512_reduce_max_epu32(vm);
-#elif FP8_PATH == 2
-                    __m256i vm = _mm256_setzero_si256();
-                    for (; i + 8 <= n; i += 8) {
-                        __m256i u = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xf + i)),
-                                                     _mm256_set1_epi32(0x7fffffff));
-                        __m256i fin = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), u);
-                        vm = _mm256_max_epu32(vm, _mm256_and_si256(u, fin));
-                    }
-                    uint32_t lanes[8];
-                    _mm256_storeu_si256((__m256i *)lanes, vm);
-                    for (int j = 0; j < 8; ++j) cm = lanes[j] > cm ? lanes[j] : cm;
-#endif
-                    for (; i < n; ++i) {
-                        uint32_t u;
-                        memcpy(&u, xf + i, 4);
-                        u &= 0x7fffffffu;
-                        u = u < 0x7f800000u ? u : 0u; /* NaN and inf never enter a scale */
-                        cm = u > cm ? u : cm;
-                    }
-                    umax = cm > umax ? cm : umax;
-                    continue;
+                    float amax;
+                    memcpy(&amax, &umax, 4);
+                    if (q->gran == GRAN_TENSOR) ((float *)q->out)[m] = amax;
+                    else *sp = amax / fmax < q->floor ? q->floor : amax / fmax;
                 }
-                int64_t i0 = 0;
-#if FP8_PATH >= 3
-                /* the scalar loop below, 16 lanes at a time, straight from the input: the
-                   same quotient, clamp and sign; the rounding to the fp8 grid (ties to even)
-                   as x = t * 2^e with e = max(exponent, min normal exponent) and t rounded
-                   to 3 (E4M3) / 2 (E5M2) fraction bits: exact power-of-two scalings, the
-                   same grid as the bit tricks (subnormal spacing below the normal range) */
-                {
-                    const __m512 vs = _mm512_set1_ps(scale), vmax = _mm512_set1_ps(fmax);
-                    const __m512 vmin = _mm512_set1_ps(-fmax);
-                    const __m512 emin = _mm512_set1_ps(e4 ? -6.0f : -14.0f);
-                    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
-                    const __m512i inf = _mm512_set1_epi32(0x7f800000), qnan = _mm512_set1_epi32(0x7fc00000);
-                    const uint16_t *xb16 = (const uint16_t *)q->x + at;
-                    const float *xf32 = (const float *)q->x + at;
-#define QUANT16(xv, v, ru)                                                                         \
-    __m512 v = _mm512_div_ps(xv, vs);                                                              \
-    __m512i ru;                                                                                    \
-    {                                                                                              \
-        __m512 c = _mm512_min_ps(_mm512_max_ps(v, vmin), vmax); /* NaN: below */                   \
-        __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), abs));            \
-        __m512 e = _mm512_max_ps(_mm512_getexp_ps(a), emin); /* getexp(0) = -inf */               \
-        __m512 t = _mm512_scalef_ps(a, _mm512_sub_ps(_mm512_setzero_ps(), e));                    \
-        t = e4 ? _mm512_roundscale_ps(t, (3 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) \
-               : _mm512_roundscale_ps(t, (2 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);\
-        ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_scalef_ps(t, e)),               \
-                                       _mm512_castps_si512(c), abs, 0xf4); /* | sign(c) */        \
-        __mmask16 fin = _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs), inf); \
-        ru = _mm512_mask_blend_epi32(fin, qnan, ru);                                               \
-    }
-                    if (q->x_bf16 && q->post && q->out_kind == OUT_BF16) {
-                        /* 32 at a time: bf16 -> fp32 and back by 16-bit unpacks / one pack
-                           (in-lane; the pack restores the order the unpacks took apart) */
-                        const __m512i zero = _mm512_setzero_si512();
-                        for (; i0 + 32 <= n; i0 += 32) {
-                            __m512i xw = _mm512_loadu_si512(xb16 + i0);
-                            __m512 xlo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, xw));
-                            __m512 xhi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, xw));
-                            QUANT16(xlo, vlo, rlo)
-                            QUANT16(xhi, vhi, rhi)
-                            _mm512_storeu_si512((uint16_t *)q->out + at + i0,
-                                                _mm512_packus_epi32(_mm512_srli_epi32(rlo, 16),
-                                                                    _mm512_srli_epi32(rhi, 16)));
-                        }
-                    }
-                    for (; i0 + 16 <= n; i0 += 16) {
-                        __m512 xv = q->x_bf16
-                            ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb16 + i0))), 16))
-                            : _mm512_loadu_ps(xf32 + i0);
-                        QUANT16(xv, v, ru)
-                        if (q->post && q->out_kind == OUT_BF16) { /* fp8 values are exact bf16 */
-                            _mm256_storeu_si256((__m256i *)((uint16_t *)q->out + at + i0),
-                                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(ru, 16)));
-                            continue;
-                        }
-                        __m512 out = _mm512_castsi512_ps(ru);
-                        if (!q->post) out = _mm512_mul_ps(out, vs);
-                        if (q->out_kind == OUT_BF16) vstore_bf16((uint16_t *)q->out + at + i0, out);
-                        else _mm512_storeu_ps((float *)q->out + at + i0, out);
-                    }
-                }
-#endif
-                for (int64_t i = i0; i < n; ++i) {
-                    float v = xf[i] / scale;
-                    float c = v < -fmax ? -fmax : (v > fmax ? fmax : v);
-                    float a = fabsf(c), nor, vv;
-                    uint32_t u, uv;
-                    memcpy(&u, &a, 4);
-                    u = (u + half + ((u >> sh) & 1u)) & keep; /* round half to even */
-                    memcpy(&nor, &u, 4);
-                    float sub = ((a * inv + 12582912.0f) - 12582912.0f) * rinv; /* fixed grid */
-                    float rr = copysignf(a < minnorm ? sub : nor, c);
-                    vv = v;
-                    memcpy(&uv, &vv, 4);
-                    rr = (uv & 0x7fffffffu) < 0x7f800000u ? rr : NAN; /* non-finite: NaN */
-                    r[i] = q->post ? rr : rr * scale;
-                }
-                if (q->out_kind == OUT_BF16) {
-                    uint16_t *o = (uint16_t *)q->out + at;
-                    memcpy(ub + i0, r + i0, (size_t)(n - i0) * 4);
-                    for (int64_t i = i0; i < n; ++i) {
-                        uint32_t u = ub[i];
-                        uint32_t h = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-                        o[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : h);
-                    }
-                } else {
-                    memcpy((float *)q->out + at + i0, r + i0, (size_t)(n - i0) * 4);
-                }
-            }
-            if (ph == 0) {
-                float amax;
-                memcpy(&amax, &umax, 4);
-                if (q->gran == GRAN_TENSOR) ((float *)q->out)[m] = amax;
-                else *sp = amax / fmax < q->floor ? q->floor : amax / fmax;
-            }
             }
         }
     }
