@@ -1051,7 +1051,7 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
  * bf16 matmul's (exact bf16 products, fp32 sums, one rounding to bf16), then the epilogue
  * of fp8_epilogue: bf16((acc * (a_scale[m] * w_scale[n])) + bias[n]).
  * Blocking: per thread, chunks of MM_NC weight rows; their fp32 partial sums [MM_NC, MM_MC]
- * stay in L2 across K blocks (K split evenly into blocks of at most MM_KC; large blocks keep
+ * stay in L2 across K blocks (K split into blocks of at most MM_KC; large blocks keep
  * the micro-tile's prologue and epilogue rare). With unscaled codes (per-tensor / per-row
  * scales applied after the matmul) the next panel is decoded inside the current panel's last
  * token tile, 64 codes a row after every 32 k-pairs, where the decode's shuffles overlap the
@@ -1061,6 +1061,7 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
 #ifndef MM_KC /* the largest K block; overridable for tuning builds only */
 #define MM_KC 1024
 #endif
+_Static_assert(MM_KC % 64 == 0, "K blocks are multiples of 64 codes");
 #define MM_MR 14            /* weight rows per micro-tile (28 accumulators) */
 #define MM_TT 32            /* tokens per micro-tile: two vectors */
 #ifndef MM_NC /* weight rows per chunk: their partial sums (224 KiB at 256 tokens) share the */
@@ -1081,7 +1082,7 @@ typedef struct {
     uint16_t *out;        /* [M, N] bf16 */
     int *err;             /* set when a worker cannot allocate its scratch */
     int64_t M, K, N, bn, bk, n0, n1, as_n, ps_n;
-    int64_t kc;           /* K block: K split evenly into blocks of at most MM_KC (even) */
+    int64_t kc;           /* K block: at most MM_KC, a multiple of 64 (the last one shorter) */
     int64_t mc0, mc, mcp, ldx; /* the token block mm_pack_x packs (pair stride ldx) */
     int fmt, wgran;
     int qfmt;             /* >= 0: quantize x per token to this fp8 format first (dynamic) */
@@ -1494,7 +1495,10 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
         return -1;
     pthread_once(&LUT_ONCE, lut_init);
     int err = 0;
-    int64_t blocks = (K + MM_KC - 1) / MM_KC, kc = ((K + blocks - 1) / blocks + 1) & ~(int64_t)1;
+    /* K blocks of at most MM_KC codes, a multiple of 64 (the decode-ahead then covers whole
+       blocks; the block sizes do not change the summation order, so neither the bits) */
+    int64_t blocks = (K + MM_KC - 1) / MM_KC, kc = ((K + blocks - 1) / blocks + 63) & ~(int64_t)63;
+    blocks = (K + kc - 1) / kc;
     mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, kc,
               0, 0, 0, 0, (int)fmt, (int)wgran, (int)qfmt, qfloor, NULL};
     mm_share_t sh = {NULL, NULL, NULL, 0, 0, 0};
