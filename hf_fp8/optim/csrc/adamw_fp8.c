@@ -178,6 +178,131 @@ AI void dec_group_avx512(const uint8_t* restrict qm, const uint8_t* restrict qv,
 }
 #endif
 
+#if HAVE_DEC_AVX512
+/* hash32 on 16 lanes */
+AI __m512i hash32_v(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)(uint32_t)HASH_MUL0));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)(uint32_t)HASH_MUL1));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+#endif
+#if HAVE_DEC_AVX512
+/* requant's EX branch for E4M3 codes, U vectors of 16 lanes at a time (n a multiple of 16·U):
+   the same fp32 / uint32 operations as the scalar loop (flog2, fexp2_nc, the clamp to F, then
+   enc_fp8_mag or sr_code), in the same order per element. Each step is applied to the U
+   (<= 8) vectors before the next step: the polynomial chains of U vectors are interleaved,
+   so that the loop is not bound by the latency of one chain (U = 8, a whole 128-element
+   group: 63 -> 40 ns per group round-to-nearest, 68 -> 52 ns stochastic, against the
+   autovectorized scalar loop). */
+AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
+                          float k, float lmax, uint32_t key, const int SR, const int U) {
+    const __m512 kv = _mm512_set1_ps(k), lm = _mm512_set1_ps(lmax);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const uint32_t mask = (1u << E4M3_SR_DROP) - 1u;
+    for (int64_t i0 = 0; i0 < n; i0 += 16 * U) {
+        __m512i xb[8], ab[8], c[8], mb[8]; /* U <= 8 */
+        __m512 x1[8], t[8], acc[8], y[8], r[8], f[8], mag[8];
+        __mmask16 nz[8];
+        for (int u = 0; u < U; ++u) {
+            xb[u] = _mm512_castps_si512(_mm512_loadu_ps(buf + i0 + 16 * u));
+            ab[u] = _mm512_and_si512(xb[u], _mm512_set1_epi32(0x7FFFFFFF));
+            nz[u] = _mm512_cmp_ps_mask(_mm512_castsi512_ps(ab[u]), _mm512_set1_ps(FLT_MIN_F),
+                                       _CMP_GE_OQ);
+            x1[u] = _mm512_mask_blend_ps(nz[u], _mm512_set1_ps(1.0f), _mm512_castsi512_ps(ab[u]));
+        }
+        /* flog2 */
+        for (int u = 0; u < U; ++u) {
+            __m512i b = _mm512_castps_si512(x1[u]);
+            __m512i m = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFF)),
+                                        _mm512_set1_epi32(0x3F800000));
+            t[u] = _mm512_sub_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(1.0f));
+        }
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(t[u], _mm512_set1_ps(LOG2_C5)), _mm512_set1_ps(LOG2_C4));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], t[u]), _mm512_set1_ps(LOG2_C3));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], t[u]), _mm512_set1_ps(LOG2_C2));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], t[u]), _mm512_set1_ps(LOG2_C1));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], t[u]), _mm512_set1_ps(LOG2_C0));
+        for (int u = 0; u < U; ++u) {
+            __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                _mm512_srli_epi32(_mm512_castps_si512(x1[u]), 23), _mm512_set1_epi32(127)));
+            __m512 lx = _mm512_add_ps(e, _mm512_mul_ps(acc[u], t[u]));
+            y[u] = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(lx, lm), kv),
+                                 _mm512_set1_ps(E4M3_LOG2MAX));
+        }
+        /* fexp2_nc */
+        for (int u = 0; u < U; ++u) {
+            r[u] = FLOOR_V(y[u]);
+            f[u] = _mm512_sub_ps(y[u], r[u]);
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(f[u], _mm512_set1_ps(EXP2_C3)), _mm512_set1_ps(EXP2_C2));
+        }
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(EXP2_C1));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(EXP2_C0));
+        for (int u = 0; u < U; ++u) {
+            __m512 poly = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(1.0f));
+            __m512i e2 = _mm512_add_epi32(_mm512_castps_si512(poly),
+                                          _mm512_slli_epi32(_mm512_cvttps_epi32(r[u]), 23));
+            mag[u] = _mm512_maskz_mov_ps(nz[u], _mm512_castsi512_ps(e2)); /* nz ? mag : 0 */
+            mag[u] = _mm512_min_ps(_mm512_set1_ps(E4M3_MAX), mag[u]);     /* (mag > F) ? F : mag */
+            mb[u] = _mm512_castps_si512(mag[u]);
+        }
+        if (SR) {
+            for (int u = 0; u < U; ++u) {
+                __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int)(key + (uint32_t)(i0 + 16 * u))),
+                                             lanes);
+                h = hash32_v(h);
+                __m512i low = _mm512_and_si512(h, _mm512_set1_epi32((int)mask));
+                __m512i cn = _mm512_sub_epi32(
+                    _mm512_srli_epi32(_mm512_andnot_si512(_mm512_set1_epi32((int)mask),
+                                                          _mm512_add_epi32(mb[u], low)),
+                                      E4M3_SR_DROP),
+                    _mm512_set1_epi32(120 << 3));
+                __m512 uu = _mm512_mul_ps(_mm512_cvtepi32_ps(low), _mm512_set1_ps(E4M3_SR_UNIT));
+                __m512i cs = _mm512_cvttps_epi32(FLOOR_V(
+                    _mm512_add_ps(_mm512_mul_ps(mag[u], _mm512_set1_ps(E4M3_SR_STEPS)), uu)));
+                c[u] = _mm512_mask_blend_epi32(
+                    _mm512_cmp_ps_mask(mag[u], _mm512_set1_ps(E4M3_SR_MIN_NORMAL), _CMP_LT_OQ),
+                    cn, cs);
+                c[u] = _mm512_min_epu32(c[u], _mm512_set1_epi32(0x7E));
+                c[u] = _mm512_mask_mov_epi32(
+                    c[u], _mm512_cmpgt_epu32_mask(mb[u], _mm512_set1_epi32((int)INF_BITS)),
+                    _mm512_set1_epi32(0x7F));
+            }
+        } else {
+            for (int u = 0; u < U; ++u) {
+                __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(mb[u], 20), _mm512_set1_epi32(1));
+                __m512i cn = _mm512_sub_epi32(
+                    _mm512_srli_epi32(
+                        _mm512_add_epi32(_mm512_add_epi32(mb[u], _mm512_set1_epi32(0x7FFFF)), lsb),
+                        20),
+                    _mm512_set1_epi32(120 << 3));
+                __m512i cs = _mm512_sub_epi32(
+                    _mm512_castps_si512(_mm512_add_ps(
+                        _mm512_mul_ps(mag[u], _mm512_set1_ps(512.0f)), _mm512_set1_ps(MAGIC))),
+                    _mm512_set1_epi32((int)MAGIC_BITS));
+                c[u] = _mm512_mask_blend_epi32(
+                    _mm512_cmp_ps_mask(mag[u], _mm512_set1_ps(0.015625f), _CMP_LT_OQ), cn, cs);
+            }
+        }
+        for (int u = 0; u < U; ++u) {
+            __m512i s = _mm512_and_si512(_mm512_srli_epi32(xb[u], 24), _mm512_set1_epi32(0x80));
+            _mm_storeu_si128((__m128i*)(q + i0 + 16 * u),
+                             _mm512_cvtepi32_epi8(_mm512_or_si512(c[u], s)));
+        }
+    }
+    for (int64_t i = n; i < gs; ++i) q[i] = 0;
+}
+#endif
+
 /* enc_fp8 of a magnitude known to be in [0, F] (not NaN), with the sign bit s (0x80 or 0) of
    the value: the same code without the sign / NaN handling of the general cast. */
 AI uint8_t enc_fp8_mag(float a, uint32_t s, const int E5) {
@@ -267,6 +392,16 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
     const float F = E5 ? E5M2_MAX : E4M3_MAX;
     const float LOG2F = E5 ? E5M2_LOG2MAX : E4M3_LOG2MAX;
     int valid = amax >= FLT_MIN_F;
+#if HAVE_DEC_AVX512
+    if (EX && !E5 && n % 128 == 0) {
+        requant_e4m3_ex_v(buf, q, n, gs, k, lmax, key, SR, 8);
+        return;
+    }
+    if (EX && !E5 && n % 16 == 0) {
+        requant_e4m3_ex_v(buf, q, n, gs, k, lmax, key, SR, 1);
+        return;
+    }
+#endif
     if (EX) {
         for (uint32_t i = 0; i < (uint32_t)n; ++i) { /* 32-bit index: key + i in 32-bit lanes */
             float x = buf[i];
