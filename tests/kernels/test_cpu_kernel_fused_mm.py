@@ -206,14 +206,17 @@ def _exact_weight(n: int, k: int, fmt: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("m", "k", "n"),
     [
-        # 2 token blocks (256 + 44: a last tile of 16), 3 K blocks of 684, 684, 682 codes
-        # (not multiples of 64; the next panel of the last block is a longer one), 3 row
-        # chunks (224 + 224 + 47: a last panel of 5 rows)
+        # 2 token blocks (256 + 44: a last tile of 16), 3 K blocks of 704, 704, 642 codes
+        # (the next panel of the last block is a longer one), 3 row chunks (224 + 224 + 47:
+        # a last panel of 5 rows)
         (300, 2050, 495),
         # one token block packed by all threads together (shared, on first use), 3 K blocks
         (250, 2050, 230),
         (40, 130, 30),  # one K block, one panel of 14 + one of 2 rows
         (33, 4, 29),  # K shorter than one decoded 64-code piece
+        # a last panel of 12 rows (the 14-row micro-kernel; the 5 and 2 rows above take
+        # the 8- and 4-row ones)
+        (20, 64, 54),
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])

@@ -1063,6 +1063,7 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
 #endif
 _Static_assert(MM_KC % 64 == 0, "K blocks are multiples of 64 codes");
 #define MM_MR 14            /* weight rows per micro-tile (28 accumulators) */
+_Static_assert(MM_MR == 14, "mmk_*_14 is the full panel");
 #define MM_TT 32            /* tokens per micro-tile: two vectors */
 #ifndef MM_NC /* weight rows per chunk: their partial sums (224 KiB at 256 tokens) share the */
 #define MM_NC (MM_MR * 16) /* L2 with a K block of packed activations (~470 KiB at K = 5632) */
@@ -1300,13 +1301,13 @@ AI void mm_dec_cols(const mm_dec_t *dec, int64_t col, uint16_t *wb) {
  * activations of the first token (pair stride ldx); c: partial sums [row][token] (stride
  * ldc), unless first (start at 0) / last (the epilogue writes out instead); dec: NULL, or
  * the next panel to decode into wb as the tile goes (see mm_dec_t). */
-#define DEFINE_MMK(NV)                                                                        \
-    static void mmk_##NV(const mm_t *g, uint16_t *wb, const uint32_t *xt, int64_t ldx,        \
+#define DEFINE_MMK(NV, MR)                                                                    \
+    static void mmk_##NV##_##MR(const mm_t *g, uint16_t *wb, const uint32_t *xt, int64_t ldx, \
                          int64_t pairs, float *c, int64_t ldc, int first, int last,           \
                          int64_t m0, int64_t mvalid, int64_t n0, int64_t nvalid,              \
                          const mm_dec_t *dec) {                                               \
-        __m512 acc[NV][MM_MR];                                                                \
-        for (int r = 0; r < MM_MR; ++r)                                                       \
+        __m512 acc[NV][MR];                                                                \
+        for (int r = 0; r < MR; ++r)                                                       \
             for (int v = 0; v < NV; ++v)                                                      \
                 acc[v][r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * v); \
         int64_t dec_end = dec ? mm_dec_done(dec, pairs) : 0;                                  \
@@ -1316,7 +1317,7 @@ AI void mm_dec_cols(const mm_dec_t *dec, int64_t col, uint16_t *wb) {
                 __m512bh x0 = (__m512bh)_mm512_loadu_si512(xt + j * ldx);                    \
                 __m512bh x1 = x0;                                                             \
                 if (NV == 2) x1 = (__m512bh)_mm512_loadu_si512(xt + j * ldx + 16);           \
-                for (int r = 0; r < MM_MR; ++r) {                                             \
+                for (int r = 0; r < MR; ++r) {                                             \
                     int32_t pair;                                                             \
                     memcpy(&pair, wb + r * MM_WLD + 2 * j, 4);                                \
                     __m512bh b = (__m512bh)_mm512_set1_epi32(pair);                          \
@@ -1327,15 +1328,20 @@ AI void mm_dec_cols(const mm_dec_t *dec, int64_t col, uint16_t *wb) {
             if (2 * j0 < dec_end) mm_dec_cols(dec, 2 * j0, wb);                               \
         }                                                                                     \
         if (!last) {                                                                          \
-            for (int r = 0; r < MM_MR; ++r)                                                   \
+            for (int r = 0; r < MR; ++r)                                                   \
                 for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[v][r]); \
             return;                                                                           \
         }                                                                                     \
         for (int v = 0; v < NV; ++v)                                                          \
             mm_epilogue(g, acc[v], m0 + 16 * v, mvalid - 16 * v, n0, nvalid);                 \
     }
-DEFINE_MMK(1)
-DEFINE_MMK(2)
+/* MR < MM_MR: the last panel of a weight with N % MM_MR rows (zero rows not multiplied) */
+DEFINE_MMK(1, 14)
+DEFINE_MMK(2, 14)
+DEFINE_MMK(1, 8)
+DEFINE_MMK(2, 8)
+DEFINE_MMK(1, 4)
+DEFINE_MMK(2, 4)
 
 /* Per-thread scratch, grown on demand and kept between calls (freed when the thread ends):
  * a worker's decoded panel (28 KiB), partial sums (224 KiB), 16 quantized tokens (32 * K
@@ -1454,12 +1460,21 @@ static void *mm_worker(void *arg) {
                             for (int64_t k = 0; k < qkc; k += 64)
                                 _mm_prefetch((const char *)(g->w + (q0 + r) * g->K + qk + k),
                                              _MM_HINT_T0);
-                        if (mcp - t0 >= MM_TT)
-                            mmk_2(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0,
-                                  mc - t0, p0, rows, dt);
-                        else
-                            mmk_1(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0,
-                                  mc - t0, p0, rows, dt);
+#define MM_CALL(NV, MR)                                                                   \
+    mmk_##NV##_##MR(g, wb, xb + t0, ldx, kc / 2, ct, ldc, first, last, mc0 + t0, mc - t0, p0, \
+                    rows, dt)
+                        int two = mcp - t0 >= MM_TT;
+                        if (rows > 8) {
+                            if (two) MM_CALL(2, 14);
+                            else MM_CALL(1, 14);
+                        } else if (rows > 4) {
+                            if (two) MM_CALL(2, 8);
+                            else MM_CALL(1, 8);
+                        } else {
+                            if (two) MM_CALL(2, 4);
+                            else MM_CALL(1, 4);
+                        }
+#undef MM_CALL
                     }
                     if (fuse) { /* the columns the last tile did not decode, zero rows */
                         int64_t done = mm_dec_done(&dec, kc / 2);
