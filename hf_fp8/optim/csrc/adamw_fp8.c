@@ -204,7 +204,7 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
     const uint32_t mask = (1u << E4M3_SR_DROP) - 1u;
     for (int64_t i0 = 0; i0 < n; i0 += 16 * U) {
         __m512i xb[8], ab[8], c[8], mb[8]; /* U <= 8 */
-        __m512 x1[8], t[8], acc[8], y[8], r[8], f[8], mag[8];
+        __m512 x1[8], tm[8], acc[8], y[8], r[8], f[8], mag[8];
         __mmask16 nz[8];
         for (int u = 0; u < U; ++u) {
             xb[u] = _mm512_castps_si512(_mm512_loadu_ps(buf + i0 + 16 * u));
@@ -218,22 +218,22 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
             __m512i b = _mm512_castps_si512(x1[u]);
             __m512i m = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFF)),
                                         _mm512_set1_epi32(0x3F800000));
-            t[u] = _mm512_sub_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(1.0f));
+            tm[u] = _mm512_sub_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(1.0f));
         }
         for (int u = 0; u < U; ++u)
-            acc[u] = _mm512_add_ps(_mm512_mul_ps(t[u], _mm512_set1_ps(LOG2_C5)), _mm512_set1_ps(LOG2_C4));
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(tm[u], _mm512_set1_ps(LOG2_C5)), _mm512_set1_ps(LOG2_C4));
         for (int u = 0; u < U; ++u)
-            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], t[u]), _mm512_set1_ps(LOG2_C3));
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], tm[u]), _mm512_set1_ps(LOG2_C3));
         for (int u = 0; u < U; ++u)
-            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], t[u]), _mm512_set1_ps(LOG2_C2));
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], tm[u]), _mm512_set1_ps(LOG2_C2));
         for (int u = 0; u < U; ++u)
-            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], t[u]), _mm512_set1_ps(LOG2_C1));
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], tm[u]), _mm512_set1_ps(LOG2_C1));
         for (int u = 0; u < U; ++u)
-            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], t[u]), _mm512_set1_ps(LOG2_C0));
+            acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], tm[u]), _mm512_set1_ps(LOG2_C0));
         for (int u = 0; u < U; ++u) {
             __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(
                 _mm512_srli_epi32(_mm512_castps_si512(x1[u]), 23), _mm512_set1_epi32(127)));
-            __m512 lx = _mm512_add_ps(e, _mm512_mul_ps(acc[u], t[u]));
+            __m512 lx = _mm512_add_ps(e, _mm512_mul_ps(acc[u], tm[u]));
             y[u] = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(lx, lm), kv),
                                  _mm512_set1_ps(E4M3_LOG2MAX));
         }
