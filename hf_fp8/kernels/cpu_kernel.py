@@ -43,6 +43,7 @@ import platform
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -275,24 +276,36 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _check(cond: bool, message: str) -> None:
+def _check(cond: bool, message: str | Callable[[], str]) -> None:
+    """Raise a ValueError with ``message`` (or ``message()``: formatted only on failure, for
+    the per-call checks of the hot paths) unless ``cond``."""
     if not cond:
-        raise ValueError(f"hf_fp8 CPU kernel: {message}")
+        raise ValueError(f"hf_fp8 CPU kernel: {message() if callable(message) else message}")
 
 
 def _check_weight(w: torch.Tensor, w_scale: torch.Tensor | None, gran: str, bn: int, bk: int):
-    _check(w.device.type == "cpu" and w.dtype in FORMATS, f"weight must be CPU fp8, got {w.dtype}")
-    _check(w.dim() == 2 and w.is_contiguous(), f"weight must be contiguous 2-D, {tuple(w.shape)}")
-    _check(gran in GRANULARITIES, f"weight granularity {gran!r} not in {tuple(GRANULARITIES)}")
-    _check(bn >= 1 and bk >= 1, f"block size must be positive, got {(bn, bk)}")
+    _check(
+        w.device.type == "cpu" and w.dtype in FORMATS,
+        lambda: f"weight must be CPU fp8, got {w.dtype}",
+    )
+    _check(
+        w.dim() == 2 and w.is_contiguous(),
+        lambda: f"weight must be contiguous 2-D, {tuple(w.shape)}",
+    )
+    _check(
+        gran in GRANULARITIES, lambda: f"weight granularity {gran!r} not in {tuple(GRANULARITIES)}"
+    )
+    _check(bn >= 1 and bk >= 1, lambda: f"block size must be positive, got {(bn, bk)}")
     if w_scale is None:
         return
     n, k = w.shape
     want = {"tensor": 1, "row": n, "block": -(-n // bn) * -(-k // bk)}[gran]
     _check(
         w_scale.dtype == torch.float32 and w_scale.is_contiguous() and w_scale.numel() == want,
-        f"{gran} weight scale must be {want} contiguous float32 values, got "
-        f"{tuple(w_scale.shape)} {w_scale.dtype}",
+        lambda: (
+            f"{gran} weight scale must be {want} contiguous float32 values, got "
+            f"{tuple(w_scale.shape)} {w_scale.dtype}"
+        ),
     )
     _check(w_scale.device.type == "cpu", "weight scale must be on the CPU")
 
@@ -317,15 +330,17 @@ def _gemv_impl(
         and a.dim() == 2
         and a.is_contiguous()
         and a.device.type == "cpu",
-        f"activation must be contiguous 2-D CPU float32, got {tuple(a.shape)} {a.dtype}",
+        lambda: f"activation must be contiguous 2-D CPU float32, got {tuple(a.shape)} {a.dtype}",
     )
     _check(
         a.dtype == torch.float32 or path in BF16_ACTIVATION_PATHS,
-        f"bf16 activations need the {BF16_ACTIVATION_PATHS} path, not {path}",
+        lambda: f"bf16 activations need the {BF16_ACTIVATION_PATHS} path, not {path}",
     )
     m = a.shape[0]
-    _check(1 <= m <= GEMV_MAX_TOKENS and a.shape[1] == k, f"activation {tuple(a.shape)} vs {k}")
-    _check(a_gran in _ASCALE, f"activation scale granularity {a_gran!r}")
+    _check(
+        1 <= m <= GEMV_MAX_TOKENS and a.shape[1] == k, lambda: f"activation {tuple(a.shape)} vs {k}"
+    )
+    _check(a_gran in _ASCALE, lambda: f"activation scale granularity {a_gran!r}")
     if a_gran is not None:
         assert a_scale is not None
         want = 1 if a_gran == "tensor" else m
@@ -334,15 +349,15 @@ def _gemv_impl(
             and a_scale.is_contiguous()
             and a_scale.numel() == want
             and a_scale.device.type == "cpu",
-            f"activation scale must be {want} contiguous float32 values",
+            lambda: f"activation scale must be {want} contiguous float32 values",
         )
     if bias is not None:
         _check(
             bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n,
-            f"bias must be {n} contiguous float32 values",
+            lambda: f"bias must be {n} contiguous float32 values",
         )
     lib = library(path)
-    _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
+    _check(lib is not None, lambda: f"the {path} path is unavailable: {failure(path)}")
     kind = _OUT.get(out_dtype, 0)
     out = torch.empty(m, n, dtype=torch.float32 if kind == 0 else out_dtype)
     rc = lib.fp8_gemv(
@@ -351,7 +366,7 @@ def _gemv_impl(
         out.data_ptr(), kind, FORMATS[w.dtype], int(a.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )  # fmt: skip
-    _check(rc == 0, f"fp8_gemv failed with code {rc}")
+    _check(rc == 0, lambda: f"fp8_gemv failed with code {rc}")
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -406,10 +421,10 @@ def quantize_activation(
     ``post``, else ``(dequantized values, None)``; ``gran`` is a numerics name."""
     _check(
         x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.is_contiguous(),
-        f"activation must be contiguous 2-D float32 / bf16, got {tuple(x.shape)} {x.dtype}",
+        lambda: f"activation must be contiguous 2-D float32 / bf16, got {tuple(x.shape)} {x.dtype}",
     )
     _check(act_dtype in FORMATS and gran in GRANULARITIES and bk >= 1, "activation recipe")
-    _check(out_dtype in _OUT, f"activation output dtype {out_dtype}")
+    _check(out_dtype in _OUT, lambda: f"activation output dtype {out_dtype}")
     m, k = x.shape
     kb = -(-k // bk)
     if input_scale is not None:
@@ -420,13 +435,13 @@ def quantize_activation(
     _check(k >= 2, "K must be at least 2 (the tensor amax is reduced through the output)")
     out = torch.empty(m, k, dtype=out_dtype)
     lib = library(path)
-    _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
+    _check(lib is not None, lambda: f"the {path} path is unavailable: {failure(path)}")
     rc = lib.fp8_quant_act(
         x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, GRANULARITIES[gran], bk,
         FORMATS[act_dtype], scale.data_ptr(), int(input_scale is not None), out.data_ptr(),
         _OUT[out_dtype], int(post), min_scale(), torch.get_num_threads(),
     )  # fmt: skip
-    _check(rc == 0, f"fp8_quant_act failed with code {rc}")
+    _check(rc == 0, lambda: f"fp8_quant_act failed with code {rc}")
     return out, (scale if post else None)
 
 
@@ -446,7 +461,7 @@ def _fp8_mm_impl(
     folded), or with ``w_post`` and/or ``a_scale`` the unscaled product, in ``a.dtype``;
     then the emulation's epilogue (scales and bias added in fp32, one rounding)."""
     n, k = w.shape
-    _check(a.dim() == 2 and a.shape[1] == k, f"activation {tuple(a.shape)} vs K={k}")
+    _check(a.dim() == 2 and a.shape[1] == k, lambda: f"activation {tuple(a.shape)} vs K={k}")
     _check(
         a.dtype == torch.bfloat16 or not (w_post or a_scale is not None),
         "scales after the matmul need bf16",
@@ -475,7 +490,7 @@ def _fp8_mm_impl(
         return (out if bias is None else out + bias).contiguous()
     # the epilogue (scales, bias, one rounding) and the transpose in C: one pass
     lib = library(path)
-    _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
+    _check(lib is not None, lambda: f"the {path} path is unavailable: {failure(path)}")
     ws = w_scale if w_post else None
     b = None if bias_in_mm else bias
     for t, name, want in (
@@ -488,14 +503,14 @@ def _fp8_mm_impl(
         )
     _check(
         b is None or (b.dtype == torch.bfloat16 and b.is_contiguous() and b.numel() == n),
-        f"bias must be {n} contiguous bf16 values",
+        lambda: f"bias must be {n} contiguous bf16 values",
     )
     out = torch.empty(a.shape[0], n, dtype=torch.bfloat16)
     rc = lib.fp8_epilogue(
         out_t.data_ptr(), a.shape[0], n, _ptr(a_scale), 0 if a_scale is None else a_scale.numel(),
         _ptr(ws), 0 if ws is None else ws.numel(), _ptr(b), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    _check(rc == 0, f"fp8_epilogue failed with code {rc}")
+    _check(rc == 0, lambda: f"fp8_epilogue failed with code {rc}")
     return out
 
 
@@ -531,19 +546,23 @@ def fused_mm(
         and a.dtype == torch.bfloat16
         and a.is_contiguous()
         and a.device.type == "cpu",
-        f"activation must be a contiguous CPU bf16 [M >= 1, {k}] tensor, got "
-        f"{tuple(a.shape)} {a.dtype} on {a.device}",
+        lambda: (
+            f"activation must be a contiguous CPU bf16 [M >= 1, {k}] tensor, got "
+            f"{tuple(a.shape)} {a.dtype} on {a.device}"
+        ),
     )
     m = a.shape[0]
-    _check(k % 2 == 0, f"the fused matmul needs an even K, got {k}")
+    _check(k % 2 == 0, lambda: f"the fused matmul needs an even K, got {k}")
     _check(
         not w_post or w_gran in ("tensor", "row"),
-        f"weight scales after the matmul (w_post) are per tensor or per row, not {w_gran!r}",
+        lambda: (
+            f"weight scales after the matmul (w_post) are per tensor or per row, not {w_gran!r}"
+        ),
     )
     ws = w_scale if w_post else None
     _check(
         quantize is None or (quantize in FORMATS and a_scale is None),
-        f"in-kernel quantization takes an fp8 dtype and no given scale, got {quantize}",
+        lambda: f"in-kernel quantization takes an fp8 dtype and no given scale, got {quantize}",
     )
     _check(
         a_scale is None
@@ -553,9 +572,9 @@ def fused_mm(
             and a_scale.device.type == "cpu"
             and a_scale.numel() in (1, m)
         ),
-        f"activation scale must be CPU float32 with 1 or {m} values",
+        lambda: f"activation scale must be CPU float32 with 1 or {m} values",
     )
-    _check(ws is None or ws.numel() in (1, n), f"a post weight scale has 1 or {n} values")
+    _check(ws is None or ws.numel() in (1, n), lambda: f"a post weight scale has 1 or {n} values")
     _check(
         bias is None
         or (
@@ -564,10 +583,10 @@ def fused_mm(
             and bias.device.type == "cpu"
             and bias.numel() == n
         ),
-        f"bias must be {n} contiguous CPU bf16 values",
+        lambda: f"bias must be {n} contiguous CPU bf16 values",
     )
     lib = library(path)
-    _check(lib is not None, f"the {path} path is unavailable: {failure(path)}")
+    _check(lib is not None, lambda: f"the {path} path is unavailable: {failure(path)}")
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16)
     _check(
@@ -575,8 +594,10 @@ def fused_mm(
         and out.device.type == "cpu"
         and out.shape == (m, n)
         and out.stride() == (n, 1),
-        f"out must be a [{m}, {n}] CPU bf16 tensor with contiguous rows, got "
-        f"{tuple(out.shape)} {out.dtype} strides {out.stride()}",
+        lambda: (
+            f"out must be a [{m}, {n}] CPU bf16 tensor with contiguous rows, got "
+            f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        ),
     )
     a0, o0 = a.data_ptr(), out.data_ptr()
     _check(
@@ -590,7 +611,9 @@ def fused_mm(
         0 if ws is None else ws.numel(), _ptr(bias), out.data_ptr(), FORMATS[w.dtype],
         torch.get_num_threads(), -1 if quantize is None else FORMATS[quantize], min_scale(),
     )  # fmt: skip
-    _check(rc == 0, f"fp8_mm_bf16 failed with code {rc} (-4: out of memory for its scratch)")
+    _check(
+        rc == 0, lambda: f"fp8_mm_bf16 failed with code {rc} (-4: out of memory for its scratch)"
+    )
     return out
 
 
