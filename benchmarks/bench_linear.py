@@ -9,6 +9,7 @@ matmul". Also reports the weight bytes per parameter.
     python benchmarks/bench_linear.py --quick      # fewer rounds; linear_quick.json
     python benchmarks/bench_linear.py --gemv-sweep # tokens where the fused GEMV stops paying
     python benchmarks/bench_linear.py --threads 1  # one thread count only
+    python benchmarks/bench_linear.py --shapes 256:5632:2048 --rounds 15  # chosen M:K:N only
 
 On the CPU every shape is timed with 1 and with 2 intra-op threads. Each sample records the
 wall clock and the CPU time of the calling thread; the thread clock is immune to other
@@ -337,6 +338,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (CPU)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        metavar="M:K:N",
+        help="time only these shapes (default: the CPU shapes above; the CUDA extras on a GPU)",
+    )
     parser.add_argument("--rounds", type=int, help="timing rounds (default 7, 3 with --quick)")
     parser.add_argument(
         "--clock",
@@ -361,6 +368,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         shapes += CUDA_EXTRA_SHAPES if not args.quick else CUDA_EXTRA_SHAPES[:1]
         modes.append("compile")
+    if args.shapes:
+        try:
+            shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes]
+        except ValueError:
+            parser.error(f"--shapes takes M:K:N triples, got {args.shapes}")
+        if any(len(s) != 3 or min(s) < 1 for s in shapes):
+            parser.error(f"--shapes takes positive M:K:N triples, got {args.shapes}")
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -407,7 +421,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if load is not None:  # other work on the machine makes wall-clock ratios noisy
         results["load_average_1min_after"] = round(os.getloadavg()[0], 2)
 
-    output = args.output or RESULTS / ("linear_quick.json" if args.quick else "linear.json")
+    default = "linear_quick.json" if args.quick else "linear.json"
+    output = args.output or RESULTS / ("linear_shapes.json" if args.shapes else default)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2) + "\n")
     if not args.no_plot:
