@@ -29,8 +29,14 @@ update direction) has a far smaller range within a group than ``m``, so linear i
 resolve it better than fp8 codes of ``m`` (measured: ``benchmarks/bench_optim_oracle.py``).
 
 **Stochastic rounding** draws ``u = (((key + i) · 0x9E3779B1) mod 2^32 >> 8) · 2^-24`` for
-element ``i`` (Fibonacci hashing: one multiply; the per-step ``key`` is a full hash of seed,
-step, parameter and moment, :func:`hf_fp8.numerics.coat.stream_key`).
+element ``i`` (Fibonacci hashing: one multiply). The key of a step is :func:`time_key`: a full
+hash of seed, parameter and moment (:func:`hf_fp8.numerics.coat.stream_key` at step 0) plus
+the step times :data:`TIME_KEY`, so that one element's threshold moves by a fixed irrational
+fraction (√2 - 1) every step: a low-discrepancy sequence in time instead of independent
+draws. With β2 = 0.999 the second moment moves by ~0.1 % a step against a code step of a
+few %, so it is rounded against nearly the same threshold position many steps running;
+thresholds spread evenly over those steps make its rounding errors cancel instead of adding
+up as a random walk (oracle: ``benchmarks/results/optim_oracle_ld.json``).
 
 Groups whose ``amax`` is below ``FLT_MIN`` (``v``) or :data:`M_MIN` (``m'``) store zeros.
 """
@@ -52,6 +58,8 @@ FLT_MIN_BITS = 0x00800000
 BITS_FLOOR = -(2**30)  # decoded offsets are clamped here (int32-safe; far below FLT_MIN)
 SR_SHIFT = 8  # stochastic rounding uses the top 24 bits of the hash: u = (h >> 8)·2^-24
 WEYL = 0x9E3779B1  # 2^32 / golden ratio: Fibonacci hashing of the element counter
+TIME_STRIDE = 0x6A09E667  # 2^32 · (√2 - 1): one element's threshold advances this per step
+TIME_KEY = TIME_STRIDE * pow(WEYL, -1, 2**32) % 2**32  # the same advance in key units
 E_MAX = 63  # e >= -63 in the m normalization 2^e (and e <= 64 by construction: 2^±e normal)
 
 
@@ -76,6 +84,13 @@ def sr_bits(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         n *= d
     e = torch.arange(n, dtype=torch.int64, device=key.device).view(shape)
     return mul32((e + key) & MASK32, WEYL)
+
+
+def time_key(base: int, step: int) -> int:
+    """uint32 key of ``step`` for a moment whose step-0 key is ``base``: element ``i`` draws
+    ``((base + i)·WEYL + step·TIME_STRIDE) mod 2^32`` (``TIME_KEY·WEYL ≡ TIME_STRIDE``), the
+    same formula :func:`sr_bits` and the C kernel compute from any key."""
+    return (base + step * TIME_KEY) & MASK32
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:

@@ -498,6 +498,12 @@ def _stream_keys(
     if not group["stochastic_rounding"]:
         return (0, 0)
     first = row_offset(p) * padded_cols  # a shard's first element in the full state
+    if resolved_format(group) == "log":  # thresholds low-discrepancy in time (time_key)
+        return tuple(  # type: ignore[return-value]
+            (log_moments.time_key(coat.stream_key(group["seed"], 0, index, moment), step) + first)
+            & coat.MASK32
+            for moment in (0, 1)
+        )
     return tuple(  # type: ignore[return-value]
         (coat.stream_key(group["seed"], step, index, moment) + first) & coat.MASK32
         for moment in (0, 1)
