@@ -171,6 +171,51 @@ AI void dec_group_avx512(const uint8_t* restrict qm, const uint8_t* restrict qv,
                          const int CLAMP) {
     const __m512 ikm = _mm512_set1_ps(ik_m), bm = _mm512_set1_ps(b_m);
     const __m512 ikv = _mm512_set1_ps(ik_v), bv = _mm512_set1_ps(b_v);
+    if (n % 64 == 0) { /* 4 vectors of each moment, every step across the 8 of them */
+        for (int64_t i0 = 0; i0 < n; i0 += 64) {
+            __m512i c[8], idx[8];
+            __m512 y[8], r[8], f[8], acc[8];
+            for (int u = 0; u < 8; ++u) {
+                const uint8_t* q = (u < 4 ? qm : qv) + i0 + 16 * (u & 3);
+                c[u] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+                idx[u] = _mm512_and_si512(c[u], _mm512_set1_epi32(0x7F));
+            }
+            for (int u = 0; u < 8; ++u) {
+                __m512 r0 = _mm512_permutex2var_ps(tab[0], idx[u], tab[1]);
+                __m512 r1 = _mm512_permutex2var_ps(tab[2], idx[u], tab[3]);
+                __m512 r2 = _mm512_permutex2var_ps(tab[4], idx[u], tab[5]);
+                __m512 r3 = _mm512_permutex2var_ps(tab[6], idx[u], tab[7]);
+                __mmask16 b5 = _mm512_test_epi32_mask(idx[u], _mm512_set1_epi32(32));
+                __mmask16 b6 = _mm512_test_epi32_mask(idx[u], _mm512_set1_epi32(64));
+                __m512 lg = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r0, r1),
+                                                 _mm512_mask_blend_ps(b5, r2, r3));
+                y[u] = _mm512_add_ps(_mm512_mul_ps(lg, u < 4 ? ikm : ikv), u < 4 ? bm : bv);
+                if (CLAMP) y[u] = _mm512_max_ps(y[u], _mm512_set1_ps(-126.0f));
+            }
+            for (int u = 0; u < 8; ++u) { /* fexp2_v, step by step */
+                r[u] = FLOOR_V(y[u]);
+                f[u] = _mm512_sub_ps(y[u], r[u]);
+                acc[u] = _mm512_add_ps(_mm512_mul_ps(f[u], _mm512_set1_ps(EXP2_C3)),
+                                       _mm512_set1_ps(EXP2_C2));
+            }
+            for (int u = 0; u < 8; ++u)
+                acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(EXP2_C1));
+            for (int u = 0; u < 8; ++u)
+                acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(EXP2_C0));
+            for (int u = 0; u < 8; ++u) {
+                __m512 poly = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(1.0f));
+                __m512i mag = _mm512_add_epi32(_mm512_castps_si512(poly),
+                                               _mm512_slli_epi32(_mm512_cvttps_epi32(r[u]), 23));
+                __mmask16 nz = _mm512_cmpneq_epi32_mask(idx[u], _mm512_setzero_si512()) &
+                               _mm512_cmpneq_epi32_mask(idx[u], _mm512_set1_epi32(0x7F));
+                __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c[u], _mm512_set1_epi32(0x80)), 24);
+                __m512i out = _mm512_or_si512(_mm512_maskz_mov_epi32(nz, mag), sign);
+                _mm512_storeu_ps((u < 4 ? m_out : v_out) + i0 + 16 * (u & 3),
+                                 _mm512_castsi512_ps(out));
+            }
+        }
+        return;
+    }
     for (int64_t i = 0; i < n; i += 16) {
         _mm512_storeu_ps(m_out + i, dec_coat_v(qm + i, tab, ikm, bm, CLAMP));
         _mm512_storeu_ps(v_out + i, dec_coat_v(qv + i, tab, ikv, bv, CLAMP));
