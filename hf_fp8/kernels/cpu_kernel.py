@@ -23,7 +23,7 @@ hardened loader; cached per machine):
 Work is spread over ``torch.get_num_threads()`` threads of torch's own OpenMP team.
 
 Code path, chosen at run time from the CPU: ``avx512bf16`` (AVX-512 + VBMI + BF16: byte-table
-decode, bf16 dot products for bf16 activations), ``avx512`` (AVX-512 F/BW/VL + F16C + FMA),
+decode, bf16 dot products for bf16 activations), ``avx512`` (AVX-512 F/BW/VL/DQ + F16C + FMA),
 ``avx2`` (AVX2 + F16C + FMA), ``neon`` (aarch64), ``scalar`` (portable C). The environment
 variable ``HF_FP8_CPU_KERNEL`` forces one (``avx512bf16``, ``avx512``, ``avx2``, ``neon``,
 ``scalar``) or turns the C kernels off (``off``: the compiled emulation runs instead).
@@ -59,7 +59,7 @@ SOURCE = Path(__file__).parent / "csrc" / "fp8_gemv.c"
 ENV = "HF_FP8_CPU_KERNEL"
 PATHS = ("avx512bf16", "avx512", "avx2", "neon", "scalar")  # widest first
 _PATH_ID = {"avx512bf16": 4, "avx512": 3, "avx2": 2, "neon": 1, "scalar": 0}
-_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mf16c", "-mfma")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mf16c", "-mfma")
 _PATH_CFLAGS = {
     "avx512bf16": (*_AVX512, "-mavx512vbmi", "-mavx512bf16"),
     "avx512": _AVX512,
@@ -89,7 +89,7 @@ def supported_paths() -> tuple[str, ...]:
     machine = platform.machine().lower()
     paths = []
     if machine in ("x86_64", "amd64"):
-        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx2"} <= feats
+        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2"} <= feats
         if avx512 and {"avx512vbmi", "avx512bf16"} <= feats:
             paths.append("avx512bf16")
         if avx512:

@@ -3,7 +3,7 @@
  *
  * Built by hf_fp8.kernels.cpu_kernel with -DFP8_PATH=<n>:
  *   4 AVX-512 + VBMI + BF16: byte-table decode (vpermi2b) and bf16 dot products
- *   3 AVX-512 (F, BW, VL) + F16C + FMA    2 AVX2 + F16C + FMA    1 NEON (aarch64)
+ *   3 AVX-512 (F, BW, VL, DQ) + F16C + FMA    2 AVX2 + F16C + FMA    1 NEON (aarch64)
  *   0 plain C (portable; the compiler may auto-vectorize)
  *
  * Decoding is exact for every fp8 code, subnormals, NaN (and E5M2 inf) included. The
@@ -861,7 +861,6 @@ static void *quant_worker(void *arg) {
                        same grid as the bit tricks (subnormal spacing below the normal range) */
                     {
                         const __m512 vs = _mm512_set1_ps(scale), vmax = _mm512_set1_ps(fmax);
-                        const __m512 vmin = _mm512_set1_ps(-fmax);
                         const __m512 emin = _mm512_set1_ps(e4 ? -6.0f : -14.0f);
                         const __m512i abs = _mm512_set1_epi32(0x7fffffff);
                         const __m512i inf = _mm512_set1_epi32(0x7f800000), qnan = _mm512_set1_epi32(0x7fc00000);
@@ -871,8 +870,9 @@ static void *quant_worker(void *arg) {
     __m512 v = _mm512_div_ps(xv, vs);                                                         \
     __m512i ru;                                                                               \
     {                                                                                         \
-        __m512 c = _mm512_min_ps(_mm512_max_ps(v, vmin), vmax); /* NaN: below */              \
-        __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), abs));       \
+        __m512 c = v; /* the sign of the clamped quotient */                                  \
+        /* min(|v|, fmax), sign cleared: the clamp and the abs in one (NaN: below) */          \
+        __m512 a = _mm512_range_ps(v, vmax, 0x0a);                                            \
         __m512 e = _mm512_max_ps(_mm512_getexp_ps(a), emin); /* getexp(0) = -inf */          \
         __m512 t = _mm512_scalef_ps(a, _mm512_sub_ps(_mm512_setzero_ps(), e));               \
         t = e4 ? _mm512_roundscale_ps(t, (3 << 4) | _MM_FROUND_TO_NEAREST_INT |               \
@@ -1554,6 +1554,7 @@ int fp8_cpu_ok(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
            __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("avx512dq") &&
            (FP8_PATH == 3 || (__builtin_cpu_supports("avx512vbmi") &&
                               __builtin_cpu_supports("avx512bf16")));
 #elif FP8_PATH == 2
