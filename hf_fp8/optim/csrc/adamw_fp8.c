@@ -3,11 +3,15 @@
    Every arithmetic line mirrors hf_fp8.numerics.coat / hf_fp8.numerics.log_moments and
    hf_fp8.optim._step.grouped_step / grouped_step_log in the same order, so results are
    bit-identical to the reference. Two families of variants: the fp8 codes (run_groups) and
-   moment_format="log" (run_groups_log: no polynomial at all, ~3x faster). Loops are branch-free so
-   that the compiler vectorizes them; max/min reductions run on the bit patterns of
-   non-negative floats. With AVX-512, E4M3 codes with COAT expansion decode through a 128-entry
+   moment_format="log" (run_groups_log: no polynomial at all, ~2.6x faster). Loops are
+   branch-free so that the compiler vectorizes them; max/min reductions run on the bit patterns
+   of non-negative floats. With AVX-512 (groups whose length is a multiple of 16), hand-written
+   loops do the same operations: E4M3 codes with COAT expansion decode through a 128-entry
    table of flog2 of every code (dec_group_avx512: permutes instead of the log2 polynomial, the
-   same values bit for bit), then one exp2 per element.
+   same values bit for bit), then one exp2 per element, and requantize with the polynomial
+   chains of 8 vectors interleaved (requant_e4m3_ex_v); the log format has its three loops
+   (update_group_log_v, requant_log_v_v, requant_log_m_v). Threads take groups from a shared
+   counter; built with -fopenmp (USE_OMP) they are torch's own OpenMP pool.
 
    Built by hf_fp8.utils.native.load_library with -D defines generated from ONE Python table
    (hf_fp8/optim/_cpu_kernel.py: kernel_defines()): the task layout T_* / T_FIELDS, the
