@@ -787,6 +787,7 @@ static void *quant_worker(void *arg) {
                         : q->gran == GRAN_ROW  ? q->scale + m
                                                : q->scale + m * kb + b;
             /* phase 2 (token / block scales): both phases per segment, while it is in L1 */
+            uint32_t nonfin = 0; /* phase 0 met a NaN / inf (phase 2: skip the check after) */
             for (int ph = q->phase == 2 ? 0 : q->phase; ph <= (q->phase == 2 ? 1 : q->phase); ++ph) {
                 float scale = ph ? *sp : 1.0f;
                 uint32_t umax = 0; /* |x| of finite values as bits: they order like the floats */
@@ -815,6 +816,7 @@ static void *quant_worker(void *arg) {
                                                              _mm512_set1_epi16(0x7fff));
                                 __mmask32 fin = _mm512_cmplt_epu16_mask(u, _mm512_set1_epi16(0x7f80));
                                 vh = _mm512_mask_max_epu16(vh, fin, vh, u);
+                                nonfin |= (uint32_t)~fin;
                             }
                             vm = _mm512_slli_epi32(_mm512_max_epu32(_mm512_srli_epi32(vh, 16),
                                                                     _mm512_and_si512(vh, _mm512_set1_epi32(0xffff))),
@@ -828,6 +830,7 @@ static void *quant_worker(void *arg) {
                             __m512i u = _mm512_and_si512(xi, _mm512_set1_epi32(0x7fffffff));
                             __mmask16 fin = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(0x7f800000));
                             vm = _mm512_mask_max_epu32(vm, fin, vm, u);
+                            nonfin |= (uint32_t)(uint16_t)~fin;
                         }
                         cm = _mm512_reduce_max_epu32(vm);
 #elif FP8_PATH == 2
@@ -846,6 +849,7 @@ static void *quant_worker(void *arg) {
                             uint32_t u;
                             memcpy(&u, xf + i, 4);
                             u &= 0x7fffffffu;
+                            nonfin |= u >= 0x7f800000u;
                             u = u < 0x7f800000u ? u : 0u; /* NaN and inf never enter a scale */
                             cm = u > cm ? u : cm;
                         }
@@ -866,6 +870,9 @@ static void *quant_worker(void *arg) {
                         const __m512i inf = _mm512_set1_epi32(0x7f800000), qnan = _mm512_set1_epi32(0x7fc00000);
                         const uint16_t *xb16 = (const uint16_t *)q->x + at;
                         const float *xf32 = (const float *)q->x + at;
+                        /* a scale from this segment's finite amax (> 0) keeps every quotient of
+                           finite values finite: |x / scale| <= fmax (1 + 2^-23) */
+                        const int allfin = q->phase == 2 && !nonfin && scale > 0.0f;
 #define QUANT16(xv, v, ru) /* the loop below, 16 lanes: quotient v, fp8 value bits ru */     \
     __m512 v = _mm512_div_ps(xv, vs);                                                         \
     __m512i ru;                                                                               \
@@ -881,9 +888,11 @@ static void *quant_worker(void *arg) {
                                              _MM_FROUND_NO_EXC);                              \
         ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_scalef_ps(t, e)),          \
                                        _mm512_castps_si512(c), abs, 0xf4); /* | sign(c) */   \
-        __mmask16 fin =                                                                       \
-            _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs), inf);     \
-        ru = _mm512_mask_blend_epi32(fin, qnan, ru);                                          \
+        if (!allfin) {                                                                        \
+            __mmask16 fin =                                                                   \
+                _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs), inf); \
+            ru = _mm512_mask_blend_epi32(fin, qnan, ru);                                      \
+        }                                                                                     \
     }
                         if (q->x_bf16 && q->post && q->out_kind == OUT_BF16) {
                             /* 32 at a time: bf16 -> fp32 and back by 16-bit unpacks / one pack
