@@ -66,11 +66,13 @@ def bmm_experts_layout(module: nn.Module) -> ExpertsLayout | None:
     args = list(inspect.signature(type(module).forward).parameters)[1:]
     source = _forward_source(type(module))
     chunk, act = _CHUNK.search(source), _ACT.search(source)
-    ops = forward_ops(type(module))
+    ops = forward_ops(module)
     if (
         len(args) != 1
         or ops is None  # nothing but views, the two bmm, chunk, act_fn and up * act(gate)
-        or not ops.only({"view", "reshape", "bmm", "chunk", "act_fn"}, ("Mult",), set())
+        or not ops.only(
+            {".view", ".reshape", "reshape", "bmm", ".chunk", "self.act_fn"}, ("Mult",), set()
+        )
         or "bmm(" not in source
         or "self.gate_up_proj" not in source
         or "self.down_proj" not in source

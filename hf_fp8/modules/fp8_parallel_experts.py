@@ -65,8 +65,9 @@ def parallel_experts_layout(module: nn.Module) -> ParallelExpertsLayout | None:
         return None
     if "linear(" not in source:
         return None
-    ops = forward_ops(type(module))  # split, one linear per expert, cat; nothing else
-    if ops is None or not ops.only({"split", "range", "append", "linear", "cat"}, (), {"For"}):
+    ops = forward_ops(module)  # split, one linear per expert, cat; nothing else
+    allowed = {".split", "split", "range", ".append", "linear", "cat"}
+    if ops is None or not ops.only(allowed, (), {"For"}):
         return None
     num_experts, out_features, in_features = params["weight"].shape
     return ParallelExpertsLayout(

@@ -189,7 +189,8 @@ class ClampedExperts(Llama4TextExperts):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
-        gate, up = torch.bmm(hidden_states, self.gate_up_proj).clamp(-7, 7).chunk(2, dim=-1)
+        gate_up = torch.bmm(hidden_states, self.gate_up_proj).clamp(-7, 7)
+        gate, up = gate_up.chunk(2, dim=-1)
         next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)
         return next_states.view(-1, self.hidden_size)
 
@@ -199,16 +200,81 @@ class BranchingExperts(Llama4TextExperts):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
-        gate, up = torch.bmm(hidden_states, self.gate_up_proj).chunk(2, dim=-1)
+        gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
         if self.training:
             up = up.neg()
         next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)
         return next_states.view(-1, self.hidden_size)
 
 
-@pytest.mark.parametrize("cls", [ScaledOutputExperts, ClampedExperts, BranchingExperts])
+class ReshapeHidesOperations(Llama4TextExperts):
+    """The function form of reshape carries a clamp and a scale in its tensor argument."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = (self.gate_up_proj.shape[0], -1, self.hidden_size)
+        hidden_states = torch.reshape(hidden_states.clamp(-1, 1) * 0.5, shape)
+        gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
+        next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)
+        return next_states.view(-1, self.hidden_size)
+
+
+class OwnBmmMethod(Llama4TextExperts):
+    """``self.bmm`` is a method of the class that scales: not ``torch.bmm``."""
+
+    def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(a, b) * 2.0
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+        gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
+        next_states = self.bmm((up * self.act_fn(gate)), self.down_proj)
+        return next_states.view(-1, self.hidden_size)
+
+
+class TransposedDown(Llama4TextExperts):
+    """The down projection read transposed (an attribute, not a call)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+        gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
+        next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj.mT)
+        return next_states.view(-1, self.hidden_size)
+
+
+class OwnCall(Llama4TextExperts):
+    """Llama-4's forward, but the call scales its result."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs) * 2.0
+
+
+LOOK_ALIKES = [
+    ScaledOutputExperts,
+    ClampedExperts,
+    BranchingExperts,
+    ReshapeHidesOperations,
+    OwnBmmMethod,
+    TransposedDown,
+    OwnCall,
+]
+
+
+@pytest.mark.parametrize("cls", LOOK_ALIKES)
 def test_look_alike_forwards_with_other_operations_stay_high_precision(cls: type) -> None:
     experts = cls(tf.Llama4TextConfig(**TEXT))
     assert bmm_experts_layout(experts) is None
     with pytest.raises(ValueError, match="not a bmm experts module"):
         Fp8BmmExperts.from_experts(experts, Fp8Config("weight_only"))
+
+
+def test_hooks_or_an_instance_forward_keep_llama4_experts_in_high_precision() -> None:
+    hooked = Llama4TextExperts(tf.Llama4TextConfig(**TEXT))
+    hooked.register_forward_hook(lambda module, args, out: out * 2.0)
+    assert bmm_experts_layout(hooked) is None
+    patched = Llama4TextExperts(tf.Llama4TextConfig(**TEXT))
+    patched.forward = lambda hidden_states: hidden_states
+    assert bmm_experts_layout(patched) is None

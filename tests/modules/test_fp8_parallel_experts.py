@@ -155,7 +155,36 @@ class ActivatedParallel(JetMoeParallelExperts):
         return torch.cat(output_list, dim=0)
 
 
-@pytest.mark.parametrize("cls", [ScaledParallel, ActivatedParallel])
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A module-level function named like ``F.linear`` that is not it."""
+    return nn.functional.linear(x, w).relu()
+
+
+class SplitHidesActivation(JetMoeParallelExperts):
+    """The function form of split carries a tanh in its tensor argument."""
+
+    def forward(self, inputs, expert_size):
+        input_list = torch.split(torch.tanh(inputs), expert_size, dim=0)
+        output_list = []
+        for i in range(self.num_experts):
+            output_list.append(nn.functional.linear(input_list[i], self.weight[i]))
+        return torch.cat(output_list, dim=0)
+
+
+class OtherLinear(JetMoeParallelExperts):
+    """Calls a function named ``linear`` that is not ``torch.nn.functional.linear``."""
+
+    def forward(self, inputs, expert_size):
+        input_list = inputs.split(expert_size, dim=0)
+        output_list = []
+        for i in range(self.num_experts):
+            output_list.append(linear(input_list[i], self.weight[i]))
+        return torch.cat(output_list, dim=0)
+
+
+@pytest.mark.parametrize(
+    "cls", [ScaledParallel, ActivatedParallel, SplitHidesActivation, OtherLinear]
+)
 def test_look_alike_forwards_with_other_operations_stay_high_precision(cls: type) -> None:
     module = cls(4, 16, 24)
     assert parallel_experts_layout(module) is None
