@@ -176,6 +176,27 @@ class _Walker(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+def call_changes(module: nn.Module) -> list[str]:
+    """What changes ``module``'s call beyond its class's ``forward``: hooks, an instance
+    ``forward`` (accelerate's ``add_hook_to_module`` sets one), an own ``__call__``. A module
+    swapped for an FP8 one would lose them silently."""
+    found = [
+        what
+        for what, hooks in (
+            ("forward hooks", module._forward_hooks),
+            ("forward pre-hooks", module._forward_pre_hooks),
+            ("backward hooks", module._backward_hooks),
+            ("backward pre-hooks", module._backward_pre_hooks),
+        )
+        if hooks
+    ]
+    if "forward" in module.__dict__:
+        found.append("an instance forward")
+    if type(module).__call__ is not nn.Module.__call__:
+        found.append("its own __call__")
+    return found
+
+
 def forward_ops(module: nn.Module) -> ForwardOps | None:
     """The operations of ``module``'s forward (see the module docstring), or ``None`` when
     its source cannot be read."""
@@ -191,10 +212,7 @@ def forward_ops(module: nn.Module) -> ForwardOps | None:
     walker = _Walker(module, {**getattr(cls.forward, "__globals__", {})})
     if function.decorator_list:
         walker.unknown.append("decorated forward")
-    if cls.__call__ is not nn.Module.__call__ or "forward" in module.__dict__:
-        walker.unknown.append("own __call__ or instance forward")
-    if module._forward_hooks or module._forward_pre_hooks:
-        walker.unknown.append("forward hooks")
+    walker.unknown.extend(call_changes(module))
     for statement in function.body:
         walker.visit(statement)
     return ForwardOps(

@@ -16,6 +16,7 @@ from hf_fp8.modules import (
     unconverted_linears,
     warn_unmatched,
 )
+from hf_fp8.modules.forward_ops import call_changes
 from hf_fp8.modules.replace import _swap_linears
 from hf_fp8.modules.selection import ModuleFilter
 from hf_fp8.quantizer.experts import experts_to_convert
@@ -54,6 +55,22 @@ def _check_existing_fp8(model: nn.Module, config: Fp8Config) -> None:
                 "scheme, load the high-precision checkpoint, or dequantize first "
                 "(model.dequantize() on a transformers model)."
             )
+
+
+def _refuse_changed_calls(named: list[tuple[str, nn.Module]]) -> None:
+    """``ValueError`` before anything converts when a layer to swap carries hooks or a
+    patched call (``call_changes``): the FP8 layer that replaces it would drop them."""
+    changed = [(name, what) for name, module in named if (what := call_changes(module))]
+    if changed:
+        listed = "; ".join(f"{name}: {', '.join(what)}" for name, what in changed[:5])
+        more = f" (and {len(changed) - 5} more)" if len(changed) > 5 else ""
+        raise ValueError(
+            f"hf_fp8.quantize_model: {len(changed)} layer(s) to convert carry hooks or a patched "
+            f"call that the FP8 layer replacing them would lose: {listed}{more}. Quantize "
+            "before registering hooks (before accelerate's dispatch_model / "
+            "cpu_offload, or load with from_pretrained(..., quantization_config=Fp8Config(...))), "
+            "remove them, or keep these layers with skip=[...]"
+        )
 
 
 def quantize_model(
@@ -99,6 +116,7 @@ def quantize_model(
             UserWarning,
             stacklevel=2,
         )
+    _refuse_changed_calls([*(t[:2] for t in targets), *(e[:2] for e in experts)])
     _swap_linears(config, targets)
     swapped: dict[int, Fp8Experts] = {}  # experts shared by two parents stay shared
     for name, module, parent, fp8_class in experts:

@@ -145,3 +145,26 @@ def test_there_is_one_quantize_model() -> None:
 
     assert not hasattr(hf_fp8.modules, "quantize_model")
     assert not hasattr(hf_fp8.modules.replace, "quantize_model")
+
+
+@pytest.mark.parametrize("patch", ["forward_hook", "pre_hook", "instance_forward"])
+def test_layers_with_hooks_or_a_patched_forward_are_refused_before_anything_converts(patch) -> None:
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(2, 32)
+    if patch == "forward_hook":  # e.g. an activation capture that scales or records
+        block.mlp[0].register_forward_hook(lambda module, args, out: out * 0.0)
+    elif patch == "pre_hook":
+        block.mlp[0].register_forward_pre_hook(lambda module, args: (args[0] * 0.0,))
+    else:  # what accelerate's add_hook_to_module does
+        original = block.mlp[0].forward
+        block.mlp[0].forward = lambda x: original(x) * 0.0
+    with torch.no_grad():
+        want = block(x)
+    with pytest.raises(ValueError, match=r"mlp\.0: .*(hook|instance forward).*skip="):
+        quantize_model(block, Fp8Config("weight_only"))
+    assert not any(isinstance(m, Fp8Linear) for m in block.modules())  # nothing half-done
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), want, rtol=0, atol=0)
+    quantize_model(block, Fp8Config("weight_only"), skip=["mlp.0"])  # the named fix works
+    assert isinstance(block.q_proj, Fp8Linear) and type(block.mlp[0]) is nn.Linear
