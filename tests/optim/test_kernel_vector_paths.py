@@ -81,8 +81,8 @@ def test_vector_and_scalar_group_loops_are_bit_identical_to_reference(
 @pytest.mark.parametrize("openmp", [True, False], ids=["torch-openmp-pool", "posix-threads"])
 def test_thread_split_does_not_change_results(options, openmp, monkeypatch):
     """Enough groups (1,266) for the kernel to run 1, 2 and 3 threads (it starts one per 256
-    groups), which take the groups dynamically: every split gives the reference's bits, on
-    torch's OpenMP pool and on POSIX threads."""
+    groups), which take their shares 64 groups at a time and then steal from the others':
+    every split gives the reference's bits, on torch's OpenMP pool and on POSIX threads."""
     monkeypatch.setenv(_cpu_kernel.OPENMP_ENV, "1" if openmp else "0")
     monkeypatch.setattr(_cpu_kernel, "_LIBS", {})
     monkeypatch.setattr(_cpu_kernel, "_ERRORS", {})

@@ -1076,23 +1076,27 @@ static int check_task(const int64_t* t) {
     return 0;
 }
 
-/* Threads take the groups SPAN at a time from one shared counter (dynamic scheduling), so
-   that a thread slowed by another process on its core (on a shared machine, or torch's
-   OpenMP threads still spin-waiting after the previous parallel region) does not hold the
-   step back: the others take its share. Every group is independent and its random bits come
-   from its element index, so the split never changes results. */
+/* Thread i owns the i-th contiguous share of the groups and takes them SPAN at a time from
+   the share's counter; a thread done with its share takes from the others' counters (work
+   stealing), so that a thread slowed by another process on its core (a shared machine, or
+   torch's OpenMP threads still spin-waiting after the previous parallel region) does not hold
+   the step back, while each thread still streams through one contiguous range of memory.
+   Every group is independent and its random bits come from its element index, so the split
+   never changes results. */
 #ifndef SPAN
 #define SPAN 64 /* groups per grab: 8192 elements at the default group size */
 #endif
 
 typedef struct {
     const int64_t* tasks;
-    int64_t ntasks, total, maxgs;
-    int64_t next; /* the first group not yet taken (atomic) */
+    int64_t ntasks, maxgs, nt;
+    int64_t next[MAX_THREADS]; /* the first group of share i not yet taken (atomic) */
+    int64_t stop[MAX_THREADS]; /* the end of share i */
 } shared_t;
 
 typedef struct {
     shared_t* sh;
+    int64_t id;
     int rc;
 } work_t;
 
@@ -1101,25 +1105,28 @@ static void* worker(void* arg) {
     shared_t* sh = w->sh;
     float* buf = (float*)malloc(2 * CHUNK * sh->maxgs * sizeof(float));
     if (!buf) { w->rc = 1; return NULL; }
-    int64_t k = 0, base = 0; /* a thread's grabs only increase: scan the tasks forward */
-    for (;;) {
-        const int64_t start = __atomic_fetch_add(&sh->next, SPAN, __ATOMIC_RELAXED);
-        if (start >= sh->total) break;
-        const int64_t stop = start + SPAN < sh->total ? start + SPAN : sh->total;
-        while (k < sh->ntasks && base + task_groups(sh->tasks + T_FIELDS * k) <= start) {
-            base += task_groups(sh->tasks + T_FIELDS * k);
-            ++k;
-        }
-        for (int64_t j = k, b = base; j < sh->ntasks && b < stop; ++j) {
-            const int64_t* t = sh->tasks + T_FIELDS * j;
-            const int64_t ng = task_groups(t);
-            const int64_t lo = (start > b ? start : b) - b;
-            const int64_t hi = (stop < b + ng ? stop : b + ng) - b;
-            if (lo < hi) {
-                int rc = dispatch(t, lo, hi, buf, buf + CHUNK * sh->maxgs);
-                if (rc) w->rc = rc;
+    for (int64_t r = 0; r < sh->nt; ++r) {
+        const int64_t s = (w->id + r) % sh->nt; /* its own share first, then the others' */
+        int64_t k = 0, base = 0; /* grabs from one share only increase: scan the tasks forward */
+        for (;;) {
+            const int64_t start = __atomic_fetch_add(&sh->next[s], SPAN, __ATOMIC_RELAXED);
+            if (start >= sh->stop[s]) break;
+            const int64_t stop = start + SPAN < sh->stop[s] ? start + SPAN : sh->stop[s];
+            while (k < sh->ntasks && base + task_groups(sh->tasks + T_FIELDS * k) <= start) {
+                base += task_groups(sh->tasks + T_FIELDS * k);
+                ++k;
             }
-            b += ng;
+            for (int64_t j = k, b = base; j < sh->ntasks && b < stop; ++j) {
+                const int64_t* t = sh->tasks + T_FIELDS * j;
+                const int64_t ng = task_groups(t);
+                const int64_t lo = (start > b ? start : b) - b;
+                const int64_t hi = (stop < b + ng ? stop : b + ng) - b;
+                if (lo < hi) {
+                    int rc = dispatch(t, lo, hi, buf, buf + CHUNK * sh->maxgs);
+                    if (rc) w->rc = rc;
+                }
+                b += ng;
+            }
         }
     }
     free(buf);
@@ -1139,12 +1146,15 @@ int adamw_fp8_step(int64_t ntasks, const int64_t* tasks, int64_t nthreads) {
     nt = nt > MAX_THREADS ? MAX_THREADS : nt;
     int64_t useful = total / 256 + 1; /* at least 256 groups per thread */
     nt = nt > useful ? useful : nt;
-    shared_t sh = {tasks, ntasks, total, maxgs, 0};
+    shared_t sh;
+    sh.tasks = tasks; sh.ntasks = ntasks; sh.maxgs = maxgs; sh.nt = nt;
     work_t w[MAX_THREADS];
     pthread_t th[MAX_THREADS];
     int started[MAX_THREADS];
     for (int64_t i = 0; i < nt; ++i) {
-        w[i].sh = &sh; w[i].rc = 0;
+        sh.next[i] = total * i / nt;
+        sh.stop[i] = total * (i + 1) / nt;
+        w[i].sh = &sh; w[i].id = i; w[i].rc = 0;
         started[i] = 0;
     }
     if (nt == 1) {
