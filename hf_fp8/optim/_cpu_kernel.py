@@ -194,17 +194,25 @@ def shares_torch_openmp() -> bool:
     return _torch_libgomp_and_gcc()
 
 
+def _openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped in this process (Linux ``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line}
+    except OSError:
+        return set()
+    return {p for p in paths if any(n in Path(p).name for n in ("gomp", "libomp", "iomp"))}
+
+
 @functools.lru_cache(maxsize=1)
 def _torch_libgomp_and_gcc() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return False
-    try:
-        with open("/proc/self/maps") as maps:
-            if not any("/libgomp" in line for line in maps):
-                return False
-    except OSError:
+    # the one runtime is GCC's, under its own soname (a wheel's renamed copy such as
+    # libgomp-<hash>.so.1 would not satisfy the kernel's libgomp.so.1: a second runtime)
+    if [Path(p).name for p in _openmp_runtimes()] != ["libgomp.so.1"]:
         return False
     cc = native.compiler()
     if cc is None:
@@ -228,6 +236,7 @@ def load(variant: int = EXPAND) -> ctypes.CDLL | None:
             return None
         lib = None
         if shares_torch_openmp():
+            before = _openmp_runtimes()
             try:
                 lib = native.load_library(
                     "adamw_fp8",
@@ -237,6 +246,8 @@ def load(variant: int = EXPAND) -> ctypes.CDLL | None:
                 )
             except native.NativeUnavailable:
                 lib = None  # POSIX threads below
+            if lib is not None and _openmp_runtimes() != before:
+                lib = None  # it brought a runtime of its own: never call it, POSIX threads
         try:
             if lib is None:
                 lib = native.load_library("adamw_fp8", SOURCE, defines=kernel_defines(variant))

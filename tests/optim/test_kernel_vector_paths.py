@@ -108,3 +108,29 @@ def test_thread_split_does_not_change_results(options, openmp, monkeypatch):
     assert sum(-(-s[1] // 128) * s[0] for s in shapes) > 3 * 256
     for threads in (1, 2, 3):
         assert_bit_identical(reference, steps(threads))
+
+
+@needs_kernel
+def test_openmp_build_that_brings_its_own_runtime_is_not_used(monkeypatch):
+    """A -fopenmp kernel that maps a second OpenMP runtime (not torch's) would spin threads of
+    its own beside torch's: the kernel then runs on POSIX threads instead."""
+    from hf_fp8.utils import native
+
+    monkeypatch.setenv(_cpu_kernel.OPENMP_ENV, "1")
+    monkeypatch.setattr(_cpu_kernel, "_LIBS", {})
+    monkeypatch.setattr(_cpu_kernel, "_ERRORS", {})
+    monkeypatch.setattr(_cpu_kernel, "_torch_libgomp_and_gcc", lambda: True)
+    runtimes = iter([{"/torch/lib/libgomp.so.1"}, {"/torch/lib/libgomp.so.1", "/usr/libgomp.so.1"}])
+    monkeypatch.setattr(_cpu_kernel, "_openmp_runtimes", lambda: next(runtimes))
+    builds = []
+    real = native.load_library
+
+    def spy(*args, **kwargs):
+        lib = real(*args, **kwargs)
+        builds.append((tuple(kwargs.get("cflags", ())), lib))
+        return lib
+
+    monkeypatch.setattr(native, "load_library", spy)
+    lib = _cpu_kernel.load(_cpu_kernel.variant(torch.float32, torch.float32, None, False, log=True))
+    assert [flags for flags, _ in builds] == [("-fopenmp",), ()]
+    assert lib is builds[1][1]
