@@ -412,22 +412,46 @@ class Batch:
             dst.copy_(src)
 
 
+class KernelStepError(RuntimeError):
+    """The C kernel did not run a step. ``applied``: whether some tensors (another variant's
+    tasks of the same step) were already updated; when ``False`` nothing was touched and the
+    step can be retried."""
+
+    def __init__(self, message: str, applied: bool) -> None:
+        super().__init__(message)
+        self.applied = applied
+
+
 def launch(tasks: list[list[int]]) -> None:
-    """Run the step on every task (``len(TASK_FIELDS)`` int64 each), one call per variant."""
+    """Run the step on every task (``len(TASK_FIELDS)`` int64 each), one call per variant.
+
+    Every library is loaded before the first call, and a call that refuses its tasks (invalid,
+    out of memory) touches nothing, so a failure leaves the tensors as they were unless an
+    earlier variant's call already ran (:class:`KernelStepError` says which)."""
     flags = TASK_FIELDS.index("flags")
     by_variant: dict[int, list[int]] = {}
     for task in tasks:
         if len(task) != len(TASK_FIELDS):
             raise ValueError(f"a task has {len(task)} fields, expected {len(TASK_FIELDS)}")
         by_variant.setdefault(task[flags], []).extend(task)
-    for var, flat in by_variant.items():
-        lib = load(var)
+    libs = {var: load(var) for var in by_variant}
+    for var, lib in libs.items():
         if lib is None:
-            raise RuntimeError(f"CPU kernel unavailable: {error(var)}")
+            raise KernelStepError(f"CPU kernel unavailable: {error(var)}", applied=False)
+    applied = False
+    for var, flat in by_variant.items():
         arr = (ctypes.c_int64 * len(flat))(*flat)
         n = len(flat) // len(TASK_FIELDS)
-        rc = lib.adamw_fp8_step(n, ctypes.cast(arr, ctypes.c_void_p), torch.get_num_threads())
+        rc = libs[var].adamw_fp8_step(n, ctypes.cast(arr, ctypes.c_void_p), torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(
-                f"CPU kernel refused its tasks (code {rc}: {ERRORS.get(rc, 'unknown')})"
+            partly = (
+                "; the parameters of another dtype were already updated by this step: restore "
+                "a checkpoint rather than retry it"
+                if applied
+                else ""
             )
+            raise KernelStepError(
+                f"CPU kernel refused its tasks (code {rc}: {ERRORS.get(rc, 'unknown')}){partly}",
+                applied=applied,
+            )
+        applied = True

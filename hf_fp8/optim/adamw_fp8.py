@@ -197,6 +197,7 @@ class AdamWFp8(Optimizer):
         fp32: dict[torch.device, dict[str, list]] = {}  # per device: foreach needs one
         batch = _cpu_kernel.Batch()
         hp_cache: dict[tuple[float, torch.device], torch.Tensor] = {}
+        stepped: list[dict[str, Any]] = []  # states whose step count this call advanced
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -206,6 +207,7 @@ class AdamWFp8(Optimizer):
             if not state:
                 self._init_state(p, state, group)
             state["step"] += 1
+            stepped.append(state)
             step = float(state["step"])
             if not is_quantized_state(state):
                 lists = fp32.setdefault(p.device, {"p": [], "g": [], "m": [], "v": [], "s": []})
@@ -223,7 +225,13 @@ class AdamWFp8(Optimizer):
                 hp_cache[key] = _step.hyperparams(group, step, param.device)
             keys = _stream_keys(group, int(step), index[p], p, states[0].shape[1])
             self._quantized_step(param, grad, states, hp_cache[key], group, batch, keys)
-        batch.run()
+        try:
+            batch.run()
+        except _cpu_kernel.KernelStepError as err:
+            if not err.applied:  # nothing touched: the step can be taken again
+                for state in stepped:
+                    state["step"] -= 1
+            raise
         lr = group["lr"]
         for lists in fp32.values():
             _step.fp32_step(

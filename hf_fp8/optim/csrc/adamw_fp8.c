@@ -1087,6 +1087,10 @@ static int check_task(const int64_t* t) {
 #define SPAN 64 /* groups per grab: 8192 elements at the default group size */
 #endif
 
+#ifndef SCRATCH_ALLOC /* the scratch allocator: replaced only by the out-of-memory test */
+#define SCRATCH_ALLOC malloc
+#endif
+
 typedef struct {
     const int64_t* tasks;
     int64_t ntasks, maxgs, nt;
@@ -1096,6 +1100,7 @@ typedef struct {
 
 typedef struct {
     shared_t* sh;
+    float* buf; /* scratch, allocated before any thread starts */
     int64_t id;
     int rc;
 } work_t;
@@ -1103,8 +1108,7 @@ typedef struct {
 static void* worker(void* arg) {
     work_t* w = (work_t*)arg;
     shared_t* sh = w->sh;
-    float* buf = (float*)malloc(2 * CHUNK * sh->maxgs * sizeof(float));
-    if (!buf) { w->rc = 1; return NULL; }
+    float* buf = w->buf;
     for (int64_t r = 0; r < sh->nt; ++r) {
         const int64_t s = (w->id + r) % sh->nt; /* its own share first, then the others' */
         int64_t k = 0, base = 0; /* grabs from one share only increase: scan the tasks forward */
@@ -1129,7 +1133,6 @@ static void* worker(void* arg) {
             }
         }
     }
-    free(buf);
     return NULL;
 }
 
@@ -1156,6 +1159,14 @@ int adamw_fp8_step(int64_t ntasks, const int64_t* tasks, int64_t nthreads) {
         sh.stop[i] = total * (i + 1) / nt;
         w[i].sh = &sh; w[i].id = i; w[i].rc = 0;
         started[i] = 0;
+        /* every thread's scratch first, so that out of memory touches nothing: allocated in
+           the workers, a failed thread's share was stolen by the others and the step applied,
+           then reported as failed (a caller retrying would apply it twice) */
+        w[i].buf = (float*)SCRATCH_ALLOC(2 * CHUNK * maxgs * sizeof(float));
+        if (!w[i].buf) {
+            for (int64_t j = 0; j < i; ++j) free(w[j].buf);
+            return 1;
+        }
     }
     if (nt == 1) {
         worker(&w[0]);
@@ -1177,5 +1188,6 @@ int adamw_fp8_step(int64_t ntasks, const int64_t* tasks, int64_t nthreads) {
         if (started[i]) pthread_join(th[i], NULL);
         if (w[i].rc) rc = w[i].rc;
     }
+    for (int64_t i = 0; i < nt; ++i) free(w[i].buf);
     return rc;
 }
