@@ -133,6 +133,12 @@ class Fp8HfQuantizer(HfQuantizer):
                 "on-the-fly FP8 quantization cannot offload to disk; quantize and save first "
                 "(model.save_pretrained), then load the FP8 checkpoint with this device_map"
             )
+        if not torch.cuda.is_available():
+            # CPU inference: build (or load) the C kernel from the start of the load (the
+            # first call transformers makes), so that the first forward does not pay for it
+            from hf_fp8.kernels.cpu_kernel import prebuild
+
+            prebuild()
 
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
         if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -196,12 +202,6 @@ class Fp8HfQuantizer(HfQuantizer):
         ).items():
             self.experts_tensor_names.update(experts_tensor_names(name, experts))
         model.config.quantization_config = config
-        if swapped and not torch.cuda.is_available():
-            # CPU inference: build (or load) the C kernel while the checkpoint loads, so the
-            # first forward does not pay for it
-            from hf_fp8.kernels.cpu_kernel import prebuild
-
-            prebuild()
 
     def update_parallel_plan(self, model, plan: dict[str, str]) -> None:
         # The base class walks every parameter name to add tensor-parallel entries for the
