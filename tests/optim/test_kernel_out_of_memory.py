@@ -5,13 +5,12 @@ reported as failed)."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
-from hf_fp8.optim import AdamWFp8, _cpu_kernel
+from hf_fp8.optim import AdamWFp8
 from hf_fp8.utils import native
+from tests.optim.kernel_builds import route_kernel_builds
 
 # the kernel's scratch allocator (SCRATCH_ALLOC) for this test: the 4th allocation fails, i.e.
 # one of the two threads' scratch on the second step
@@ -30,25 +29,12 @@ def failing_kernel(tmp_path, monkeypatch):
         pytest.skip("no C compiler")
     header = tmp_path / "failing_allocator.h"
     header.write_text(FAILING_ALLOCATOR)
-    built: dict[int, ctypes.CDLL] = {}
-
-    def load(variant: int = _cpu_kernel.EXPAND):
-        if variant not in built:
-            lib = native.load_library(
-                "adamw_fp8_failing_alloc",
-                _cpu_kernel.SOURCE,
-                defines={
-                    **_cpu_kernel.kernel_defines(variant),
-                    "SCRATCH_ALLOC": "hf_fp8_test_alloc",
-                },
-                cflags=("-include", str(header)),
-            )
-            lib.adamw_fp8_step.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-            lib.adamw_fp8_step.restype = ctypes.c_int
-            built[variant] = lib
-        return built[variant]
-
-    monkeypatch.setattr(_cpu_kernel, "load", load)
+    built = route_kernel_builds(
+        monkeypatch,
+        "adamw_fp8_failing_alloc",
+        defines={"SCRATCH_ALLOC": "hf_fp8_test_alloc"},
+        cflags=("-include", str(header)),
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield built

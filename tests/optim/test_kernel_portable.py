@@ -4,14 +4,13 @@ picked (the default build is -march=native, AVX-512 on this machine)."""
 
 from __future__ import annotations
 
-import ctypes
 import platform
 
 import pytest
 import torch
 
-from hf_fp8.optim import _cpu_kernel
 from hf_fp8.utils import native
+from tests.optim.kernel_builds import route_kernel_builds
 from tests.optim.test_implementations import assert_bit_identical, run
 
 BASELINE = {"x86_64": ("-march=x86-64", "-mtune=generic"), "aarch64": ("-march=armv8-a",)}
@@ -28,23 +27,7 @@ def baseline_kernels(monkeypatch):
     flags = BASELINE.get(platform.machine())
     if flags is None or native.compiler() is None:
         pytest.skip("no baseline ISA flags for this machine, or no C compiler")
-    built: dict[int, ctypes.CDLL] = {}
-
-    def load(variant: int = _cpu_kernel.EXPAND):
-        if variant not in built:
-            lib = native.load_library(
-                "adamw_fp8_baseline",
-                _cpu_kernel.SOURCE,
-                defines=_cpu_kernel.kernel_defines(variant),
-                cflags=flags,
-            )
-            lib.adamw_fp8_step.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-            lib.adamw_fp8_step.restype = ctypes.c_int
-            built[variant] = lib
-        return built[variant]
-
-    monkeypatch.setattr(_cpu_kernel, "load", load)
-    return built
+    return route_kernel_builds(monkeypatch, "adamw_fp8_baseline", cflags=flags)
 
 
 @pytest.mark.slow  # builds three libraries
