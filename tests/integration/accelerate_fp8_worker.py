@@ -180,3 +180,6 @@ def main(rank: int, world: int, port: int, outdir: str, variant: str, flag: str)
 if __name__ == "__main__":
     rank, world, port, outdir, variant = sys.argv[1:6]
     main(int(rank), int(world), int(port), outdir, variant, (sys.argv[6:] or [""])[0])
+    sys.stdout.flush()  # no interpreter finalization: see tests/optim/fsdp_worker.py
+    sys.stderr.flush()
+    os._exit(0)
