@@ -2,7 +2,8 @@
 requantization interleaves 8 vectors when the length is a multiple of 128, else one) and its
 scalar loops (other lengths) give the reference's bits, for the default group size and
 others: with ``group_size=32`` every group takes the one-vector loops; with 48 the rows of
-256, 4096 and 200 columns end in groups of 16 (vector) and 8 (scalar) elements.
+256, 4096 and 200 columns end in groups of 16 (vector) and 8 (scalar) elements; 7 is all
+scalar; 16, 96 and 256 are other multiples of 16 (256: two 128-element interleaved blocks).
 
 Two kinds of gradients: the adversarial ones of ``test_implementations`` (33 decades per group:
 COAT's exponent k sits at its minimum, where the decoded log-format offsets are integers) and
@@ -57,7 +58,7 @@ def run(implementation, param_dtype, grad_dtype, grads, steps=3, **options):
 
 @needs_kernel
 @pytest.mark.parametrize("grads", [adversarial_grads, realistic_grads], ids=lambda f: f.__name__)
-@pytest.mark.parametrize("group_size", [128, 32, 48])
+@pytest.mark.parametrize("group_size", [128, 32, 48, 7, 16, 96, 256])
 @pytest.mark.parametrize(
     ("param_dtype", "grad_dtype", "options"),
     CASES,
@@ -78,8 +79,9 @@ def test_vector_and_scalar_group_loops_are_bit_identical_to_reference(
     [{"moment_format": "log"}, {}, {"moment_format": "log", "stochastic_rounding": True}],
     ids=["log-sr_v", "fp8-sr_v", "log-sr"],
 )
+@pytest.mark.parametrize("group_size", [128, 48])
 @pytest.mark.parametrize("openmp", [True, False], ids=["torch-openmp-pool", "posix-threads"])
-def test_thread_split_does_not_change_results(options, openmp, monkeypatch):
+def test_thread_split_does_not_change_results(options, openmp, group_size, monkeypatch):
     """Enough groups (1,266) for the kernel to run 1, 2 and 3 threads (it starts one per 256
     groups), which take their shares 64 groups at a time and then steal from the others':
     every split gives the reference's bits, on torch's OpenMP pool and on POSIX threads."""
@@ -96,7 +98,9 @@ def test_thread_split_does_not_change_results(options, openmp, monkeypatch):
         try:
             g = torch.Generator().manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
-            opt = AdamWFp8(params, implementation=implementation, **HP, **options)
+            opt = AdamWFp8(
+                params, implementation=implementation, **HP, **options, group_size=group_size
+            )
             for step in range(2):
                 realistic_grads(params, step, torch.float32)
                 opt.step()
@@ -105,7 +109,7 @@ def test_thread_split_does_not_change_results(options, openmp, monkeypatch):
         return params, opt
 
     reference = steps(1, "reference")
-    assert sum(-(-s[1] // 128) * s[0] for s in shapes) > 3 * 256
+    assert sum(-(-s[1] // group_size) * s[0] for s in shapes) > 3 * 256
     for threads in (1, 2, 3):
         assert_bit_identical(reference, steps(threads))
 
