@@ -66,6 +66,22 @@ def test_small_tensors_match_torch_adamw_exactly():
         assert torch.equal(opt.state[a]["exp_avg_sq"], torch_opt.state[b]["exp_avg_sq"])
 
 
+def step_against_float64(p, opt, step: int, m, v) -> tuple:
+    """One ``opt.step()`` of ``p`` from the dequantized moments ``m``, ``v``: the parameter
+    equals AdamW in float64 within fp32 arithmetic and the polynomial log2/exp2 (a few 1e-6,
+    amplified where m nearly cancels), far below what a 0.1% slip in β1 or β2 would cause.
+    Returns the reference ``(m, v)`` after the step."""
+    p_before = p.detach().double().clone()
+    grads_for([p], step)
+    opt.step()
+    p_ref, m_ref, v_ref = adamw_reference(p_before, p.grad, m, v, step, **HP)
+    update = p_ref - p_before
+    err = (p.detach().double() - p_ref).abs()
+    bound = 1e-4 * update.abs() + 2e-6 * update.abs().max() + 1e-6 * p_ref.abs()
+    assert (err <= bound).all()
+    return m_ref, v_ref
+
+
 @pytest.mark.parametrize("implementation", ["cpu_kernel", "reference"])
 @pytest.mark.parametrize("expand", [True, False])
 @pytest.mark.parametrize("shape", [(64, 256), (48, 200)])  # whole groups / padded last group
@@ -89,16 +105,7 @@ def test_quantized_step_matches_float64_reference(expand, shape, implementation)
             v = dequant_reference(*state_groups(state, "exp_avg_sq", rows)).view(rows, -1)[:, :cols]
         else:
             m = v = torch.zeros(shape, dtype=torch.float64)
-        p_before = p.detach().double().clone()
-        grads_for([p], step)
-        opt.step()
-        p_ref, m_ref, v_ref = adamw_reference(p_before, p.grad, m, v, step, **HP)
-        update = p_ref - p_before
-        # fp32 arithmetic and the polynomial log2/exp2 (a few 1e-6, amplified where m nearly
-        # cancels): far below what a 0.1% slip in β1 or β2 would cause
-        err = (p.detach().double() - p_ref).abs()
-        bound = 1e-4 * update.abs() + 2e-6 * update.abs().max() + 1e-6 * p_ref.abs()
-        assert (err <= bound).all()
+        m_ref, v_ref = step_against_float64(p, opt, step, m, v)
         state = opt.state[p]
         assert float(state["step"]) == step
         for key, ref in (("exp_avg", m_ref), ("exp_avg_sq", v_ref)):
@@ -146,14 +153,7 @@ def test_log_step_matches_float64_reference(shape, implementation):
             m, v, _ = log_moments_reference(state, rows, cols)
         else:
             m = v = torch.zeros(shape, dtype=torch.float64)
-        p_before = p.detach().double().clone()
-        grads_for([p], step)
-        opt.step()
-        p_ref, m_ref, v_ref = adamw_reference(p_before, p.grad, m, v, step, **HP)
-        update = p_ref - p_before
-        err = (p.detach().double() - p_ref).abs()
-        bound = 1e-4 * update.abs() + 2e-6 * update.abs().max() + 1e-6 * p_ref.abs()
-        assert (err <= bound).all()
+        m_ref, v_ref = step_against_float64(p, opt, step, m, v)
         state = opt.state[p]
         assert state["exp_avg_fp8"].dtype == torch.int8
         assert state["exp_avg_sq_fp8"].dtype == torch.uint8
