@@ -215,3 +215,92 @@ def test_unsafe_home_cache_falls_back_to_private_tmp_dir(env, monkeypatch, tmp_p
     native.forget()
     with pytest.warns(RuntimeWarning), pytest.raises(native.NativeUnavailable):
         native.cache_dir()
+
+
+PARTS_SOURCE = textwrap.dedent(
+    """
+    #if PART == 1
+    extern int shared_offset;
+    int add(int a, int b) { return a + b + shared_offset; }
+    #else
+    int shared_offset = 100;
+    int sub(int a, int b) { return a - b; }
+    #endif
+    #if defined(FAIL) && FAIL == PART
+    #error "this part does not build"
+    #endif
+    """
+)
+PARTS = ({"PART": 1}, {"PART": 2})
+
+
+@pytest.fixture
+def parts_env(env, tmp_path, monkeypatch):
+    """``env`` with a two-part source and a compiler wrapper that logs when each run starts
+    and ends (the -c runs sleep 0.5 s between the two)."""
+    src = tmp_path / "parts.c"
+    src.write_text(PARTS_SOURCE)
+    log = tmp_path / "runs.log"
+    wrapper = tmp_path / "cc-parts"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--version*) exec ' + str(native.compiler()) + ' "$@";; esac\n'
+        'kind=link; case "$*" in *" -c "*) kind=compile;; esac\n'
+        f'echo "start $kind" >> {log}\n'
+        '[ "$kind" = compile ] && sleep 0.5\n'
+        f'{native.compiler()} "$@"; rc=$?\n'
+        f'echo "end $kind" >> {log}\n'
+        "exit $rc\n"
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    native.forget()
+    return {**env, "src": src, "runs": log}
+
+
+def runs(env) -> list[str]:
+    return env["runs"].read_text().splitlines() if env["runs"].exists() else []
+
+
+def test_parts_compile_concurrently_link_into_one_cached_library(parts_env):
+    lib = native.load_library("parts", parts_env["src"], parts=PARTS)
+    lib.sub.argtypes = [ctypes.c_int, ctypes.c_int]
+    assert add(lib, 2, 3) == 105  # part 1 reads the global that part 2 defines
+    assert lib.sub(7, 2) == 5
+    log = runs(parts_env)
+    # both compiles start before either ends (concurrent), the link runs after both
+    assert log[:2] == ["start compile", "start compile"], log
+    assert log[2:] == ["end compile", "end compile", "start link", "end link"], log
+    assert stat.S_IMODE(os.stat(parts_env["cache"]).st_mode) == 0o700
+    # only the library and its lock remain: no temporary source or object left behind
+    names = sorted(p.suffix for p in parts_env["cache"].iterdir())
+    assert names == [".lock", ".so"], names
+    for f in parts_env["cache"].glob("*.so"):
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o700
+    native.forget()
+    assert add(native.load_library("parts", parts_env["src"], parts=PARTS), 1, 1) == 102
+    assert len(runs(parts_env)) == 6  # cached: no new compiler run
+
+
+def test_parts_are_part_of_the_cache_key(parts_env):
+    # the same source built whole (here: part 2's code alone) is another variant
+    lib = native.load_library("parts", parts_env["src"], defines={"PART": 2})
+    assert not hasattr(lib, "add") and lib.sub(3, 1) == 2
+    assert add(native.load_library("parts", parts_env["src"], parts=PARTS), 0, 0) == 100
+    assert len(list(parts_env["cache"].glob("*.so"))) == 2
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_failing_part_leaves_no_library_and_names_the_part(parts_env, failing):
+    with pytest.raises(native.NativeUnavailable) as err:
+        native.load_library("parts", parts_env["src"], defines={"FAIL": failing}, parts=PARTS)
+    message = str(err.value)
+    assert f"compiling part {failing} of 2 (-DPART={failing})" in message
+    assert "this part does not build" in message
+    assert "start link" not in runs(parts_env)  # no link of a partial build
+    assert [p.suffix for p in parts_env["cache"].iterdir()] == [".lock"]  # nothing else left
+    with pytest.raises(native.NativeUnavailable, match=f"part {failing} of 2"):
+        native.load_library("parts", parts_env["src"], defines={"FAIL": failing}, parts=PARTS)
+    assert runs(parts_env).count("start compile") == 2  # remembered: no second attempt
+    # the other variants still build
+    assert add(native.load_library("parts", parts_env["src"], parts=PARTS), 1, 2) == 103

@@ -17,6 +17,11 @@ can write):
 * **Builds** run under an exclusive file lock (``fcntl.flock``) per library, so concurrent
   processes or ranks build once; the library is written to a temporary name and
   ``os.replace``-d into place. A cached library that fails to load is rebuilt once.
+* **Parts**: ``parts=({"PART": 1}, {"PART": 2})`` compiles the source once per part (its
+  defines added) into object files by concurrent compiler processes, then links them into the
+  one library: a large source builds in about the time of its largest part on several cores.
+  A part that fails leaves no library (the error names the part); the temporary sources and
+  objects are private files of this process, removed in every case.
 * **Failures** are recorded per variant (per key): one failing variant never disables another.
 * ``HF_FP8_DISABLE_CPU_KERNEL=1`` turns every C kernel off (:class:`NativeUnavailable`).
 """
@@ -35,7 +40,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -250,26 +255,67 @@ def _check_own_file(path: Path) -> None:
         raise OSError(f"{path} is not owned by this user or is writable by others")
 
 
-def _compile(cc: str, source: str, flags: list[str], dest: Path) -> None:
+def _run(cmd: list[str], what: str) -> subprocess.Popen[str]:
+    try:
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+        )
+    except OSError as exc:
+        raise NativeUnavailable(f"running {cmd[0]} for {what} failed: {exc}") from exc
+
+
+def _wait(proc: subprocess.Popen[str], what: str) -> None:
+    try:
+        _, err = proc.communicate(timeout=600)
+    except subprocess.SubprocessError as exc:
+        proc.kill()
+        proc.communicate()
+        raise NativeUnavailable(f"{what}: {exc}") from exc
+    if proc.returncode != 0:
+        raise NativeUnavailable(f"{what} failed:\n{err[-2000:]}")
+
+
+def _compile(
+    cc: str, source: str, flags: list[str], dest: Path, parts: list[list[str]] | None = None
+) -> None:
+    """Build ``dest`` from ``source``: one compiler run, or with ``parts`` (the extra flags of
+    each part) one concurrent ``-c`` run per part and a link of their objects."""
     tmp_c = dest.with_name(f".{dest.stem}.{os.getpid()}.{threading.get_ident()}.c")
     tmp_so = tmp_c.with_suffix(".so")
+    objs = [tmp_c.with_suffix(f".part{i}.o") for i in range(len(parts or ()))]
+    procs: list[subprocess.Popen[str]] = []
     try:
         tmp_c.write_text(source)
-        try:
-            proc = subprocess.run(
-                [cc, *flags, str(tmp_c), "-o", str(tmp_so)],
-                capture_output=True,
-                text=True,
-                timeout=600,
+        if not parts:
+            _wait(
+                _run([cc, *flags, str(tmp_c), "-o", str(tmp_so)], dest.name),
+                f"compiling {dest.name}",
             )
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise NativeUnavailable(f"running {cc} failed: {exc}") from exc
-        if proc.returncode != 0:
-            raise NativeUnavailable(f"compiling {dest.name} failed:\n{proc.stderr[-2000:]}")
+        else:
+            whats = [
+                f"compiling part {i + 1} of {len(parts)} ({' '.join(p)}) of {dest.name}"
+                for i, p in enumerate(parts)
+            ]
+            for part, obj, what in zip(parts, objs, whats, strict=True):
+                procs.append(_run([cc, *flags, *part, "-c", str(tmp_c), "-o", str(obj)], what))
+            errors = []
+            for proc, what in zip(procs, whats, strict=True):
+                try:
+                    _wait(proc, what)
+                except NativeUnavailable as exc:
+                    errors.append(str(exc))
+            if errors:
+                raise NativeUnavailable("\n".join(errors))
+            link = [cc, *flags, *map(str, objs), "-o", str(tmp_so)]
+            _wait(_run(link, dest.name), f"linking {dest.name}")
         os.chmod(tmp_so, 0o700)
         os.replace(tmp_so, dest)  # atomic: a reader sees the old file or the whole new one
     finally:
-        for p in (tmp_c, tmp_so):
+        for proc in procs:  # an exception while waiting: no compiler outlives the build
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        for p in (tmp_c, tmp_so, *objs):
             p.unlink(missing_ok=True)
 
 
@@ -278,7 +324,14 @@ def _open(path: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
 
 
-def _build_and_load(cache: Path, lib_path: Path, cc: str, source: str, flags: list[str]):
+def _build_and_load(
+    cache: Path,
+    lib_path: Path,
+    cc: str,
+    source: str,
+    flags: list[str],
+    parts: list[list[str]] | None = None,
+):
     lock_path = cache / f"{lib_path.stem}.lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -289,7 +342,7 @@ def _build_and_load(cache: Path, lib_path: Path, cc: str, source: str, flags: li
                 return _open(lib_path)
             except OSError:  # corrupt, truncated, foreign: rebuild once
                 lib_path.unlink(missing_ok=True)
-        _compile(cc, source, flags, lib_path)
+        _compile(cc, source, flags, lib_path, parts)
         try:
             return _open(lib_path)
         except OSError as exc:
@@ -304,11 +357,14 @@ def load_library(
     *,
     defines: Mapping[str, object] | None = None,
     cflags: Iterable[str] = (),
+    parts: Sequence[Mapping[str, object]] = (),
 ) -> ctypes.CDLL:
     """Compile (once, cached) and load the C file ``source_path`` as library ``name``.
 
     ``defines`` become ``-DNAME=value`` (floats as ``((float)repr)``), ``cflags`` follow
-    :data:`BASE_CFLAGS`. Each distinct (source, defines, flags, compiler, CPU) is one variant,
+    :data:`BASE_CFLAGS`. ``parts``: the extra defines of each part when the source is compiled
+    in parts, concurrently, and linked (see the module docstring); empty: one compile. Each
+    distinct (source, defines, flags, parts, compiler, CPU) is one variant,
     built at most once per machine and loaded at most once per process. Raises
     :class:`NativeUnavailable` (with the reason, remembered for this variant) when it cannot
     be built or loaded; callers then take their non-C path.
@@ -318,6 +374,7 @@ def load_library(
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         raise NativeUnavailable(f"disabled by {DISABLE_ENV}=1")
     flags = [*BASE_CFLAGS, *cflags, *define_flags(defines)]
+    part_flags = [define_flags(p) for p in parts] or None
     try:
         source = Path(source_path).read_text()
     except OSError as exc:
@@ -326,14 +383,15 @@ def load_library(
         cc = compiler()
         if cc is None:
             raise NativeUnavailable("no C compiler found (install gcc or clang, or set $CC)")
-        key = f"{name}-{_key(source, flags, cc)}"
+        key_flags = flags + [f"--part={' '.join(p)}" for p in part_flags or ()]
+        key = f"{name}-{_key(source, key_flags, cc)}"
         if key in _LOADED:
             return _LOADED[key]
         if key in _FAILED:
             raise NativeUnavailable(_FAILED[key])
         try:
             cache = cache_dir()
-            lib = _build_and_load(cache, cache / f"{key}.so", cc, source, flags)
+            lib = _build_and_load(cache, cache / f"{key}.so", cc, source, flags, part_flags)
         except NativeUnavailable as exc:
             _FAILED[key] = str(exc)
             raise
