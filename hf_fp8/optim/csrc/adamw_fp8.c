@@ -566,6 +566,25 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
 }
 
 #define CHUNK 16 /* groups processed together: their per-group scalars are vectorized */
+
+/* Prefetch (into L2) the parameter, gradient and codes of group gn of a task, if it exists.
+   run_groups asks for the group CHUNK ahead while it requantizes the current chunk: the
+   chunk's update loop then finds its memory streams in cache instead of stalling on them
+   while the requantization, which touches no new memory, leaves the memory bus idle
+   (measured on Zen 4, 1 thread: 222 -> 192 ns per 128-element group; same results). */
+AI void prefetch_group(const char* pbase, const char* gbase, const uint8_t* mq, const uint8_t* vq,
+                       int64_t gn, int64_t ngroups, int64_t cols, int64_t gs, int64_t psz,
+                       int64_t gsz) {
+    if (gn >= ngroups) return;
+    const int64_t gc = (cols + gs - 1) / gs, r = gn / gc, c0 = (gn - r * gc) * gs;
+    const int64_t off = r * cols + c0, n = (cols - c0 < gs) ? cols - c0 : gs;
+    for (int64_t b = 0; b < n * psz; b += 64) __builtin_prefetch(pbase + off * psz + b, 1, 2);
+    for (int64_t b = 0; b < n * gsz; b += 64) __builtin_prefetch(gbase + off * gsz + b, 0, 2);
+    for (int64_t b = 0; b < gs; b += 64) {
+        __builtin_prefetch(mq + gn * gs + b, 1, 2);
+        __builtin_prefetch(vq + gn * gs + b, 1, 2);
+    }
+}
 #ifndef LOG_CHUNK
 #define LOG_CHUNK 4 /* the same for moment_format="log" (measured: 4 beats 1 and 16) */
 #endif
@@ -592,6 +611,7 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
     const uint32_t key_m = (uint32_t)t[T_KEY_M], key_v = (uint32_t)t[T_KEY_V];
     const float LOG2_MIN_CODE = E5 ? -16.0f : -9.0f; /* flog2 of the smallest positive code */
     const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
+    const int64_t ngroups = t[T_ROWS] * gc;
 #if HAVE_DEC_AVX512
     const int fast_dec = EX && !E5; /* E4M3 codes with expansion: the table decode */
     float tbf[128];
@@ -652,6 +672,7 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
         quant_consts(vmax, vmin, vs + g0, EX ? vk + g0 : NULL, av, kv, lv, nb, F, STEPS, EX);
         for (int j = 0; j < nb; ++j) {
             const uint32_t e0 = (uint32_t)((g0 + j) * gs); /* flat index of the group */
+            prefetch_group(pbase, gbase, mq, vq, g0 + CHUNK + j, ngroups, cols, gs, psz, gsz);
             requant(mb + j * gs, mq + (g0 + j) * gs, nn[j], gs, EX ? km[j] : 0.0f,
                     EX ? lm[j] : 0.0f, am[j], key_m + e0, E5, EX, SRM);
             requant(vb + j * gs, vq + (g0 + j) * gs, nn[j], gs, EX ? kv[j] : 0.0f,
