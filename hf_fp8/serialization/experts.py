@@ -313,11 +313,43 @@ def merged_scale_names(groups: dict[str, ExpertGroup]) -> list[str]:
     return [f"{name}{s}" for name in groups for s in _MERGED_SUFFIXES]
 
 
+def _row_splits(group: ExpertGroup, height: int) -> list[slice]:
+    """The rows (of codes, ``height`` 1) or block rows (of a block scale) of each source of
+    ``group``; raises when a block holds rows of two sources: the per-expert linears would
+    need the one scale each, and no per-expert scale grid reproduces the merged one."""
+    starts = [sum(group.rows[:i]) for i in range(len(group.rows))]
+    if any(s % height for s in starts):
+        from math import gcd
+
+        divisor = gcd(*group.rows)
+        raise ValueError(
+            f"{group.name}: its {height}-row weight blocks straddle the sources "
+            f"{list(group.merge.sources)} (output rows {group.rows}): one block scale covers "
+            "rows of two per-expert linears, so the merged scales cannot be split into the "
+            "per-expert scales this format stores. Re-quantize with a block height that "
+            f"divides {divisor} (Fp8Config(weight_granularity='block', block_size=[h, ...])) "
+            "or with weight_granularity='row', or keep the hf_fp8 checkpoint"
+        )
+    return [
+        slice(s // height, -(-(s + r) // height)) for s, r in zip(starts, group.rows, strict=True)
+    ]
+
+
+def check_split(groups: dict[str, ExpertGroup], config: Any) -> None:
+    """Refuse (``ValueError`` naming the tensor and the fix) before anything is written when
+    :func:`split_experts` cannot split a group's scales exactly."""
+    if config.weight_granularity == "block":
+        for group in groups.values():
+            _row_splits(group, config.block_size[0])
+
+
 def split_experts(
     tensors: dict[str, torch.Tensor], groups: dict[str, ExpertGroup], config: Any
 ) -> dict[str, torch.Tensor]:
     """The reverse of :class:`ExpertMerger` on one shard of an hf_fp8 checkpoint: merged
-    codes and scales become per-expert ``weight`` / ``weight_scale`` / ``input_scale``."""
+    codes and scales become per-expert ``weight`` / ``weight_scale`` / ``input_scale``.
+    Block scales go to the source whose rows they cover (refused when a block straddles two
+    sources, see :func:`check_split`); every per-expert tensor is checked to be there."""
     out = {}
     for key, value in tensors.items():
         base, suffix = key, ""
@@ -329,15 +361,29 @@ def split_experts(
             out[key] = value
             continue
         n_src = len(group.merge.sources)
-        for e in range(group.num_experts):
-            one = suffix == "_input_scale" or (
-                suffix == "_weight_scale" and config.weight_granularity == "tensor"
+        one = suffix == "_input_scale" or (
+            suffix == "_weight_scale" and config.weight_granularity == "tensor"
+        )
+        block = suffix == "_weight_scale" and config.weight_granularity == "block"
+        splits = None if one else _row_splits(group, config.block_size[0] if block else 1)
+        leaf = {"": "weight", "_weight_scale": "weight_scale", "_input_scale": "input_scale"}
+        if value.shape[0] != group.num_experts:
+            raise ValueError(
+                f"{key}: {tuple(value.shape)} holds not one entry per expert "
+                f"({group.num_experts}): the checkpoint is inconsistent, re-save it"
             )
-            if one:
+        for e in range(group.num_experts):
+            if splits is None:
                 parts = [value[e].reshape(1)] * n_src
             else:
-                parts = list(torch.chunk(value[e], n_src, dim=0))
-            leaf = {"": "weight", "_weight_scale": "weight_scale", "_input_scale": "input_scale"}
+                parts = [value[e][rows] for rows in splits]
+                want = [sl.stop - sl.start for sl in splits]
+                if [p.shape[0] for p in parts] != want:
+                    raise ValueError(
+                        f"{key}: expert {e} has {value[e].shape[0]} rows, the sources "
+                        f"{list(group.merge.sources)} need {sum(want)}: the checkpoint is "
+                        "inconsistent, re-save it"
+                    )
             for i, part in enumerate(parts):
                 out[f"{group.per_expert(i, e)}.{leaf[suffix]}"] = part.clone()
     return out

@@ -24,6 +24,7 @@ from hf_fp8.serialization.checkpoint import (
     write_config,
 )
 from hf_fp8.serialization.experts import (
+    check_split,
     check_splittable,
     expert_modules,
     experts_view,
@@ -108,6 +109,7 @@ def exporting(
         # MoE experts: written one linear per expert and projection, as vLLM reads them
         tensors, groups = experts_view(src.config.get("model_type"), src.tensors())
         check_splittable(src.config.get("model_type"), src.tensors(), groups)
+        check_split(groups, config)
         plan = plan_layers(src.config, tensors, experts=expert_modules(groups))
         check_complete(plan, tensors, config)
         quantization_config = fmt.export_config(config, plan)

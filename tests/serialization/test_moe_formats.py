@@ -154,3 +154,67 @@ def test_export_of_fused_experts_without_a_mapping_is_refused(tmp_path) -> None:
     ):
         export_checkpoint(tmp_path / "fp8", tmp_path / "ct", "compressed-tensors")
     assert not (tmp_path / "ct").exists()
+
+
+def _hf_fp8_moe_dir(tmp_path, intermediate: int, block: tuple[int, int]):
+    """A tiny Qwen3-MoE quantized by hf_fp8 with block weight scales, saved; its model."""
+    import transformers as tf
+
+    from hf_fp8 import Fp8Config
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    tf.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hp")
+    fp8 = Fp8Config(
+        "dynamic", weight_granularity="block", block_size=block, activation_granularity="token"
+    )
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hp", dtype=torch.float32, quantization_config=fp8
+    )
+    model.save_pretrained(tmp_path / "fp8")
+    return tmp_path / "fp8"
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "vllm-fp8"])
+@pytest.mark.parametrize("intermediate", [64, 96])
+def test_export_of_blocks_straddling_gate_and_up_is_refused(tmp_path, intermediate, fmt) -> None:
+    """Reviewer: with 2·I not a multiple of the 128-row block, one block's scale covers gate
+    and up rows; the export cut the fused scale in halves (I=96: up got block row 1 although
+    its rows 96..127 were quantized with block row 0; I=64: no up_proj scale at all)."""
+    src = _hf_fp8_moe_dir(tmp_path, intermediate, (128, 128))
+    with pytest.raises(ValueError, match=r"gate_up_proj.*straddle.*block height that divides"):
+        export_checkpoint(src, tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_exact_block_split_matches_the_model(tmp_path) -> None:
+    """Blocks that begin at each source's first row split exactly: the exported per-expert
+    weights dequantize to the hf_fp8 checkpoint's own (reference: fused codes × fused
+    block scales, expanded here)."""
+    src = _hf_fp8_moe_dir(tmp_path, 64, (32, 128))
+    out = export_checkpoint(src, tmp_path / "ct", "compressed-tensors")
+    hf, ct = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    p = "model.layers.0.mlp.experts"
+
+    def deq(codes: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+        s = scale.repeat_interleave(bn, 0)[: codes.shape[0]]
+        return codes.float() * s.repeat_interleave(bk, 1)[:, : codes.shape[1]]
+
+    for e in range(4):
+        fused = torch.cat([hf[f"{p}.{e}.{n}.weight"] for n in ("gate_proj", "up_proj")])
+        ref = deq(fused, hf[f"{p}.gate_up_proj_weight_scale"][e], 32, 128)
+        for i, name in enumerate(("gate_proj", "up_proj")):
+            got = deq(ct[f"{p}.{e}.{name}.weight"], ct[f"{p}.{e}.{name}.weight_scale"], 32, 128)
+            assert torch.equal(got, ref[64 * i : 64 * (i + 1)]), (e, name)
