@@ -21,6 +21,7 @@ from torch import nn
 from hf_fp8.modules.experts_kinds import convertible_outside_experts
 from hf_fp8.modules.fp8_experts import Fp8Experts, convertible_experts
 from hf_fp8.numerics import is_fp8
+from hf_fp8.quantizer.validation import check_bias, checkpoint_file
 
 EXPERTS_SCALE_SUFFIXES = ("_weight_scale", "_input_scale")
 
@@ -105,10 +106,13 @@ def quantize_experts_tensor(
     return {key: codes.contiguous(), f"{key}_weight_scale": scales}
 
 
-def finish_experts(name: str, module: Fp8Experts, config: Any, *, offloaded: bool) -> list[str]:
+def finish_experts(
+    name: str, module: Fp8Experts, config: Any, *, offloaded: bool, checkpoint_root: str = ""
+) -> list[str]:
     """After loading: the names of tensors the checkpoint did not fill; static input scales
     the checkpoint lacks (saved before calibration) dropped, or taken from ``config``
-    (``Fp8Config.activation_scale_for``); codes and scales frozen; compute dtype from the bias."""
+    (``Fp8Config.activation_scale_for``); codes and scales frozen; compute dtype from the bias
+    (an fp8 or integer bias refused, naming its file in ``checkpoint_root``)."""
     missing = []
     for proj in module.layout.projections:
         for pname in (proj, f"{proj}_weight_scale", f"{proj}_bias"):
@@ -127,7 +131,9 @@ def finish_experts(name: str, module: Fp8Experts, config: Any, *, offloaded: boo
             if p is not None:
                 p.requires_grad_(False)
         bias = getattr(module, f"{proj}_bias")
-        if bias is not None:
+        if bias is not None:  # never an fp8 compute dtype
+            key = f"{name}.{proj}_bias"
+            check_bias(key, bias.dtype, source=checkpoint_file(checkpoint_root, key))
             module.compute_dtype = bias.dtype
     return missing
 

@@ -33,7 +33,10 @@ from hf_fp8.quantizer.experts import (
 )
 from hf_fp8.quantizer.validation import (
     FP8_LINEAR_TENSORS,
+    check_bias,
     check_stored_tensor,
+    checkpoint_file,
+    stored_dtype,
     validate_loaded_model,
 )
 
@@ -113,6 +116,9 @@ class Fp8HfQuantizer(HfQuantizer):
         self.stored_scale_keys: set[str] = set()
         # checkpoint keys of every Fp8Experts tensor: kept in their stored dtype, checked after
         self.experts_tensor_names: set[str] = set()
+        # checkpoint keys of the biases of FP8 layers: refused as fp8 / integers while loading
+        self.bias_names: set[str] = set()
+        self.checkpoint_root = ""  # config.name_or_path: the folder errors name files in
 
     @property
     def quantized_element_size(self) -> float:
@@ -163,6 +169,7 @@ class Fp8HfQuantizer(HfQuantizer):
             config = config.replace(modules_to_not_convert=sorted(skip))  # configs are frozen
             self.quantization_config = config
         self.modules_to_not_convert = skip
+        self.checkpoint_root = str(getattr(model.config, "_name_or_path", "") or "")
         static_pre_quantized = self.pre_quantized and config.activation_scheme == "static"
         swapped: dict[int, Fp8Linear] = {}  # a linear shared by two parents stays shared
         for name, module, parent in convertible_modules(model, skip=skip):
@@ -197,10 +204,17 @@ class Fp8HfQuantizer(HfQuantizer):
             )
             setattr(parent, name.rpartition(".")[2], new)
             self.fp8_tensor_names.update(f"{name}.{t}" for t in FP8_LINEAR_TENSORS)
+            if module.bias is not None:
+                self.bias_names.add(f"{name}.bias")
         for name, experts in swap_experts(
             model, config, skip=skip, pre_quantized=self.pre_quantized
         ).items():
             self.experts_tensor_names.update(experts_tensor_names(name, experts))
+            self.bias_names.update(
+                f"{name}.{proj}_bias"
+                for proj in experts.layout.projections
+                if getattr(experts, f"{proj}_bias", None) is not None
+            )
         model.config.quantization_config = config
 
     def update_parallel_plan(self, model, plan: dict[str, str]) -> None:
@@ -248,6 +262,10 @@ class Fp8HfQuantizer(HfQuantizer):
         Uncast, each is caught by the checks after loading, with its name.
         """
         targets = [t for t in getattr(converter, "target_patterns", None) or () if t]
+        for key in targets:
+            if key in self.bias_names:  # fp8 bytes are kept as stored (below): refuse them
+                source = checkpoint_file(self.checkpoint_root, key)
+                check_bias(key, stored_dtype(key, param), source=source)
         ours = [t for t in targets if t in self.fp8_tensor_names]
         for key in ours:  # before anything is read or offloaded to disk
             check_stored_tensor(
@@ -274,7 +292,11 @@ class Fp8HfQuantizer(HfQuantizer):
                 last = getattr(module, module.layout.projections[-1])
                 offloaded = last.is_meta and ("" in disk or matches_module(name, disk))
                 missing += finish_experts(
-                    name, module, self.quantization_config, offloaded=offloaded
+                    name,
+                    module,
+                    self.quantization_config,
+                    offloaded=offloaded,
+                    checkpoint_root=self.checkpoint_root,
                 )
                 continue
             if not isinstance(module, Fp8Linear):
@@ -294,9 +316,12 @@ class Fp8HfQuantizer(HfQuantizer):
             for p in (module.weight, module.weight_scale, module.input_scale):
                 if p is not None:
                     p.requires_grad_(False)
-            module.compute_dtype = (
-                module.bias.dtype if module.bias is not None else module.compute_dtype
-            )
+            if module.bias is not None:  # never an fp8 compute dtype
+                key = f"{name}.bias"
+                check_bias(
+                    key, module.bias.dtype, source=checkpoint_file(self.checkpoint_root, key)
+                )
+                module.compute_dtype = module.bias.dtype
         if missing:
             shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
             raise ValueError(

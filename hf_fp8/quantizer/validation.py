@@ -9,6 +9,7 @@ stored on disk (the loader would otherwise cast them to the meta dtype, hiding a
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Iterable
@@ -47,7 +48,9 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _stored_dtype(key: str, stored: Any) -> torch.dtype:
+def stored_dtype(key: str, stored: Any) -> torch.dtype:
+    """The dtype of checkpoint tensor ``key`` as stored (a safetensors slice's header, or a
+    tensor's dtype); one hf_fp8 never writes is refused, named."""
     if not hasattr(stored, "get_dtype"):
         return stored.dtype
     name = str(stored.get_dtype())
@@ -73,7 +76,7 @@ def check_stored_tensor(
     needed for disk-offloaded layers, whose tensors never reach the module. Everything that
     does reach a module is checked again, exactly, after loading.
     """
-    dtype = _stored_dtype(key, stored)
+    dtype = stored_dtype(key, stored)
     is_scale = key.endswith("_scale")
     if dtype == (torch.float32 if is_scale else fp8_dtype) and not (is_scale and read_scales):
         return  # the common case: a string compare, nothing read
@@ -86,6 +89,45 @@ def check_stored_tensor(
         raise CheckpointTensorError(f"{key}: a scale must be float32, found {dtype}")
     value = stored[...] if hasattr(stored, "get_dtype") else stored
     check_scale_tensor(key, value, max_value=max_scale(fp8_dtype, torch.float32))
+
+
+def checkpoint_file(root: str, key: str) -> str:
+    """The file of checkpoint ``root`` (``config.name_or_path``) that holds ``key``, for
+    errors: the shard its index names, ``model.safetensors``, or ``root`` itself (a Hub id,
+    a key the loader renamed). Only names a file; reads nothing but the index."""
+    if not root or not os.path.isdir(root):
+        return root or "the checkpoint"
+    index = os.path.join(root, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                shard = json.load(f).get("weight_map", {}).get(key)
+        except (OSError, ValueError, AttributeError):
+            shard = None
+        if isinstance(shard, str):
+            return os.path.join(root, os.path.basename(shard))
+    single = os.path.join(root, "model.safetensors")
+    return single if os.path.isfile(single) else root
+
+
+def is_bias_dtype(dtype: torch.dtype) -> bool:
+    """A dtype a bias (and so a compute dtype) may have: a float that is not fp8."""
+    return dtype.is_floating_point and not is_fp8(dtype)
+
+
+def check_bias(key: str, dtype: torch.dtype, *, source: str = "the checkpoint") -> None:
+    """Refuse the bias ``key`` of an FP8 layer stored as fp8 codes or integers (``source``:
+    the file it came from). It is added in the compute dtype and has no scale: fp8 codes would
+    be added as plain numbers, and the layer would compute in fp8."""
+    if is_bias_dtype(dtype):
+        return
+    raise CheckpointTensorError(
+        f"{key}: the bias of an FP8 layer must be stored as a high-precision float "
+        f"(float32, bfloat16 or float16), found {str(dtype).removeprefix('torch.')} in "
+        f"{source}. hf_fp8 never writes such a bias (it has no scale, and the layer would "
+        "compute in fp8): re-export the checkpoint from its high-precision model with "
+        "hf_fp8 (save_pretrained or hf_fp8.export)"
+    )
 
 
 class ScaleBatch:
@@ -148,6 +190,8 @@ def check_fp8_linear(
         module.out_features, module.in_features, module.weight_granularity, module.block_size
     )
     batch.add(f"{name}.weight_scale", module.weight_scale, scale_shape, bound)
+    if module.bias is not None:
+        check_bias(f"{name}.bias", module.bias.dtype)
     if module.input_scale is not None:
         batch.add(f"{name}.input_scale", module.input_scale, (1,), bound)
     if scales is None:
@@ -178,6 +222,9 @@ def check_fp8_experts(
             (e, *scale_shape),
             bound,
         )
+        bias = getattr(module, f"{proj}_bias", None)
+        if bias is not None:
+            check_bias(f"{name}.{proj}_bias", bias.dtype)
         input_scale = getattr(module, f"{proj}_input_scale")
         if input_scale is not None:
             batch.add(f"{name}.{proj}_input_scale", input_scale, (e,), bound)
