@@ -63,6 +63,22 @@ def _fit(
     )
 
 
+def _check_bias(name: str, value: torch.Tensor, out_features: int) -> torch.Tensor:
+    """An fp8 layer's bias: high precision (fp32 / bf16 / fp16) ``[out]``; an fp8 or integer
+    bias raises ``CheckpointTensorError`` naming it (no FP8 kernel or loader reads one)."""
+    if not value.is_floating_point() or value.dtype in FP8_DTYPES.values():
+        raise CheckpointTensorError(
+            f"{name}: the bias of an FP8 layer is {value.dtype}, expected a high-precision "
+            "float (float32, bfloat16 or float16): FP8 layers keep their bias unquantized; "
+            "re-save the checkpoint from the high-precision model"
+        )
+    if tuple(value.shape) != (out_features,):
+        raise CheckpointTensorError(
+            f"{name}: has shape {tuple(value.shape)}, expected ({out_features},)"
+        )
+    return value
+
+
 def to_hf_fp8_tensors(
     tensors: Mapping[str, torch.Tensor],
     plan: LayerPlan,
@@ -107,7 +123,7 @@ def to_hf_fp8_tensors(
                     "(hf_fp8 and vLLM's FP8 kernels are symmetric)"
                 )
         elif leaf == "bias":
-            out[name] = value
+            out[name] = _check_bias(name, value, plan.fp8[module][0])
         else:
             raise ValueError(
                 f"unsupported tensor {name} on an FP8 layer: this variant (e.g. packed, "

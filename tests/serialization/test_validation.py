@@ -172,3 +172,49 @@ def test_unrepresentable_compressed_tensors_schemes_are_refused(case, sources, t
         import_checkpoint(src, tmp_path / "out")
     assert message in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+# -- biases of fp8 layers must be high precision (reviewer) ------------------------------------
+@pytest.fixture(scope="module")
+def biased_hf_fp8(tmp_path_factory):
+    import transformers as tf
+
+    root = tmp_path_factory.mktemp("biased")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    tf.LlamaForCausalLM(cfg).save_pretrained(root / "hp")
+    model = AutoModelForCausalLM.from_pretrained(
+        root / "hp", quantization_config=Fp8Config("dynamic", weight_granularity="tensor")
+    )
+    model.save_pretrained(root / "fp8")
+    return root / "fp8"
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e5m2, torch.float8_e4m3fn, torch.int32], ids=["e5m2", "e4m3", "int32"]
+)
+def test_fp8_or_integer_bias_fails_export_with_its_name(biased_hf_fp8, dtype, tmp_path):
+    """Reviewer: an fp8 bias passed through export into the compressed-tensors checkpoint."""
+    name = f"{LAYER}.bias"
+    src = _corrupt(biased_hf_fp8, tmp_path / "bad", name, lambda t: t.to(dtype))
+    for fmt in ("compressed-tensors", "vllm-fp8"):
+        with pytest.raises(CheckpointTensorError, match=r"bias.*high-precision") as err:
+            export_checkpoint(src, tmp_path / fmt, fmt)
+        assert name in str(err.value)
+        assert not (tmp_path / fmt).exists()
+
+
+def test_float_bias_still_exports(biased_hf_fp8, tmp_path):
+    out = export_checkpoint(biased_hf_fp8, tmp_path / "ct")
+    got, ref = load_file(out / "model.safetensors"), load_file(biased_hf_fp8 / "model.safetensors")
+    assert torch.equal(got[f"{LAYER}.bias"], ref[f"{LAYER}.bias"])
