@@ -67,10 +67,10 @@ _PATH_CFLAGS = {
     "neon": (),
     "scalar": (),
 }
-# Paths built in two parts by concurrent compiler processes, then linked (csrc/fp8_gemv.c's
-# FP8_PART): the fused decode + GEMM, and everything else. The avx512bf16 build is the
-# largest (about 1.7 s in one compile on this machine, under 1 s per part) and the first
-# model forward waits for it.
+# Paths built in two parts by two concurrent compiler processes (where two CPUs are free to
+# this process), then linked (csrc/fp8_gemv.c's FP8_PART): the fused decode + GEMM, and
+# everything else. The avx512bf16 build is the largest (one compile ~1.5 s of CPU on a Zen4
+# core, a part ~0.8 s) and the first model forward may wait for it.
 _PATH_PARTS = {"avx512bf16": ({"FP8_PART": 1}, {"FP8_PART": 2})}
 BF16_ACTIVATION_PATHS = ("avx512bf16",)  # the GEMV takes exact bf16 activations there
 GEMV_MAX_TOKENS = 16  # the C kernel's limit (and where it stops beating decode + matmul)
@@ -139,6 +139,14 @@ def _torch_openmp() -> int | None:
     return None
 
 
+def _cpus() -> int:
+    """CPUs this process may run on (two compiler processes need two)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _build(path: str) -> ctypes.CDLL:
     start = time.perf_counter()
     lib = load_library(
@@ -146,7 +154,7 @@ def _build(path: str) -> ctypes.CDLL:
         SOURCE,
         defines={"FP8_PATH": str(_PATH_ID[path])},
         cflags=_PATH_CFLAGS[path],
-        parts=_PATH_PARTS.get(path, ()),
+        parts=_PATH_PARTS.get(path, ()) if _cpus() >= 2 else (),
     )
     seconds = time.perf_counter() - start
     if seconds > 0.3:  # a compile, not a cache hit: say so, once
