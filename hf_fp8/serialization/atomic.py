@@ -3,12 +3,24 @@
 * ``contained(root, relpath)`` resolves a path named by a file (a shard in an index, a file to
   copy or upload) and refuses it unless it lies inside ``root``; symlinks are refused (except
   links into ``links_within``, e.g. a Hub cache snapshot's links into its ``blobs/``).
-* ``atomic_folder(dest)`` yields an empty temporary sibling folder to write into. On success
-  the result replaces ``dest`` in one step (an atomic directory exchange on Linux): files of an
-  existing ``dest`` that the writer did not write (LoRA adapters, README, sentence-transformers
-  files …) are kept, unless named in ``drop``. On failure ``dest`` is untouched and only the
-  temporary folder is removed. A process killed mid-write leaves the old folder as it was (plus
-  a hidden ``.NAME.hf_fp8-tmp-*`` sibling that can be deleted).
+* ``atomic_folder(dest)`` yields an empty temporary folder to write into; on success its files
+  land in ``dest``. Files of an existing ``dest`` that the writer did not write (LoRA
+  adapters, README, sentence-transformers files …) are kept, unless named in ``drop``. On
+  failure ``dest`` is untouched and only the temporary folder is removed. Two modes:
+
+  - *swap* (the default): the temporary folder is a hidden ``.NAME.hf_fp8-tmp-*`` sibling,
+    the kept files are hard-linked into it and the two folders are exchanged in one step
+    (Linux ``renameat2``). A process killed at any moment leaves the old folder or the new
+    one, whole (plus a sibling that can be deleted).
+  - *in-folder*, where swapping the folder itself would break something: ``dest`` is a mount
+    point, its parent is not writable, ``dest`` or an entry in it belongs to another user
+    (the swap would change their owner or copy their files), or ``dest`` is (or holds) the
+    current directory. The temporary folder is ``dest/.hf_fp8-tmp-*``; its files are renamed
+    into ``dest`` one by one (``config.json`` and the weight index last), then the stale
+    files of the old save (``drop``) are removed. Each file appears whole; ``dest`` keeps its
+    inode, owner and mode; other users' files are neither copied nor re-owned. A process
+    killed while writing leaves the old save (plus the hidden temporary folder); killed during
+    the renames (milliseconds) it can leave a mix of old and new files: save again.
 """
 
 from __future__ import annotations
@@ -136,7 +148,7 @@ def _keep_old_files(old: Path, new: Path, drop: tuple[str, ...], prefix: str = "
     data), except the relative paths matching ``drop``."""
     for entry in os.scandir(old):
         rel = f"{prefix}{entry.name}"
-        if _dropped(rel, drop):
+        if _dropped(rel, drop) or TMP_MARKER in entry.name:
             continue
         src, dst = old / entry.name, new / entry.name
         if entry.is_dir(follow_symlinks=False):
@@ -150,21 +162,70 @@ def _keep_old_files(old: Path, new: Path, drop: tuple[str, ...], prefix: str = "
             _link_or_copy(src, dst)
 
 
-def _move_into(tmp: Path, dest: Path) -> None:
-    """Fallback where directories cannot be exchanged: replace file by file."""
-    for path in sorted(tmp.rglob("*")):
-        target = dest / path.relative_to(tmp)
-        if path.is_dir() and not path.is_symlink():
-            target.mkdir(exist_ok=True)
-        else:
-            os.replace(path, target)
+# The files a loader reads to decide what the folder holds: renamed into place last.
+_LAST = ("model.safetensors.index.json", "config.json")
+
+
+def _walk(root: Path) -> Iterator[tuple[str, bool]]:
+    """``(relative POSIX path, is a real directory)`` of every entry under ``root``, parents
+    first; symlinks are entries, never followed; temporary folders of hf_fp8 are left out."""
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if TMP_MARKER in entry.name:
+            continue
+        is_dir = entry.is_dir(follow_symlinks=False)
+        yield entry.name, is_dir
+        if is_dir:
+            for rel, sub_dir in _walk(root / entry.name):
+                yield f"{entry.name}/{rel}", sub_dir
+
+
+def _in_folder_reason(dest: Path) -> str | None:
+    """Why ``dest`` (an existing folder) must be written in place rather than swapped."""
+    if os.path.ismount(dest):
+        return "it is a mount point"
+    try:
+        cwd = Path.cwd().resolve()
+    except FileNotFoundError:
+        cwd = None
+    if cwd is not None and cwd.is_relative_to(dest.resolve()):
+        return "it holds the current directory"
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    if uid is not None:
+        if dest.lstat().st_uid != uid:
+            return "it belongs to another user"
+        for rel, _ in _walk(dest):
+            if (dest / rel).lstat().st_uid != uid:
+                return f"{rel} belongs to another user"
+    return None
+
+
+def _move_in_place(
+    staged: Path, dest: Path, written: list[tuple[str, bool]], drop: tuple[str, ...]
+) -> None:
+    """Rename the ``written`` entries of ``staged`` into ``dest`` one by one (folders made
+    first, the files of ``_LAST`` last), then remove the files of ``dest`` matching ``drop``
+    that were not written. Never follows a symlink of ``dest``."""
+    names = {rel for rel, _ in written}
+    for rel, is_dir in written:
+        if is_dir:
+            target = contained(dest, rel)
+            if not target.is_dir():
+                target.mkdir()
+    files = sorted((rel for rel, is_dir in written if not is_dir), key=lambda r: (r in _LAST, r))
+    for rel in files:  # a symlink in dest's way is replaced like a file, never followed
+        parent, _, name = rel.rpartition("/")
+        os.replace(staged / rel, contained(dest, parent or ".") / name)
+    for rel, is_dir in list(_walk(dest)):
+        if not is_dir and rel not in names and _dropped(rel, drop):
+            (dest / rel).unlink(missing_ok=True)
 
 
 @contextmanager
 def atomic_folder(dest: str | os.PathLike, *, drop: Iterable[str] = ()) -> Iterator[Path]:
     """Write a folder atomically: ``with atomic_folder(out) as tmp: save_into(tmp)``.
 
-    ``tmp`` is a new empty sibling of ``dest``. When the block succeeds, ``dest`` becomes
+    ``tmp`` is a new empty sibling of ``dest`` (or a hidden folder inside it, see the module
+    docstring for when and what that guarantees). When the block succeeds, ``dest`` becomes
     ``tmp``'s files plus the files ``dest`` already had that the block did not write, except
     those matching ``drop`` (relative paths or glob patterns, e.g. stale weight shards).
     When the block raises (or the process dies), ``dest`` is left as it was and only ``tmp``
@@ -179,10 +240,23 @@ def atomic_folder(dest: str | os.PathLike, *, drop: Iterable[str] = ()) -> Itera
         raise NotADirectoryError(f"{dest} is a file: the output must be a folder")
     created = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
+    in_folder = dest.is_dir() and _in_folder_reason(dest) is not None
+    tmp = None
+    if not in_folder:
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
+        except PermissionError:  # the parent is not writable: write inside dest
+            if not dest.is_dir():
+                raise
+            in_folder = True
+    if tmp is None:
+        tmp = Path(tempfile.mkdtemp(prefix=TMP_MARKER, dir=dest))
     try:
         yield tmp
-        _commit(tmp, dest, tuple(drop))
+        if in_folder:
+            _move_in_place(tmp, dest, list(_walk(tmp)), tuple(drop))
+        else:
+            _commit(tmp, dest, tuple(drop))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for folder in created:  # the parents made for dest, innermost first, if still empty
@@ -203,16 +277,14 @@ def _commit(tmp: Path, dest: Path, drop: tuple[str, ...]) -> None:
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700: give the folder the usual mode
         os.rename(tmp, dest)
         return
+    written = list(_walk(tmp))
     _keep_old_files(dest, tmp, drop)
     tmp.chmod(stat.S_IMODE(dest.stat().st_mode))
-    if _exchange(tmp, dest):  # dest now holds the new files, tmp the old ones
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    for entry in list(dest.iterdir()):  # no exchange: drop what is replaced, move file by file
-        rel = entry.name
-        if _dropped(rel, drop) and not os.path.lexists(tmp / rel):
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-    _move_into(tmp, dest)
+    try:
+        if _exchange(tmp, dest):  # dest now holds the new files, tmp the old ones
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+    except OSError as exc:  # busy (a mount point) or not allowed: rename file by file
+        if exc.errno not in (errno.EBUSY, errno.EACCES, errno.EPERM):
+            raise
+    _move_in_place(tmp, dest, written, drop)

@@ -107,3 +107,27 @@ def test_killed_save_over_a_checkpoint_leaves_the_old_one_loadable(tiny_model_di
     for name, tensor in load_file(dest / "model.safetensors").items():
         assert torch.equal(tensor.view(torch.uint8), old[name].view(torch.uint8)), name
     assert read_card_info((dest / "README.md").read_text()) is not None
+
+
+def test_save_into_the_current_directory_is_written_in_place(tiny_model_dir, tmp_path, monkeypatch):
+    """Reviewer: ``save_pretrained(".")`` swapped the current directory away (os.getcwd()
+    then raised). Now written in place: the old shards go, the user's files stay, the folder
+    is the same one and the new model loads."""
+    work = tmp_path / "work"
+    _fp8(tiny_model_dir).save_pretrained(work, max_shard_size="20KB")
+    assert (work / "model.safetensors.index.json").is_file()
+    (work / "notes.txt").write_text("mine")
+    inode = work.stat().st_ino
+    monkeypatch.chdir(work)
+    model = _fp8(tiny_model_dir, "weight_only")
+    model.save_pretrained(".")
+    assert Path(os.getcwd()) == work and work.stat().st_ino == inode
+    names = sorted(p.name for p in work.iterdir())
+    assert "model.safetensors" in names and "notes.txt" in names
+    assert not [n for n in names if n.startswith("model-") or n.endswith(".index.json")]
+    assert not [n for n in names if "hf_fp8-tmp" in n]
+    loaded = AutoModelForCausalLM.from_pretrained(work)
+    assert loaded.config.quantization_config.activation_scheme == "weight_only"
+    want = model.state_dict()
+    for name, tensor in load_file(work / "model.safetensors").items():
+        assert torch.equal(tensor.view(torch.uint8), want[name].view(torch.uint8)), name

@@ -193,9 +193,11 @@ _CHILD = textwrap.dedent(
         return done
 
     atomic._exchange = exchange
+    if stage.startswith("cwd-"):  # the folder is the current directory: written in place
+        os.chdir(dest)
     with atomic.atomic_folder(dest) as tmp:
         model.save_pretrained(tmp)
-        if stage == "mid-write":
+        if stage.endswith("mid-write"):
             weights = tmp / "model.safetensors"
             weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
             hang(stage)
@@ -212,7 +214,12 @@ def _state(folder: Path) -> dict[str, torch.Tensor]:
 def test_killed_save_leaves_old_or_new_checkpoint(tmp_path, tiny_model_dir):
     src = tiny_model_dir("llama")
     old_model = AutoModelForCausalLM.from_pretrained(src, quantization_config=Fp8Config("dynamic"))
-    stages = {"mid-write": "old", "before-exchange": "old", "after-exchange": "new"}
+    stages = {
+        "mid-write": "old",
+        "before-exchange": "old",
+        "after-exchange": "new",
+        "cwd-mid-write": "old",
+    }
     dests = {}
     for stage in stages:
         dests[stage] = tmp_path / stage
@@ -250,3 +257,153 @@ def test_killed_save_leaves_old_or_new_checkpoint(tmp_path, tiny_model_dir):
         for key, value in got.items():
             assert torch.equal(value.view(torch.uint8), want[key].view(torch.uint8)), key
         assert (dest / "adapter_model.safetensors").read_text() == "lora"
+
+
+# -- folders that cannot be swapped: written in place (reviewer) --------------------------------
+_SAVE = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+    from hf_fp8.serialization.atomic import atomic_folder
+
+    dest = Path(sys.argv[1])
+    if len(sys.argv) > 2:  # fill a fresh folder (a new mount) with an old save first
+        (dest / "model.safetensors").write_text("old weights")
+        (dest / "model-00001-of-00002.safetensors").write_text("old shard")
+        (dest / "notes.txt").write_text("mine")
+    inode = dest.stat().st_ino
+    with atomic_folder(dest, drop=["model.safetensors", "model-*-of-*.safetensors"]) as tmp:
+        (tmp / "model.safetensors").write_text("new weights")
+        (tmp / "config.json").write_text("{}")
+    tree = {p.name: p.read_text() for p in dest.iterdir()}
+    temps = [p for p in [*dest.iterdir(), *dest.parent.iterdir()] if ".hf_fp8-tmp-" in p.name]
+    print(json.dumps({"tree": tree, "same_inode": dest.stat().st_ino == inode,
+                      "temps": [str(p) for p in temps]}))
+    """
+)
+_NEW = {"model.safetensors": "new weights", "config.json": "{}", "notes.txt": "mine"}
+
+
+def _old_save(dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "model.safetensors").write_text("old weights")
+    (dest / "model-00001-of-00002.safetensors").write_text("old shard")
+    (dest / "notes.txt").write_text("mine")
+    return dest
+
+
+def _save_in_child(prefix: list[str], dest: Path, *extra: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [*prefix, sys.executable, "-c", _SAVE, str(dest), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _tool_works(cmd: list[str]) -> bool:
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_mount_point_is_written_in_place(tmp_path):
+    """Reviewer: a folder that is a mount point (a Docker/K8s volume) cannot be swapped:
+    the save failed with EBUSY where transformers' own save succeeds."""
+    if not _tool_works(["unshare", "-rm", "true"]):
+        pytest.skip("needs unshare -rm (user and mount namespaces)")
+    dest = tmp_path / "vol"
+    dest.mkdir()
+    script = 'mount -t tmpfs none "$1" && shift && exec "$@"'
+    got = _save_in_child(["unshare", "-rm", "sh", "-c", script, "sh", str(dest)], dest, "fill")
+    assert got == {"tree": _NEW, "same_inode": True, "temps": []}
+
+
+def test_folder_with_a_read_only_parent_is_written_in_place(tmp_path):
+    """Reviewer: a writable folder in a read-only parent (a team folder): the temporary
+    sibling could not be made (PermissionError)."""
+    dest = _old_save(tmp_path / "team" / "out")
+    dest.chmod(0o777)
+    dest.parent.chmod(0o555)
+    prefix = []
+    if os.geteuid() == 0:  # root ignores the mode: drop the capabilities that override it
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+        prefix += ["--inh-caps", "-all", "--"]
+        if not _tool_works([*prefix, "true"]):
+            pytest.skip("needs setpriv to drop root's capabilities")
+    try:
+        got = _save_in_child(prefix, dest)
+    finally:
+        dest.parent.chmod(0o755)
+    assert got == {"tree": _NEW, "same_inode": True, "temps": []}
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown needs root")
+def test_shared_folder_keeps_its_owners(tmp_path):
+    """Reviewer: in a shared folder holding another user's files the swap re-owned the folder
+    and the files it kept (copies), and failed on files it could not read."""
+    dest = _old_save(tmp_path / "shared")
+    other = 65534
+    os.chown(dest, other, other)
+    dest.chmod(0o777)
+    (dest / "secret.txt").write_text("theirs")
+    os.chown(dest / "secret.txt", other, other)
+    (dest / "secret.txt").chmod(0o600)
+    before = {p.name: p.stat().st_ino for p in dest.iterdir()}
+    with atomic_folder(dest, drop=["model.safetensors", "model-*-of-*.safetensors"]) as tmp:
+        assert tmp.parent == dest
+        (tmp / "model.safetensors").write_text("new weights")
+    assert _tree(dest) == {
+        "model.safetensors": b"new weights",
+        "notes.txt": b"mine",
+        "secret.txt": b"theirs",
+    }
+    assert dest.stat().st_uid == other and (dest / "secret.txt").stat().st_uid == other
+    for name in ("notes.txt", "secret.txt"):  # the same files, not copies
+        assert (dest / name).stat().st_ino == before[name]
+    assert _temps(dest) == [] and _temps(tmp_path) == []
+
+
+def test_current_directory_is_written_in_place(tmp_path, monkeypatch):
+    """Reviewer: saving into the current directory swapped it away: os.getcwd() then raised
+    FileNotFoundError and later relative writes went to the deleted folder."""
+    dest = _old_save(tmp_path / "work")
+    inode = dest.stat().st_ino
+    monkeypatch.chdir(dest)
+    with atomic_folder(".", drop=["model.safetensors", "model-*-of-*.safetensors"]) as tmp:
+        (tmp / "model.safetensors").write_text("new weights")
+        (tmp / "config.json").write_text("{}")
+    assert Path(os.getcwd()) == dest and os.stat(".").st_ino == inode
+    assert {k: v.decode() for k, v in _tree(dest).items()} == _NEW
+    assert _temps(dest) == [] and _temps(tmp_path) == []
+
+
+def test_in_place_failure_leaves_dest_untouched(tmp_path, monkeypatch):
+    dest = _old_save(tmp_path / "work")
+    before = _tree(dest)
+    monkeypatch.chdir(dest)
+    with pytest.raises(RuntimeError, match="boom"), atomic_folder(dest) as tmp:
+        assert tmp.parent == dest
+        (tmp / "model.safetensors").write_text("half")
+        raise RuntimeError("boom")
+    assert _tree(dest) == before and _temps(dest) == []
+
+
+def test_in_place_never_follows_symlinks(tmp_path, monkeypatch):
+    dest = _old_save(tmp_path / "work")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text("victim")
+    (dest / "config.json").symlink_to(outside / "config.json")
+    (dest / "1_Pooling").symlink_to(outside)
+    monkeypatch.chdir(dest)
+    with atomic_folder(dest) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert not (dest / "config.json").is_symlink() and (dest / "config.json").read_text() == "{}"
+    assert (outside / "config.json").read_text() == "victim"
+    with pytest.raises(UnsafePathError, match="symlink"), atomic_folder(dest) as tmp:
+        (tmp / "1_Pooling").mkdir()
+        (tmp / "1_Pooling" / "config.json").write_text("pool")
+    assert sorted(p.name for p in outside.iterdir()) == ["config.json"]
