@@ -30,11 +30,13 @@ or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules
   ``F.multi_head_attention_forward`` without calling ``out_proj``, and
   ``nn.TransformerEncoderLayer``'s inference fast path passes ``linear1/2.weight`` to one fused
   op: an FP8 weight there would be multiplied as raw codes. Beyond those two, any parent
-  whose own methods (other than ``__init__`` / weight init) read ``self.<child>.weight`` at
-  their top level keeps that child, read from the class source: Mamba mixers multiply
-  ``dt_proj.weight`` directly on the CPU path (``MambaMixer``, ``FalconMambaMixer`` …).
-  Reads under a condition are not seen (the Mamba mixers' fused CUDA-kernel branch, which
-  takes ``x_proj`` / ``dt_proj`` / ``out_proj`` weights; Bloom's ``slow_but_exact``).
+  whose methods (its own and inherited, other than ``__init__`` / weight init) read
+  ``self.<child>.weight`` anywhere keeps that child, read from the class source with ``ast``:
+  Mamba mixers multiply ``dt_proj.weight`` directly on the CPU path and pass ``x_proj`` /
+  ``out_proj`` weights to the fused CUDA kernel; T5-style feed-forwards (LongT5,
+  SwitchTransformers, Pix2Struct, Kosmos-2.5, NLLB-MoE …) cast their input to
+  ``wo.weight.dtype``; Bloom's ``slow_but_exact`` slices ``dense.weight``. Reads under a
+  condition count: the condition may hold on another machine or config.
 * ``linear subclass with its own behaviour``: a subclass that overrides ``forward`` (other than
   the known plain ones, e.g. ``FalconLinear``) or holds more than ``weight`` / ``bias``
   (``DoryLMHead``'s logit scale, ``IdeficsDecoupledLinear``'s extra rows).
@@ -55,9 +57,10 @@ from the module structure only, no list of model names.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
-import re
+import textwrap
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -111,32 +114,51 @@ def is_router(module: nn.Module, name: str, parent: nn.Module | None = None) -> 
     return child in _ROUTER_NAMES and parent is not None and hasattr(parent, "experts")
 
 
-_WEIGHT_READ = re.compile(r"self\.(\w+)\.weight\b")
 _INIT_METHODS = ("__init__", "_init_weights", "reset_parameters", "init_weights")
+
+
+def _methods(cls: type) -> dict[str, Any]:
+    """The methods an instance of ``cls`` runs, by name: each from the first class of the
+    MRO that defines it (inherited ones included), torch's own classes left out."""
+    found: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.startswith("torch."):
+            continue
+        for attr, fn in vars(klass).items():
+            found.setdefault(attr, fn)
+    return {a: fn for a, fn in found.items() if inspect.isfunction(fn)}
+
+
+def _weight_reads(fn: Any) -> set[str]:
+    """Names ``c`` of every ``self.c.weight`` anywhere in ``fn`` (read with ``ast``: under
+    any condition, in any nested expression or function), or ``set()`` without a source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    return {
+        node.value.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "weight"
+        and isinstance(node.value, ast.Attribute)
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "self"
+    }
 
 
 @functools.cache
 def _children_read_directly(cls: type) -> frozenset[str]:
-    """Names ``c`` for which a method of ``cls`` (not its initialisation) reads
-    ``self.c.weight`` in a statement of its top level, i.e. on every call (the source of the
-    class itself, not of its bases). Reads under a condition (Bloom's ``slow_but_exact``
-    branch, the Mamba mixers' CUDA-kernel branch) do not count: they would keep layers on
-    every model for a path most never take."""
+    """Names ``c`` for which a method of ``cls`` (inherited ones included; not its weight
+    initialisation) reads ``self.c.weight`` anywhere: a tensor op on the weight, or only its
+    dtype (T5-style feed-forwards cast their input to ``self.wo.weight.dtype`` under a
+    condition, which an FP8 weight turns into "Promotion for Float8 Types"). A read under a
+    condition counts too: the condition may hold on another machine (the Mamba mixers' CUDA
+    kernel branch) or config (Bloom's ``slow_but_exact``), and the saved model must run there."""
     names: set[str] = set()
-    if cls.__module__.startswith("torch."):
-        return frozenset()
-    for attr, fn in vars(cls).items():
-        if attr in _INIT_METHODS or not inspect.isfunction(fn):
-            continue
-        try:
-            source = inspect.getsource(fn)
-        except (OSError, TypeError):
-            continue
-        lines = source.splitlines()
-        base = len(lines[0]) - len(lines[0].lstrip()) + 4  # the method body's indentation
-        for line in lines[1:]:
-            if len(line) - len(line.lstrip()) == base:
-                names.update(_WEIGHT_READ.findall(line))
+    for attr, fn in _methods(cls).items():
+        if attr not in _INIT_METHODS:
+            names |= _weight_reads(fn)
     return frozenset(names)
 
 

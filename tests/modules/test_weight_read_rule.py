@@ -5,6 +5,9 @@ Float8_e4m3fn")."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 import transformers as tf
 from torch import nn
@@ -41,8 +44,125 @@ def test_mamba_loads_and_runs_in_fp8(tmp_path) -> None:
     mixer = model.backbone.layers[0].mixer
     assert isinstance(mixer.in_proj, Fp8Linear)
     assert type(mixer.dt_proj) is nn.Linear  # read as mixer.dt_proj.weight @ ...
-    assert isinstance(mixer.x_proj, Fp8Linear)  # called as a module on this path
+    # called as modules on the CPU path, but the CUDA kernel branch passes their weights to
+    # mamba_inner_fn: the saved model must run there too
+    assert type(mixer.x_proj) is nn.Linear
+    assert type(mixer.out_proj) is nn.Linear
     ids = torch.randint(0, 64, (1, 6))
     with torch.no_grad():
         got, want = model(ids).logits, ref(ids).logits
     assert float((got - want).norm() / want.norm()) < 0.1
+
+
+class _CastsToWeightDtype(nn.Module):
+    """T5's ``DenseActDense``: ``wo`` is called, but only after the input was cast to
+    ``wo.weight.dtype`` under a condition (an FP8 weight: "Promotion for Float8 Types")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wi = nn.Linear(8, 16)
+        self.wo = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wi(x)
+        if (
+            isinstance(self.wo.weight, torch.Tensor)
+            and h.dtype != self.wo.weight.dtype
+            and self.wo.weight.dtype != torch.int8
+        ):
+            h = h.to(self.wo.weight.dtype)
+        return self.wo(h)
+
+
+class _InheritsTheRead(_CastsToWeightDtype):
+    """A subclass that keeps its base's ``forward`` reads ``wo.weight`` all the same."""
+
+
+class _ReadsInAHelper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def _weights(self, fast: bool) -> list[torch.Tensor]:
+        out = []
+        if fast:
+            out.append(self.proj.weight)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("cls", [_CastsToWeightDtype, _InheritsTheRead])
+def test_a_read_under_a_condition_or_inherited_keeps_the_child(cls) -> None:
+    model = nn.Sequential(cls())
+    assert [n for n, _, _ in convertible_modules(model)] == ["0.wi"]
+    parent = model[0]
+    assert "reads its .weight directly" in keep_reason(parent.wo, "0.wo", parent=parent)
+
+
+def test_a_read_in_a_nested_expression_of_a_helper_keeps_the_child() -> None:
+    assert convertible_modules(nn.Sequential(_ReadsInAHelper())) == []
+
+
+def _dequantized(model: nn.Module) -> nn.Module:
+    """The reference: the same model with every Fp8Linear replaced by its dequantized linear."""
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        if isinstance(module, Fp8Linear):
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent) if parent else ref, child, module.dequantize())
+    return ref
+
+
+_T5_SIZES = dict(
+    vocab_size=128,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_heads=4,
+    decoder_start_token_id=0,
+)
+T5_LIKE = {
+    "t5": (tf.T5Config, tf.T5ForConditionalGeneration, {}),
+    "longt5": (tf.LongT5Config, tf.LongT5ForConditionalGeneration, {}),
+    "switch_transformers": (
+        tf.SwitchTransformersConfig,
+        tf.SwitchTransformersForConditionalGeneration,
+        dict(num_experts=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def t5_like_dirs(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for family, (config_cls, model_cls, extra) in T5_LIKE.items():
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(family)
+        model_cls(config_cls(**_T5_SIZES, **extra)).save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
+@pytest.mark.parametrize("family", list(T5_LIKE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_t5_like_families_keep_wo_and_run(t5_like_dirs, family, dtype) -> None:
+    """LongT5 / SwitchTransformers cast the feed-forward input to ``wo.weight.dtype`` under a
+    condition: ``wo`` was converted and every forward raised. T5 kept it only through its
+    ``_keep_in_fp32_modules``; the rule now keeps it in all three."""
+    model_cls = T5_LIKE[family][1]
+    model = model_cls.from_pretrained(
+        t5_like_dirs[family], dtype=dtype, quantization_config=Fp8Config("weight_only")
+    )
+    wos = {type(m) for n, m in model.named_modules() if n.endswith(".wo")}
+    assert wos == {nn.Linear}
+    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+    ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
+    with torch.no_grad():
+        got = model(**inputs).logits.float()
+        want = _dequantized(model)(**inputs).logits.float()
+    assert got.isfinite().all()
+    assert float((got - want).norm() / want.norm()) < (0.02 if dtype == torch.bfloat16 else 1e-4)
