@@ -134,6 +134,16 @@ def _local_source(model_id: str) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _check_source(model_id: str) -> None:
+    """A local source folder is checked before transformers reads it (it follows ``../``
+    shard names and symlinks): only the folder's own files are read."""
+    from hf_fp8.serialization.checkpoint import check_source_folder
+
+    local = _local_source(model_id)
+    if local is not None:
+        check_source_folder(local)
+
+
 def _out_dir(args: argparse.Namespace, model_id: str) -> Path:
     """``--out`` checked before anything is loaded: never the source folder, however spelled."""
     from hf_fp8.serialization.checkpoint import check_out_dir
@@ -247,6 +257,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             "or pass --activation-scale"
         )
     model_id = _model_path(args.model)
+    _check_source(model_id)
     out = _out_dir(args, model_id)
     _check_skip(model_id, args.skip)
     config = _fp8_config(args, args.scheme)
@@ -262,6 +273,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise ValueError(f"--observer {args.observer}: use one of {', '.join(OBSERVERS)}")
     samples = _read_samples(args.data, args.max_samples)
     model_id = _model_path(args.model)
+    _check_source(model_id)
     out = _out_dir(args, model_id)
     _check_skip(model_id, args.skip)
     config = _fp8_config(args, "static")

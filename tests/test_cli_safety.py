@@ -284,3 +284,53 @@ def test_inspect_repo_id_offline_reads_the_cache(fp8_dir, tmp_path, capsys, monk
     code, _, err = _run(capsys, "inspect", "org/not-cached")
     assert code == 1
     _one_error_line(err, "org/not-cached")
+
+
+# -- quantize / calibrate read only inside the source folder (reviewer) -----------------------
+def _sharded_outside(llama_dir, tmp_path) -> Path:
+    """A sharded copy of the tiny llama whose index names one shard as ``../outside/…``."""
+    src = tmp_path / "src"
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    model.save_pretrained(src, max_shard_size="20KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(llama_dir) / name).is_file():
+            shutil.copy(Path(llama_dir) / name, src / name)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / "outside").mkdir()
+    os.rename(src / last, tmp_path / "outside" / last)
+    index["weight_map"] = {
+        k: (f"../outside/{v}" if v == last else v) for k, v in index["weight_map"].items()
+    }
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    return src
+
+
+def _symlinked_weights(llama_dir, tmp_path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    (tmp_path / "outside").mkdir()
+    os.rename(src / "model.safetensors", tmp_path / "outside" / "w.safetensors")
+    (src / "model.safetensors").symlink_to(tmp_path / "outside" / "w.safetensors")
+    return src
+
+
+@pytest.mark.parametrize("command", ["quantize", "calibrate"])
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [("index-dotdot", "leaves the folder"), ("symlink", "model.safetensors is a symlink")],
+)
+def test_quantize_reads_only_inside_the_source(llama_dir, tmp_path, capsys, command, case, message):
+    """Reviewer: quantize/calibrate passed the folder straight to from_pretrained, which
+    followed ``../`` shard names and symlinked weights (rc 0), contrary to the README."""
+    build = {"index-dotdot": _sharded_outside, "symlink": _symlinked_weights}[case]
+    src = build(llama_dir, tmp_path)
+    argv = [command, str(src), "--out", str(tmp_path / "out")]
+    if command == "calibrate":
+        data = tmp_path / "data.txt"
+        data.write_text("one sample\nanother sample\n")
+        argv += ["--data", str(data)]
+    code, _, err = _run(capsys, *argv)
+    assert code == 1
+    _one_error_line(err, message)
+    assert not (tmp_path / "out").exists()

@@ -276,6 +276,31 @@ def companion_files(root: str | os.PathLike, *, skip: Iterable[str] = ()) -> lis
     return folder_files(root, keep=lambda rel: rel not in skipped and not _weights(Path(rel)))
 
 
+def check_source_folder(root: str | os.PathLike) -> None:
+    """Check a local model folder before a loader that does not check paths (transformers'
+    ``from_pretrained``) reads it: no symlink among its files (:func:`folder_files`), and
+    every file named by a weight index (``*.index.json``) inside it, no ``..`` or absolute
+    names. Raises ``UnsafePathError`` / ``FileNotFoundError`` naming the file."""
+    root = Path(root).expanduser().resolve()
+    links_within = hub_cache_root(root)
+    folder_files(root)
+    for index_path in sorted(root.glob("*.index.json")):
+        contained(root, index_path.name, links_within=links_within)
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{index_path.name} is not valid JSON ({err})") from err
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            continue
+        for file in sorted({v for v in weight_map.values() if isinstance(v, str)}):
+            if not contained(root, file, links_within=links_within).is_file():
+                raise FileNotFoundError(
+                    f"{index_path.name} names {file}, which is not in {root}: the checkpoint "
+                    "is incomplete; download or save it again"
+                )
+
+
 def copy_companion_files(
     source: str | os.PathLike, out_dir: Path, *, skip: Iterable[str] = ()
 ) -> list[str]:
