@@ -11,6 +11,7 @@ many graphs dynamo compiled over five further prompt lengths.
     python benchmarks/bench_generate.py            # 0.5 B; writes benchmarks/results/generate.json
     python benchmarks/bench_generate.py --small    # ~60 M parameters, a quick check
     python benchmarks/bench_generate.py --quick    # one round instead of two (make bench --quick)
+    python benchmarks/bench_generate.py --rounds 0 --cold-rounds 5  # the cold first token only
 
 Each measurement runs in its own subprocess (``nice``-d like the parent), so peak RSS is that
 variant's alone; variants are interleaved round by round and the best round is kept, since
@@ -91,7 +92,9 @@ def _rss_mib() -> tuple[float, float]:
     return found["VmRSS"], found["VmHWM"]
 
 
-def worker(model_dir: str, threads: int, prompt: int, new: int, reps: int) -> dict[str, Any]:
+def worker(
+    model_dir: str, threads: int, prompt: int, new: int, reps: int, cold_only: bool = False
+) -> dict[str, Any]:
     start = time.perf_counter()
     import torch
     import transformers as tf
@@ -143,6 +146,13 @@ def worker(model_dir: str, threads: int, prompt: int, new: int, reps: int) -> di
     t0 = generate(1, ids)  # cold: first call in this fresh process, empty caches
     cold_first_token = stamps[0] - t0
     from_start = stamps[0] - start
+    if cold_only:
+        return {
+            "threads": threads,
+            "cold_first_token_s": cold_first_token,
+            "process_start_to_first_token_s": from_start,
+            "load_s": loaded - start,
+        }
     prefill, decode = [], []
     for _ in range(reps):
         t0 = generate(new, ids)
@@ -204,7 +214,12 @@ def build_checkpoints(folder: Path, size: str) -> dict[str, str]:
 
 
 def run_worker(
-    path: str, threads: int, args: argparse.Namespace, scratch: Path, kernel_cache: Path | None
+    path: str,
+    threads: int,
+    args: argparse.Namespace,
+    scratch: Path,
+    kernel_cache: Path | None,
+    cold_only: bool = False,
 ) -> dict:
     """One fresh, niced subprocess with an empty inductor cache, and an empty C-kernel cache
     unless ``kernel_cache`` (built once per machine) is given."""
@@ -217,6 +232,7 @@ def run_worker(
     }
     cmd = [sys.executable, __file__, "--worker", path, "--threads", str(threads)]
     cmd += ["--prompt", str(args.prompt), "--new", str(args.new), "--reps", str(args.reps)]
+    cmd += ["--cold-only"] if cold_only else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     shutil.rmtree(cache, ignore_errors=True)
     if proc.returncode != 0:
@@ -262,7 +278,14 @@ def compare(results: dict[str, dict]) -> dict[str, Any]:
     for name, r in results.items():
         if name == "bf16" or "error" in r or "error" in base:
             continue
-        out[name] = {
+        out[name] = {}
+        if "cold_first_token_median_s" in r and "cold_first_token_median_s" in base:
+            out[name]["cold_first_token_median_extra_s"] = (
+                r["cold_first_token_median_s"] - base["cold_first_token_median_s"]
+            )
+        if "decode_tokens_per_s" not in r or "decode_tokens_per_s" not in base:
+            continue  # cold first token only (--rounds 0)
+        out[name] |= {
             "decode_speedup": r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
             "prefill_time_ratio": base["prefill_tokens_per_s"] / r["prefill_tokens_per_s"],
             "peak_rss_ratio": r["peak_rss_mib"] / base["peak_rss_mib"],
@@ -285,19 +308,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2, help="warm generate calls per process")
     parser.add_argument("--output", type=Path)
+    parser.add_argument(
+        "--cold-rounds",
+        type=int,
+        default=3,
+        help="extra interleaved rounds of the cold first token alone (fresh processes, all "
+        "caches empty, stopped after the first token): its median (default 3; 0: off)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--cold-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        result = worker(args.worker, int(args.threads), args.prompt, args.new, args.reps)
+        result = worker(
+            args.worker, int(args.threads), args.prompt, args.new, args.reps, args.cold_only
+        )
         print(json.dumps(result))
         return result
 
     size = "small" if args.small else "0.5b"
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 2)
     thread_counts = [int(t) for t in args.threads.split(",")]
     output = args.output or RESULTS / (
         "generate_small.json"
         if args.small
+        else "generate_cold.json"
+        if rounds == 0
         else "generate_quick.json"
         if args.quick
         else "generate.json"
@@ -311,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "started": started,
     }
     samples: dict[tuple[int, str], list[dict]] = {}
+    cold: dict[tuple[int, str], list[dict]] = {}
     scratch = Path(tempfile.mkdtemp(prefix="hf_fp8_bench_generate_"))  # 0700, ours
     try:
         paths = build_checkpoints(scratch, size)
@@ -344,9 +380,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     print(f"round {rnd + 1} {threads}T {name}: {brief}", flush=True)
                     # written after every sample: a run cut short still leaves its numbers
                     _write(output, _results(samples, meta, args, complete=False))
+        for rnd in range(args.cold_rounds):  # the cold first token alone, all caches empty
+            for threads in thread_counts:
+                order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]
+                for name in order:
+                    sample = run_worker(paths[name], threads, args, scratch, None, cold_only=True)
+                    cold.setdefault((threads, name), []).append(sample)
+                    brief = sample.get("error", "")[-300:] or (
+                        f"cold first token {sample['cold_first_token_s']:.2f} s"
+                    )
+                    print(f"cold round {rnd + 1} {threads}T {name}: {brief}", flush=True)
+                    _write(output, _results(samples, meta, args, complete=False, cold=cold))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    results = _results(samples, meta, args, complete=True)
+    results = _results(samples, meta, args, complete=True, cold=cold)
     _write(output, results)
     print_table(results)
     print(f"\nwrote {output} in {results['wall_s']} s")
@@ -362,10 +409,22 @@ def _results(
     meta: dict[str, Any],
     args: argparse.Namespace,
     complete: bool,
+    cold: dict[tuple[int, str], list[dict]] | None = None,
 ) -> dict[str, Any]:
     runs = []
-    for threads in sorted({t for t, _ in samples}):
-        per = {n: summarize(samples[(threads, n)]) for n in VARIANTS if (threads, n) in samples}
+    cold = cold or {}
+    for threads in sorted({t for t, _ in samples} | {t for t, _ in cold}):
+        per = {
+            n: summarize(samples[(threads, n)]) if (threads, n) in samples else {}
+            for n in VARIANTS
+            if (threads, n) in samples or (threads, n) in cold
+        }
+        for name, r in per.items():
+            times = [s.get("cold_first_token_s") for s in cold.get((threads, name), [])]
+            times = [t for t in times if t is not None]
+            if times and "error" not in r:
+                r["cold_first_token_median_s"] = statistics.median(times)
+                r["cold_first_token_all_s"] = [round(t, 3) for t in times]
         vs = compare(per) if "bf16" in per else {}
         runs.append({"threads": threads, "variants": per, "vs_bf16": vs})
     return {
@@ -377,7 +436,10 @@ def _results(
         "rounds": meta["rounds"],
         "complete": complete,
         "timing": "best of interleaved rounds (tokens/s); cold first token: round 1 (all "
-        "caches empty) and the median of later rounds (C kernel cached, inductor cache empty)",
+        "caches empty) and the median of later rounds (C kernel cached, inductor cache empty); "
+        "cold_first_token_median_s: the median of --cold-rounds extra fresh processes with all "
+        "caches empty, stopped after the first token",
+        "cold_rounds": args.cold_rounds,
         "memory": "peak_rss_mib: the whole process's peak (VmHWM), interpreter and libraries "
         "included; model_peak_rss_mib: that peak minus the RSS just before from_pretrained in the "
         "same process, measured after a tiny bf16 Llama generated 2 tokens so that lazily "
@@ -396,7 +458,8 @@ def _results(
 def print_table(results: dict[str, Any]) -> None:
     print(
         f"\n{'threads':>7} {'variant':>12} {'prefill tok/s':>13} {'decode tok/s':>12} "
-        f"{'peak RSS MiB':>12} {'model MiB':>9} {'cold 1st tok s':>14} {'(kernel cached)':>15} {'decode x':>8} "
+        f"{'peak RSS MiB':>12} {'model MiB':>9} {'cold 1st tok s':>14} {'(kernel cached)':>15} "
+        f"{'(median)':>8} {'decode x':>8} "
         f"{'prefill t x':>11} "
         f"{'RSS x':>6} {'model RSS x':>11} {'graphs':>6}"
     )
@@ -406,11 +469,20 @@ def print_table(results: dict[str, Any]) -> None:
                 print(f"{run['threads']:>7} {name:>12} error: {r['error'][-200:]}")
                 continue
             c = run["vs_bf16"].get(name, {})
+            if "prefill_tokens_per_s" not in r:  # --rounds 0: the cold first token only
+                extra = c.get("cold_first_token_median_extra_s", 0.0)
+                print(
+                    f"{run['threads']:>7} {name:>12} cold first token (median) "
+                    f"{r.get('cold_first_token_median_s', float('nan')):.2f} s "
+                    f"({extra:+.2f} s vs bf16), all {r.get('cold_first_token_all_s')}"
+                )
+                continue
             print(
                 f"{run['threads']:>7} {name:>12} {r['prefill_tokens_per_s']:13.1f} "
                 f"{r['decode_tokens_per_s']:12.2f} {r['peak_rss_mib']:12.0f} "
                 f"{r['model_peak_rss_mib']:9.0f} "
                 f"{r['cold_first_token_s']:14.2f} {r['cold_first_token_kernel_cached_s']:15.2f} "
+                f"{r.get('cold_first_token_median_s', float('nan')):8.2f} "
                 f"{c.get('decode_speedup', 1.0):8.2f} "
                 f"{c.get('prefill_time_ratio', 1.0):11.2f} {c.get('peak_rss_ratio', 1.0):6.2f} "
                 f"{c.get('model_peak_rss_ratio', 1.0):11.2f} "
