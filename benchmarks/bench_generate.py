@@ -311,9 +311,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--cold-rounds",
         type=int,
-        default=3,
         help="extra interleaved rounds of the cold first token alone (fresh processes, all "
-        "caches empty, stopped after the first token): its median (default 3; 0: off)",
+        "caches empty, stopped after the first token): its median (default 3, 1 --quick; 0: off)",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--cold-only", action="store_true", help=argparse.SUPPRESS)
@@ -327,6 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     size = "small" if args.small else "0.5b"
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 2)
+    if args.cold_rounds is None:
+        args.cold_rounds = 1 if args.quick else 3
     thread_counts = [int(t) for t in args.threads.split(",")]
     output = args.output or RESULTS / (
         "generate_small.json"
