@@ -179,14 +179,29 @@ def _companion_source(model_id: str) -> Path | None:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(model_id, ignore_patterns=_WEIGHT_PATTERNS))
+        try:
+            from huggingface_hub import HfApi
+
+            ignore = _companion_ignore(HfApi().list_repo_files(model_id))
+        except Exception:  # offline: the cached snapshot is used as it is
+            ignore = _WEIGHT_PATTERNS
+        return Path(snapshot_download(model_id, ignore_patterns=ignore))
     except Exception:  # no network and not cached: the pipeline files cannot be copied
         print(f"note: could not fetch the other files of {model_id} (tokenizer, pipeline)")
         return None
 
 
+# Offline fallback only (the Hub's patterns match at any depth: module weights go too).
 _WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.ckpt"]
-_WEIGHT_PATTERNS += ["*.onnx", "*.onnx_data", "*.gguf", "onnx/*", "openvino/*"]
+_WEIGHT_PATTERNS += ["*.onnx", "*.onnx_data", "*.gguf", "onnx/*", "openvino/*", "original/*"]
+
+
+def _companion_ignore(repo_files: Sequence[str]) -> list[str]:
+    """``snapshot_download`` ignore patterns for a repo's files: exactly its model weights
+    (top level, ``onnx/`` …), so that pipeline modules' weights (``2_Dense/``) come along."""
+    from hf_fp8.serialization.checkpoint import model_weight_files
+
+    return [re.sub(r"([*?\[])", r"[\1]", f) for f in model_weight_files(repo_files)]
 
 
 def _save(model, args: argparse.Namespace, model_id: str, out: Path) -> None:

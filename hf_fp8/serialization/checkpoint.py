@@ -61,7 +61,8 @@ _OTHER_WEIGHTS = {
     ".gguf",
     ".safetensors",
 }
-_OTHER_WEIGHT_DIRS = {"onnx", "openvino"}
+# Folders holding the same model in other formats (Llama's ``original/consolidated.*.pth``).
+_OTHER_WEIGHT_DIRS = {"onnx", "openvino", "original"}
 
 
 @dataclass(frozen=True)
@@ -320,7 +321,18 @@ def copy_companion_files(
 
 
 def _weights(rel: Path) -> bool:
-    return rel.suffix in _OTHER_WEIGHTS or bool(_OTHER_WEIGHT_DIRS & set(rel.parts[:-1]))
+    """The model's own weights in any format: weight files at the top level or in a folder
+    of other formats (``onnx/`` …). Weights of a pipeline's modules (sentence-transformers
+    ``2_Dense/model.safetensors``) are files of their own and travel with the model."""
+    if rel.suffix not in _OTHER_WEIGHTS:
+        return False
+    return len(rel.parts) == 1 or rel.parts[0] in _OTHER_WEIGHT_DIRS
+
+
+def model_weight_files(files: Iterable[str]) -> list[str]:
+    """The entries of ``files`` (POSIX paths relative to a model folder) that are the model's
+    own weights (see :func:`_weights`): what a conversion never copies or downloads."""
+    return [f for f in files if _weights(Path(f))]
 
 
 def check_out_dir(
