@@ -20,7 +20,11 @@ from hf_fp8.modules.forward_ops import call_changes
 from hf_fp8.modules.replace import _swap_linears
 from hf_fp8.modules.selection import ModuleFilter
 from hf_fp8.quantizer.experts import experts_to_convert
-from hf_fp8.quantizer.hf_quantizer import POST_LOAD_HOOKS, Fp8HfQuantizer
+from hf_fp8.quantizer.hf_quantizer import (
+    POST_LOAD_HOOKS,
+    Fp8HfQuantizer,
+    default_skipped_modules,
+)
 from hf_fp8.recipe import Fp8Recipe
 
 
@@ -73,12 +77,40 @@ def _refuse_changed_calls(named: list[tuple[str, nn.Module]]) -> None:
         )
 
 
+def _refuse_shared_weights(
+    model: nn.Module, targets: list[tuple[str, nn.Module, nn.Module]], *, defaults_off: bool
+) -> None:
+    """``ValueError`` before anything converts when a layer to convert shares its weight with
+    another module (tied embeddings): the FP8 layer would hold its own copy, the tie would be
+    broken and the saved checkpoint would not reload."""
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((f"{name}.{pname}" if name else pname, module))
+    for name, module, _ in targets:
+        others = sorted({k for k, m in holders.get(id(module.weight), []) if m is not module})
+        if others:
+            hint = (
+                " (a transformers model keeps its tied layers by default; default_skips=False "
+                "turned that off)"
+                if defaults_off
+                else ""
+            )
+            raise ValueError(
+                f"hf_fp8.quantize_model: {name}.weight is shared with {', '.join(others)} (tied "
+                f"weights). Converting {name} would untie them: the FP8 layer would hold its "
+                "own copy, and the saved checkpoint would not reload. Keep it in high "
+                f"precision: skip=[{name!r}]{hint}"
+            )
+
+
 def quantize_model(
     model: nn.Module,
     config: Fp8Config,
     *,
     skip: Sequence[str] | None = None,
     module_filter_fn: ModuleFilter | None = None,
+    default_skips: bool = True,
 ) -> nn.Module:
     """Quantize the linear layers of a high-precision ``model`` in place; return it.
 
@@ -86,10 +118,16 @@ def quantize_model(
     subclasses) and GPT-2 ``Conv1D``, never MoE routers; MoE experts modules become
     ``Fp8Experts`` (``hf_fp8.quantizer.experts.experts_to_convert``: also Llama-4's bmm
     experts, as ``Fp8BmmExperts``). Layers named in
-    ``config.modules_to_not_convert`` or ``skip`` stay in high precision (no default skips
-    here: name ``lm_head`` to keep it); a name that matches no module is warned about (a typo
-    would otherwise quantize the layer it meant to keep). ``module_filter_fn(module, fqn)``
-    returning ``False`` keeps a layer too (as torchao's).
+    ``config.modules_to_not_convert`` or ``skip`` stay in high precision; a name that matches
+    no module is warned about (a typo would otherwise quantize the layer it meant to keep).
+    ``module_filter_fn(module, fqn)`` returning ``False`` keeps a layer too (as torchao's).
+
+    On a transformers ``PreTrainedModel``, ``default_skips=True`` also keeps what
+    ``from_pretrained(..., quantization_config=config)`` keeps (the same function,
+    ``default_skipped_modules``): tied weights, the output embeddings (``lm_head``), the last
+    module and ``_keep_in_fp32_modules`` (T5's ``wo``). ``default_skips=False`` converts an
+    untied ``lm_head`` too. A layer whose weight is shared with another module (tied) is
+    refused (``ValueError``) on any model: converting it would break the tie.
 
     A model that already holds ``Fp8Linear`` layers (a LoRA ``merge_and_unload`` leaves the
     merged layers in high precision and the others in FP8) gets its high-precision layers
@@ -104,7 +142,12 @@ def quantize_model(
     _check_existing_fp8(model, config)
     patterns = [*(config.modules_to_not_convert or []), *(skip or [])]
     warn_unmatched(model, patterns, "modules_to_not_convert / skip")
+    if default_skips:
+        patterns += default_skipped_modules(model)
     targets = convertible_modules(model, skip=patterns, module_filter_fn=module_filter_fn)
+    _refuse_shared_weights(
+        model, targets, defaults_off=not default_skips and isinstance(model, PreTrainedModel)
+    )
     experts = experts_to_convert(model, skip=patterns, module_filter_fn=module_filter_fn)
     if (
         not targets

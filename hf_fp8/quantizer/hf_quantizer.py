@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
@@ -66,6 +67,19 @@ def _stored_dtype(param: Any) -> str:
 def _is_fp8_on_disk(param: Any) -> bool:
     stored = _stored_dtype(param)
     return stored.startswith("F8_") or stored in ("torch.float8_e4m3fn", "torch.float8_e5m2")
+
+
+def default_skipped_modules(model: nn.Module) -> list[str]:
+    """What an on-the-fly ``from_pretrained`` load keeps in high precision besides the
+    config's ``modules_to_not_convert``: transformers' default skips (tied weights, the output
+    embeddings, the last module) and the model's ``_keep_in_fp32_modules`` (T5's ``wo``).
+    ``[]`` for a module that is not a transformers ``PreTrainedModel``."""
+    if not isinstance(model, PreTrainedModel):
+        return []
+    keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return sorted(
+        HfQuantizer.get_modules_to_not_convert(model, [], keep_fp32, add_default_skips=True)
+    )
 
 
 class Fp8QuantizeOp(ConversionOps):
@@ -160,12 +174,7 @@ class Fp8HfQuantizer(HfQuantizer):
             skip = list(config.modules_to_not_convert)  # what the saved model actually kept
         else:
             warn_unmatched(model, config.modules_to_not_convert or [], "modules_to_not_convert")
-            skip = self.get_modules_to_not_convert(
-                model,
-                config.modules_to_not_convert,
-                model._keep_in_fp32_modules,
-                add_default_skips=True,
-            )
+            skip = list({*(config.modules_to_not_convert or []), *default_skipped_modules(model)})
             config = config.replace(modules_to_not_convert=sorted(skip))  # configs are frozen
             self.quantization_config = config
         self.modules_to_not_convert = skip

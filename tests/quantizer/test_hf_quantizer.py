@@ -194,8 +194,10 @@ def test_quantize_model_matches_from_pretrained(tiny_model_dir):
 
 def test_quantize_model_checkpoint_reloads_with_fp8_output_layer(tiny_model_dir, tmp_path):
     plain = _load(tiny_model_dir("llama"))
-    model = hf_fp8.quantize_model(plain, Fp8Config("weight_only"), skip=["down_proj"])
-    assert isinstance(model.lm_head, Fp8Linear)  # quantize_model has no default skips
+    model = hf_fp8.quantize_model(
+        plain, Fp8Config("weight_only"), skip=["down_proj"], default_skips=False
+    )
+    assert isinstance(model.lm_head, Fp8Linear)  # default skips off: the untied head converts
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert saved["modules_to_not_convert"] == [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
