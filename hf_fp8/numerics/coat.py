@@ -241,27 +241,77 @@ def quantize_groups(
     return torch.copysign(mag, xf).to(fp8_dtype), scale, k
 
 
+# fp8 code layout: mantissa bits, exponent bias and the mantissa field of the largest value F.
+CODE_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+CODE_EXPONENT_BIAS = {torch.float8_e4m3fn: 7, torch.float8_e5m2: 15}
+CODE_TOP_MANTISSA = {torch.float8_e4m3fn: 6, torch.float8_e5m2: 3}
+DECODE_Y_MAX = 127.99999237060547  # largest fp32 below 128: fast_exp2 stays finite
+
+
+def decode_log2_tables(fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constant fp32 tables of the factored COAT decode (see :func:`dequantize_groups`).
+
+    A code of exponent field ``E`` and mantissa field ``j`` has
+    ``log2|q| = E - bias + L(1 + j/2^mb)`` (``E ≥ 1``) or ``1 - bias - mb + L(j)`` (``E = 0``),
+    ``L`` = :func:`fast_log2`. Split as ``ea[E] + db[i]`` (``i = j``: normal, ``i = 2^mb + j``:
+    subnormal): ``ea[E]`` is the log2 of mantissa ``t`` (F's mantissa field) of exponent field
+    ``E`` (the largest subnormal for ``E = 0``), so that the largest ``ea`` is ``L(F)``, and
+    ``db[i]`` the offset of ``j`` from it: ``≤ 0`` except ``j > t`` (E4M3's ``j = 7``:
+    ``db = 0.0995``). Returns ``(ea [2^(7-mb)], db [2^(mb+1)])``.
+    """
+    mb, bias = CODE_MANTISSA_BITS[fp8_dtype], CODE_EXPONENT_BIAS[fp8_dtype]
+    top = CODE_TOP_MANTISSA[fp8_dtype]
+    nj = 1 << mb
+    j = torch.arange(nj, dtype=torch.float32)
+    l_norm = fast_log2(j * (1.0 / nj) + 1.0)  # L(1 + j/2^mb): j/2^mb + 1 is exact
+    l_sub = fast_log2(torch.where(j > 0, j, torch.ones_like(j)))  # L(j), j = 0 unused
+    e = torch.arange(1 << (7 - mb), dtype=torch.float32)
+    ea = torch.where(e > 0, (e - bias) + l_norm[top], (1.0 - bias - mb) + l_sub[-1])
+    db = torch.cat([l_norm - l_norm[top], l_sub - l_sub[-1]])
+    return ea, db
+
+
 def dequantize_groups(
     q: torch.Tensor,
     scale: torch.Tensor,
     exponent: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_groups`: ``q · scale`` or ``sign(q)·amax·(|q|/F)^(1/k)``."""
+    """Inverse of :func:`quantize_groups`: ``q · scale`` or ``sign(q)·amax·(|q|/F)^(1/k)``.
+
+    With expansion, ``amax·(|q|/F)^(1/k) = 2^(log2|q|·(1/k) + b)``, ``b = L(amax) - log2F/k``,
+    factored per code as ``A[E] · B[i]`` from :func:`decode_log2_tables`::
+
+        A[E] = fast_exp2(min(ea[E]·(1/k) + b, DECODE_Y_MAX)),   B[i] = fast_exp2(db[i]·(1/k))
+
+    one row of 2^(7-mb) and one of 2^(mb+1) values per group, so that an element costs two
+    table reads and one multiplication instead of a log2 and an exp2 (relative error < 1.5e-5
+    against the exact power, about twice the single fast_exp2's). ``A ≤ amax·(1 + 4e-5)``
+    never overflows; ``B ≤ 2^(0.0995/k) ≤ 3``, so an ``A`` clamped to FLT_MIN (a group of
+    moments near 1e-38) decodes below 3·FLT_MIN. Zero and non-finite codes decode to ±0.
+    """
     qf = q.float()
     if exponent is None:
         return (qf * scale.unsqueeze(-1)).to(dtype)
     fmax = fp8_max(q.dtype)
+    mb = CODE_MANTISSA_BITS[q.dtype]
     amax = scale * fmax
     inv_k = exponent.reciprocal()
-    # log2(amax · (|q| / F)^(1/k)) = log2|q| · (1/k) + (log2 amax - log2 F · (1/k))
     bias = fast_log2(torch.where(amax >= FLT_MIN, amax, torch.ones_like(amax))) - inv_k * (
         math.log2(fmax)
     )
-    aq = qf.abs()
-    nonzero = aq > 0
-    y = fast_log2(torch.where(nonzero, aq, torch.ones_like(aq))) * inv_k.unsqueeze(
-        -1
-    ) + bias.unsqueeze(-1)
-    mag = torch.where(nonzero, fast_exp2(y), torch.zeros_like(aq))
+    ea, db = (t.to(q.device) for t in decode_log2_tables(q.dtype))
+    ik = inv_k.unsqueeze(-1)
+    table_a = fast_exp2((ea * ik + bias.unsqueeze(-1)).clamp(max=DECODE_Y_MAX))
+    table_b = fast_exp2(db * ik)
+    a = q.view(torch.uint8).to(torch.int64) & 0x7F
+    e = a >> mb
+    j = a & ((1 << mb) - 1)
+    i = torch.where(e == 0, j + (1 << mb), j)
+    lead = q.shape[:-1]
+    mag = torch.gather(table_a.expand(*lead, -1), -1, e) * torch.gather(
+        table_b.expand(*lead, -1), -1, i
+    )
+    valid = (a != 0) & torch.isfinite(qf)
+    mag = torch.where(valid, mag, torch.zeros_like(mag))
     return torch.copysign(mag, qf).to(dtype)

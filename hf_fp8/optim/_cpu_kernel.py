@@ -127,6 +127,7 @@ def kernel_defines(variant: int) -> dict[str, object]:
     d["INV_STEPS"] = 1.0 / coat.EXPONENT_STEPS
     d["K_MIN"] = float(coat.EXPONENT_MIN)
     d["K_MAX"] = float(coat.EXPONENT_MAX)
+    d["DEC_Y_MAX"] = coat.DECODE_Y_MAX
     d["LOG_V_MAX"] = lm.V_CODE_MAX
     d["LOG_M_MAX"] = lm.M_CODE_MAX
     d["LOG_V_RANGE_STEPS"] = float(lm.V_RANGE_STEPS)

@@ -6,10 +6,11 @@
    moment_format="log" (run_groups_log: no polynomial at all, ~2.6x faster). Loops are
    branch-free so that the compiler vectorizes them; max/min reductions run on the bit patterns
    of non-negative floats. With AVX-512 (groups whose length is a multiple of 16), hand-written
-   loops do the same operations: E4M3 codes with COAT expansion decode through a 128-entry
-   table of flog2 of every code (dec_group_avx512: permutes instead of the log2 polynomial, the
-   same values bit for bit), then one exp2 per element, and requantize with the polynomial
-   chains of 8 vectors interleaved (requant_e4m3_ex_v); the log format has its three loops
+   loops do the same operations: E4M3 codes with COAT expansion decode as A[E]·B[j] from two
+   16-entry tables per group (coat.dequantize_groups; dec_group_avx512: two permutes and one
+   multiplication per 16 codes), and requantize with the polynomial chains of 8 vectors
+   interleaved (requant_e4m3_ex_v); the next chunk's memory is prefetched while a chunk
+   requantizes (prefetch_group); the log format has its three loops
    (update_group_log_v, requant_log_v_v, requant_log_m_v). Threads take groups from a shared
    counter; built with -fopenmp (USE_OMP) they are torch's own OpenMP pool.
 
@@ -117,12 +118,22 @@ AI uint8_t enc_fp8(float x, const int E5) {
     return (uint8_t)(c | s);
 }
 
-/* flog2 of every E4M3 magnitude code (index c & 0x7F), exactly the value the per-element
-   decode computes (flog2 of nz ? |q| : 1): the fast decode reads it instead of a polynomial. */
-AI void make_log2_tab(float* restrict tab) {
-    for (int c = 0; c < 128; ++c) {
-        float a = dec_fp8((uint8_t)c, 0);
-        tab[c] = flog2((a > 0.0f) ? a : 1.0f);
+/* coat.decode_log2_tables: ea[E] (log2 of F's mantissa field in exponent field E) and db[i]
+   (the offset of mantissa j from it: i = j normal, i = 2^mb + j subnormal), the same fp32
+   operations. */
+AI void decode_log2_tables(float* restrict ea, float* restrict db, const int E5) {
+    const int mb = E5 ? 2 : 3, bias = E5 ? 15 : 7, nj = 1 << mb, top = E5 ? 3 : 6;
+    float ln[8], ls[8];
+    for (int j = 0; j < nj; ++j) {
+        ln[j] = flog2((float)j * (1.0f / (float)nj) + 1.0f);
+        ls[j] = flog2((j > 0) ? (float)j : 1.0f);
+    }
+    for (int e = 0; e < (1 << (7 - mb)); ++e)
+        ea[e] = (e > 0) ? ((float)e - (float)bias) + ln[top]
+                        : (float)(1 - bias - mb) + ls[nj - 1];
+    for (int j = 0; j < nj; ++j) {
+        db[j] = ln[j] - ln[top];
+        db[nj + j] = ls[j] - ls[nj - 1];
     }
 }
 
@@ -147,82 +158,33 @@ AI __m512 fexp2_v(__m512 y, const int CLAMP) {
 }
 
 /* Decode 16 E4M3 codes with COAT expansion (update_group's EX branch, bit for bit):
-   flog2|q| from the 128-entry table (four two-table permutes and two blends), one exp2. */
-AI __m512 dec_coat_v(const uint8_t* q, const __m512* tab, __m512 ik, __m512 bias, const int CLAMP) {
+   A[E] · B[j (+8 for a subnormal code)] from the group's two 16-entry tables, two permutes. */
+AI __m512 dec_coat_v(const uint8_t* q, __m512 ta, __m512 tb) {
     __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-    __m512i idx = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
-    __m512 r0 = _mm512_permutex2var_ps(tab[0], idx, tab[1]);
-    __m512 r1 = _mm512_permutex2var_ps(tab[2], idx, tab[3]);
-    __m512 r2 = _mm512_permutex2var_ps(tab[4], idx, tab[5]);
-    __m512 r3 = _mm512_permutex2var_ps(tab[6], idx, tab[7]);
-    __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
-    __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
-    __m512 lg = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r0, r1),
-                                     _mm512_mask_blend_ps(b5, r2, r3));
-    __m512 mag = fexp2_v(_mm512_add_ps(_mm512_mul_ps(lg, ik), bias), CLAMP);
-    /* |q| > 0: neither the zero code nor the NaN code 0x7F */
-    __mmask16 nz = _mm512_cmpneq_epi32_mask(idx, _mm512_setzero_si512()) &
-                   _mm512_cmpneq_epi32_mask(idx, _mm512_set1_epi32(0x7F));
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
-    __m512i mb = _mm512_maskz_mov_epi32(nz, _mm512_castps_si512(mag));
-    return _mm512_castsi512_ps(_mm512_or_si512(mb, sign));
+    __m512i a = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+    __m512i e = _mm512_srli_epi32(a, 3);
+    __m512i j = _mm512_and_si512(a, _mm512_set1_epi32(7));
+    __mmask16 sub = _mm512_testn_epi32_mask(a, _mm512_set1_epi32(0x78));
+    __m512i i = _mm512_mask_or_epi32(j, sub, j, _mm512_set1_epi32(8));
+    __m512 mag = _mm512_mul_ps(_mm512_permutexvar_ps(e, ta), _mm512_permutexvar_ps(i, tb));
+    /* valid: neither the zero code nor the NaN code 0x7F */
+    __mmask16 ok = _mm512_cmpneq_epi32_mask(a, _mm512_setzero_si512()) &
+                   _mm512_cmpneq_epi32_mask(a, _mm512_set1_epi32(0x7F));
+    __m512i mbits = _mm512_maskz_mov_epi32(ok, _mm512_castps_si512(mag));
+    /* | the sign bit (code bit 7 moved to bit 31) */
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+        mbits, _mm512_slli_epi32(c, 24), _mm512_set1_epi32((int)0x80000000u), 0xF8));
 }
 
 /* Decoded m and v of one group (n a multiple of 16) into m_out / v_out. */
 AI void dec_group_avx512(const uint8_t* restrict qm, const uint8_t* restrict qv,
-                         float* restrict m_out, float* restrict v_out, const __m512* tab,
-                         float ik_m, float b_m, float ik_v, float b_v, int64_t n,
-                         const int CLAMP) {
-    const __m512 ikm = _mm512_set1_ps(ik_m), bm = _mm512_set1_ps(b_m);
-    const __m512 ikv = _mm512_set1_ps(ik_v), bv = _mm512_set1_ps(b_v);
-    if (n % 64 == 0) { /* 4 vectors of each moment, every step across the 8 of them */
-        for (int64_t i0 = 0; i0 < n; i0 += 64) {
-            __m512i c[8], idx[8];
-            __m512 y[8], r[8], f[8], acc[8];
-            for (int u = 0; u < 8; ++u) {
-                const uint8_t* q = (u < 4 ? qm : qv) + i0 + 16 * (u & 3);
-                c[u] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-                idx[u] = _mm512_and_si512(c[u], _mm512_set1_epi32(0x7F));
-            }
-            for (int u = 0; u < 8; ++u) {
-                __m512 r0 = _mm512_permutex2var_ps(tab[0], idx[u], tab[1]);
-                __m512 r1 = _mm512_permutex2var_ps(tab[2], idx[u], tab[3]);
-                __m512 r2 = _mm512_permutex2var_ps(tab[4], idx[u], tab[5]);
-                __m512 r3 = _mm512_permutex2var_ps(tab[6], idx[u], tab[7]);
-                __mmask16 b5 = _mm512_test_epi32_mask(idx[u], _mm512_set1_epi32(32));
-                __mmask16 b6 = _mm512_test_epi32_mask(idx[u], _mm512_set1_epi32(64));
-                __m512 lg = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r0, r1),
-                                                 _mm512_mask_blend_ps(b5, r2, r3));
-                y[u] = _mm512_add_ps(_mm512_mul_ps(lg, u < 4 ? ikm : ikv), u < 4 ? bm : bv);
-                if (CLAMP) y[u] = _mm512_max_ps(y[u], _mm512_set1_ps(-126.0f));
-            }
-            for (int u = 0; u < 8; ++u) { /* fexp2_v, step by step */
-                r[u] = FLOOR_V(y[u]);
-                f[u] = _mm512_sub_ps(y[u], r[u]);
-                acc[u] = _mm512_add_ps(_mm512_mul_ps(f[u], _mm512_set1_ps(EXP2_C3)),
-                                       _mm512_set1_ps(EXP2_C2));
-            }
-            for (int u = 0; u < 8; ++u)
-                acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(EXP2_C1));
-            for (int u = 0; u < 8; ++u)
-                acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(EXP2_C0));
-            for (int u = 0; u < 8; ++u) {
-                __m512 poly = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(1.0f));
-                __m512i mag = _mm512_add_epi32(_mm512_castps_si512(poly),
-                                               _mm512_slli_epi32(_mm512_cvttps_epi32(r[u]), 23));
-                __mmask16 nz = _mm512_cmpneq_epi32_mask(idx[u], _mm512_setzero_si512()) &
-                               _mm512_cmpneq_epi32_mask(idx[u], _mm512_set1_epi32(0x7F));
-                __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c[u], _mm512_set1_epi32(0x80)), 24);
-                __m512i out = _mm512_or_si512(_mm512_maskz_mov_epi32(nz, mag), sign);
-                _mm512_storeu_ps((u < 4 ? m_out : v_out) + i0 + 16 * (u & 3),
-                                 _mm512_castsi512_ps(out));
-            }
-        }
-        return;
-    }
+                         float* restrict m_out, float* restrict v_out, const float* tam,
+                         const float* tbm, const float* tav, const float* tbv, int64_t n) {
+    const __m512 am = _mm512_loadu_ps(tam), bm = _mm512_loadu_ps(tbm);
+    const __m512 av = _mm512_loadu_ps(tav), bv = _mm512_loadu_ps(tbv);
     for (int64_t i = 0; i < n; i += 16) {
-        _mm512_storeu_ps(m_out + i, dec_coat_v(qm + i, tab, ikm, bm, CLAMP));
-        _mm512_storeu_ps(v_out + i, dec_coat_v(qv + i, tab, ikv, bv, CLAMP));
+        _mm512_storeu_ps(m_out + i, dec_coat_v(qm + i, am, bm));
+        _mm512_storeu_ps(v_out + i, dec_coat_v(qv + i, av, bv));
     }
 }
 #endif
@@ -481,13 +443,25 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
     for (int64_t i = n; i < gs; ++i) q[i] = 0;
 }
 
-/* Per-group constants of a chunk, computed across groups (vectorized). */
-AI void dequant_consts(const float* restrict scale, const float* restrict expo,
-                       float* restrict ik, float* restrict bias, int nb, float F, float LOG2F) {
+/* The decode tables of each group of a chunk (coat.dequantize_groups): ta[j] = A (DEC_NA
+   entries: fast_exp2(min(ea·(1/k) + b, DEC_Y_MAX))), tb[j] = B (DEC_NB: fast_exp2(db·(1/k))),
+   b = flog2(amax) - (1/k)·log2 F; the inner loops vectorize. */
+#define DEC_NA 32 /* 2^(7 - mb): 16 for E4M3, 32 for E5M2 */
+#define DEC_NB 16 /* 2^(mb + 1): 16 for E4M3, 8 for E5M2 */
+AI void dequant_tables(const float* restrict scale, const float* restrict expo,
+                       float (*restrict ta)[DEC_NA], float (*restrict tb)[DEC_NB],
+                       const float* restrict ea, const float* restrict db, int nb, float F,
+                       float LOG2F, const int E5) {
+    const int na = E5 ? 32 : 16, nbb = E5 ? 8 : 16;
     for (int j = 0; j < nb; ++j) {
-        float amax = scale[j] * F;
-        ik[j] = 1.0f / expo[j];
-        bias[j] = flog2((amax >= FLT_MIN_F) ? amax : 1.0f) - ik[j] * LOG2F;
+        const float amax = scale[j] * F;
+        const float ik = 1.0f / expo[j];
+        const float b = flog2((amax >= FLT_MIN_F) ? amax : 1.0f) - ik * LOG2F;
+        for (int e = 0; e < na; ++e) {
+            float y = ea[e] * ik + b;
+            ta[j][e] = fexp2((y > DEC_Y_MAX) ? DEC_Y_MAX : y);
+        }
+        for (int i = 0; i < nbb; ++i) tb[j][i] = fexp2(db[i] * ik);
     }
 }
 
@@ -507,14 +481,24 @@ AI void quant_consts(const uint32_t* restrict bmax, const uint32_t* restrict bmi
     }
 }
 
+/* coat.dequantize_groups with expansion of one code, from its group's tables. */
+AI float dec_coat(uint8_t c, const float* restrict ta, const float* restrict tb, const int E5) {
+    const uint32_t mb = E5 ? 2u : 3u, a = c & 0x7Fu, e = a >> mb, j = a & ((1u << mb) - 1u);
+    const uint32_t i = (e == 0u) ? j + (1u << mb) : j;
+    float mag = ta[e] * tb[i];
+    int ok = (a != 0u) & (E5 ? (e != 31u) : (a != 0x7Fu)); /* zero and non-finite codes: 0 */
+    return b2f((ok ? f2b(mag) : 0u) | (((uint32_t)(c & 0x80u)) << 24));
+}
+
 /* Dequantize, AdamW-update and store the new moments of one group (n elements);
    red receives the bit-pattern max / min-non-zero of |m| and v. */
 AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
                      const uint8_t* restrict qv, float* restrict m_out, float* restrict v_out,
-                     float sm, float sv, float ik_m, float b_m, float ik_v, float b_v,
+                     float sm, float sv, const float* restrict tam, const float* restrict tbm,
+                     const float* restrict tav, const float* restrict tbv,
                      const float* restrict hp, int64_t n, uint32_t* restrict red,
                      const int PB, const int GB, const int E5, const int EX, const int SQ,
-                     const int CLAMP, const int PRE) {
+                     const int PRE) {
     const float decay = hp[HP_DECAY], step_size = hp[HP_STEP_SIZE], w1 = hp[HP_ONE_MINUS_BETA1];
     const float b2 = hp[HP_BETA2], w2 = hp[HP_ONE_MINUS_BETA2];
     const float eps = hp[HP_EPS], inv_bc2s = hp[HP_INV_BC2];
@@ -529,15 +513,8 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
             mo = m_out[i];
             vo = v_out[i];
         } else if (EX) {
-            float qmf = dec_fp8(qm[i], E5), qvf = dec_fp8(qv[i], E5);
-            float am = fabsf(qmf), av = fabsf(qvf);
-            int nzm = am > 0.0f, nzv = av > 0.0f;
-            float ym = flog2(nzm ? am : 1.0f) * ik_m + b_m;
-            float yv = flog2(nzv ? av : 1.0f) * ik_v + b_v;
-            float mm = CLAMP ? fexp2(ym) : fexp2_nc(ym);
-            float mv = CLAMP ? fexp2(yv) : fexp2_nc(yv);
-            mo = copysignf(nzm ? mm : 0.0f, qmf);
-            vo = copysignf(nzv ? mv : 0.0f, qvf);
+            mo = dec_coat(qm[i], tam, tbm, E5);
+            vo = dec_coat(qv[i], tav, tbv, E5);
         } else {
             mo = dec_fp8(qm[i], E5) * sm;
             vo = dec_fp8(qv[i], E5) * sv;
@@ -609,26 +586,18 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
     float* vk = (float*)(intptr_t)t[T_V_K];
     const float* hp = (const float*)(intptr_t)t[T_HP];
     const uint32_t key_m = (uint32_t)t[T_KEY_M], key_v = (uint32_t)t[T_KEY_V];
-    const float LOG2_MIN_CODE = E5 ? -16.0f : -9.0f; /* flog2 of the smallest positive code */
     const int64_t psz = PB ? 2 : 4, gsz = GB ? 2 : 4;
     const int64_t ngroups = t[T_ROWS] * gc;
-#if HAVE_DEC_AVX512
-    const int fast_dec = EX && !E5; /* E4M3 codes with expansion: the table decode */
-    float tbf[128];
-    __m512 tab[8];
-    if (fast_dec) {
-        make_log2_tab(tbf);
-        for (int i = 0; i < 8; ++i) tab[i] = _mm512_loadu_ps(tbf + 16 * i);
-    }
-#endif
+    float ea[32], db[16]; /* coat.decode_log2_tables */
+    if (EX) decode_log2_tables(ea, db, E5);
     for (int64_t g0 = lo; g0 < hi; g0 += CHUNK) {
         const int nb = (int)((hi - g0) < CHUNK ? (hi - g0) : CHUNK);
-        float ikm[CHUNK] = {0}, bm[CHUNK] = {0}, ikv[CHUNK] = {0}, bv[CHUNK] = {0};
+        float tam[CHUNK][DEC_NA], tbm[CHUNK][DEC_NB], tav[CHUNK][DEC_NA], tbv[CHUNK][DEC_NB];
         uint32_t mmax[CHUNK], mmin[CHUNK], vmax[CHUNK], vmin[CHUNK], stats[4 * CHUNK];
         int64_t nn[CHUNK];
         if (EX) {
-            dequant_consts(ms + g0, mk + g0, ikm, bm, nb, F, LOG2F);
-            dequant_consts(vs + g0, vk + g0, ikv, bv, nb, F, LOG2F);
+            dequant_tables(ms + g0, mk + g0, tam, tbm, ea, db, nb, F, LOG2F, E5);
+            dequant_tables(vs + g0, vk + g0, tav, tbv, ea, db, nb, F, LOG2F, E5);
         }
         for (int j = 0; j < nb; ++j) {
             const int64_t gi = g0 + j, r = gi / gc, c0 = (gi - r * gc) * gs;
@@ -637,34 +606,22 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
             n = (n < gs) ? n : gs;
             nn[j] = n;
             uint32_t* red = stats + 4 * j;
-            /* y = log2|q|·(1/k) + b >= LOG2_MIN_CODE·(1/k) + b: when that bound is >= -126 for
-               both moments, fexp2's clamp is a no-op and the cheaper loop gives equal bits */
-            int clamp = EX && !((LOG2_MIN_CODE * ikm[j] + bm[j] >= -126.0f) &&
-                                (LOG2_MIN_CODE * ikv[j] + bv[j] >= -126.0f));
             int pre = 0;
 #if HAVE_DEC_AVX512
-            if (fast_dec && n % 16 == 0) {
-                if (clamp)
-                    dec_group_avx512(mq + gi * gs, vq + gi * gs, mb + j * gs, vb + j * gs, tab,
-                                     ikm[j], bm[j], ikv[j], bv[j], n, 1);
-                else
-                    dec_group_avx512(mq + gi * gs, vq + gi * gs, mb + j * gs, vb + j * gs, tab,
-                                     ikm[j], bm[j], ikv[j], bv[j], n, 0);
+            if (EX && !E5 && n % 16 == 0) { /* E4M3 codes with expansion: 16 lanes */
+                dec_group_avx512(mq + gi * gs, vq + gi * gs, mb + j * gs, vb + j * gs, tam[j],
+                                 tbm[j], tav[j], tbv[j], n);
                 pre = 1;
             }
 #endif
             if (pre)
                 update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
-                             mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
-                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 0, 1);
-            else if (clamp)
-                update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
-                             mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
-                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 1, 0);
+                             mb + j * gs, vb + j * gs, ms[gi], vs[gi], tam[j], tbm[j], tav[j],
+                             tbv[j], hp, n, red, PB, GB, E5, EX, SQ, 1);
             else
                 update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
-                             mb + j * gs, vb + j * gs, ms[gi], vs[gi], ikm[j], bm[j], ikv[j],
-                             bv[j], hp, n, red, PB, GB, E5, EX, SQ, 0, 0);
+                             mb + j * gs, vb + j * gs, ms[gi], vs[gi], tam[j], tbm[j], tav[j],
+                             tbv[j], hp, n, red, PB, GB, E5, EX, SQ, 0);
             mmax[j] = red[0]; mmin[j] = red[1]; vmax[j] = red[2]; vmin[j] = red[3];
         }
         float km[CHUNK], kv[CHUNK], lm[CHUNK], lv[CHUNK], am[CHUNK], av[CHUNK];
