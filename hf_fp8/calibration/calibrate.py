@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from hf_fp8.calibration.batches import ACCEPTED, as_batches, check_batch
 from hf_fp8.calibration.experts import ExpertsObservation, is_static_experts
 from hf_fp8.calibration.observers import Observer, make_observer
+from hf_fp8.calibration.recipes import observing_recipe
 from hf_fp8.modules import Fp8Linear
 from hf_fp8.numerics import fp8_dtype
 
@@ -153,13 +154,16 @@ def _calibrate(
         for name, m in layers.items()
     ]
     was_training = model.training
-    for m in layers.values():
-        m.activation_scheme = "weight_only"  # observe unquantized activations
-    for obs in experts.values():
-        obs.install()
+    recipes = {name: m.recipe for name, m in layers.items()}  # put back as they are
+    installed: list[ExpertsObservation] = []
     device = next(model.parameters()).device
     seen = 0
     try:
+        for name, m in layers.items():
+            m.set_recipe(observing_recipe(recipes[name]))  # observe unquantized activations
+        for obs in experts.values():
+            obs.install()
+            installed.append(obs)
         model.eval()
         total = len(data) if hasattr(data, "__len__") else None
         for batch in tqdm(data, total=total, desc="calibrating", disable=not progress):
@@ -169,9 +173,9 @@ def _calibrate(
     finally:
         for h in hooks:
             h.remove()
-        for m in layers.values():
-            m.activation_scheme = "static"
-        for obs in experts.values():
+        for name, m in layers.items():
+            m.set_recipe(recipes[name])
+        for obs in installed:
             obs.remove()
         model.train(was_training)
     if not seen:

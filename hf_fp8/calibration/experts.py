@@ -8,13 +8,13 @@ they are routed to, and only those.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hf_fp8.calibration.observers import Observer
+from hf_fp8.calibration.recipes import observing_recipe
 from hf_fp8.modules.fp8_experts import Fp8Experts
 
 
@@ -40,9 +40,7 @@ class ExpertsObservation:
             return method(module, proj, x, routing, from_tokens=from_tokens)
 
         module._project = observed  # instance attribute: shadows the method while observing
-        module.recipe = dataclasses.replace(
-            self._recipe, activation_scheme="weight_only", activation_granularity=None
-        )
+        module.recipe = observing_recipe(self._recipe)
 
     def remove(self) -> None:
         self.module.__dict__.pop("_project", None)
