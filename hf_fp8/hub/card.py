@@ -3,10 +3,12 @@ embed the facts so a later push can re-render them, and respect cards the user w
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from huggingface_hub import ModelCard, ModelCardData
@@ -192,10 +194,30 @@ def merge_card(existing: str | None, info: CardInfo, **render_kwargs) -> str:
                     card.data[key] = value
             return str(card)
         previous = read_card_info(existing)
-        if previous is not None:
+        if previous is not None and same_model(previous, info):
             info.base_model = info.base_model or previous.base_model
             info.fidelity = info.fidelity or previous.fidelity
     return render_model_card(info, tags=old_tags, **render_kwargs)
+
+
+def same_model(previous: CardInfo, info: CardInfo) -> bool:
+    """Whether an earlier card describes the model ``info`` describes, so that its facts
+    (base model, measured fidelity) still hold: the same format and scheme, and the same base
+    model and architecture where both cards name one. A different model saved into the same
+    folder starts from a card without them."""
+
+    def norm(value: Any) -> Any:
+        return json.loads(json.dumps(value, sort_keys=True))
+
+    def differ(a: str | None, b: str | None) -> bool:
+        return a is not None and b is not None and a != b
+
+    return (
+        previous.format == info.format
+        and norm(previous.scheme) == norm(info.scheme)
+        and not differ(previous.base_model, info.base_model)
+        and not differ(previous.architecture, info.architecture)
+    )
 
 
 _READ = object()

@@ -145,6 +145,51 @@ def test_earlier_card_facts_survive_a_rerender(tmp_path):
     )
 
 
+def _scheme(*args, **kwargs) -> dict:
+    from hf_fp8.hub.card_info import _scheme_dict
+
+    return _scheme_dict(hf_fp8.Fp8Config(*args, **kwargs))
+
+
+_ROW = _scheme("weight_only")
+_E5M2 = _scheme("dynamic", fp8_format="e5m2", weight_granularity="tensor")
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        CardInfo(base_model="org/other", scheme=_ROW, architecture="LlamaForCausalLM"),
+        CardInfo(base_model="org/base", scheme=_E5M2, architecture="LlamaForCausalLM"),
+        CardInfo(scheme=_E5M2, architecture="LlamaForCausalLM"),
+        CardInfo(base_model="org/base", scheme=_ROW, format="compressed-tensors"),
+        CardInfo(base_model="org/base", scheme=_ROW, architecture="MistralForCausalLM"),
+    ],
+    ids=["other-base", "other-scheme", "unknown-base-other-scheme", "other-format", "other-arch"],
+)
+def test_figures_of_a_different_model_are_not_carried_over(tmp_path, second):
+    """Reviewer: a model saved over another one's folder kept the old model's fidelity
+    figures (and base model) in its card."""
+    first = CardInfo(
+        base_model="org/base",
+        scheme=_ROW,
+        architecture="LlamaForCausalLM",
+        fidelity={"mean cosine vs bf16": 0.9999},
+    )
+    write_model_card(tmp_path, first)
+    info = read_card_info(write_model_card(tmp_path, second).read_text())
+    assert info.fidelity == {}
+    assert "0.9999" not in (tmp_path / "README.md").read_text()
+    assert info.base_model == second.base_model
+
+
+def test_figures_of_the_same_model_are_carried_over(tmp_path):
+    first = CardInfo(base_model="org/base", scheme=_ROW, fidelity={"rel err": 0.01})
+    write_model_card(tmp_path, first)
+    second = CardInfo(scheme=dict(_ROW), architecture="LlamaForCausalLM")  # base not known
+    info = read_card_info(write_model_card(tmp_path, second).read_text())
+    assert (info.base_model, info.fidelity) == ("org/base", {"rel err": 0.01})
+
+
 def test_custom_and_missing_template(tmp_path):
     template = tmp_path / "mine.md.j2"
     template.write_text("---\n{{ metadata_yaml }}\n---\n{{ info.format }} for {{ model_id }}\n")
