@@ -4,6 +4,11 @@ Accepted: one batch (a dict / ``BatchEncoding`` of tensors, or a tensor of token
 or tuple of batches, or any other iterable of batches (a ``DataLoader``, a generator). A
 batch is a mapping (``model(**batch)``), a tuple / list of tensors (``model(*batch)``) or a
 tensor (``model(batch)``).
+
+A top-level tuple of tensors is refused: ``calibrate(model, (input_ids, attention_mask))``
+reads naturally as one batch of positional inputs, but a tuple is also a collection of
+batches, and it used to run the mask as a second batch of token ids. The error names the
+unambiguous spellings of both meanings.
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ def as_batches(data: Any) -> Iterable[Any]:
         return [data]  # one batch
     if isinstance(data, (list, tuple)) and _is_text(data):
         raise TypeError(f"calibrate got a list of strings: {_TOKENIZE}")
+    if isinstance(data, tuple) and data and all(isinstance(v, torch.Tensor) for v in data):
+        raise TypeError(
+            f"calibrate got a tuple of {len(data)} tensors: one batch of positional inputs, or "
+            f"{len(data)} batches? Pass one batch as [(input_ids, attention_mask)] (a list "
+            "holding the tuple: model(*batch)) or as a dict {'input_ids': input_ids, "
+            "'attention_mask': attention_mask} (model(**batch), what a tokenizer returns); "
+            "several batches of token ids as a list [ids_1, ids_2]"
+        )
     if not isinstance(data, Iterable):
         raise TypeError(f"calibrate expects {ACCEPTED}; got {type(data).__name__}")
     return data

@@ -140,11 +140,26 @@ def test_dataloader_equals_the_list_of_its_batches(tiny_model_dir):
         ({"input_ids": [[1, 2, 3]]}, TypeError, r"input_ids.*list.*return_tensors='pt'"),
         (42, TypeError, r"one batch .*list of batches.*DataLoader.*got int"),
         ([1, 2, 3], TypeError, r"batch 0 is int"),
+        # (input_ids, attention_mask) ran the mask as a second batch of token ids, silently
+        (
+            (BATCHES[0]["input_ids"], BATCHES[0]["attention_mask"]),
+            TypeError,
+            r"tuple of 2 tensors.*\[\(input_ids, attention_mask\)\].*"
+            r"\{'input_ids': .*'attention_mask'.*\[ids_1, ids_2\]",
+        ),
     ],
 )
 def test_what_it_cannot_use_is_named(batches, error, pattern, tiny_model_dir):
     with pytest.raises(error, match=pattern):
         _scales(tiny_model_dir, batches)
+
+
+def test_the_forms_the_tuple_error_suggests_work(tiny_model_dir):
+    """One batch of positional inputs in a list, or the same inputs as a dict: same scales."""
+    ids, mask = BATCHES[0]["input_ids"], BATCHES[0]["attention_mask"]
+    reference = _scales(tiny_model_dir, [BATCHES[0]])
+    assert _scales(tiny_model_dir, [(ids, mask)]) == reference
+    assert _scales(tiny_model_dir, {"input_ids": ids, "attention_mask": mask}) == reference
 
 
 # -- layers without usable activations, non-finite activations ---------------------------------
