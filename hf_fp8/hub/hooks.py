@@ -100,9 +100,11 @@ def save_pretrained(
 ):
     """``save_pretrained`` of a marked hf_fp8 model: its quantization metadata first made to
     match its layers (``hf_fp8.quantizer.state``: a model whose FP8 layers were all merged
-    saves as a plain high-precision checkpoint), then written into a temporary sibling folder
-    and renamed into place with its model card, so an interrupted save over an existing
-    checkpoint leaves the old one loadable (``hf_fp8.serialization.atomic.atomic_folder``).
+    saves as a plain high-precision checkpoint), then written into a temporary folder and
+    renamed into place with its model card, so an interrupted save over an existing
+    checkpoint leaves the old one loadable (``hf_fp8.serialization.atomic.atomic_folder``: a
+    folder swap, or file-by-file renames inside a folder that cannot be swapped — a mount
+    point, the current directory, another user's folder, a read-only parent).
 
     Saves that push (transformers uploads from the folder itself), that pass options
     positionally or that run on a non-main process go straight to transformers, with the card
