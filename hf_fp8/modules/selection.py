@@ -129,14 +129,27 @@ def _methods(cls: type) -> dict[str, Any]:
     return {a: fn for a, fn in found.items() if inspect.isfunction(fn)}
 
 
-def _weight_reads(fn: Any) -> set[str]:
+def _names_attribute(code: Any, attr: str) -> bool:
+    """``code`` (or a function / comprehension nested in it) reads an attribute ``attr``:
+    a cheap exact pre-test (no source read) before parsing."""
+    return attr in code.co_names or any(
+        _names_attribute(c, attr) for c in code.co_consts if hasattr(c, "co_names")
+    )
+
+
+@functools.cache
+def _weight_reads(fn: Any) -> frozenset[str]:
     """Names ``c`` of every ``self.c.weight`` anywhere in ``fn`` (read with ``ast``: under
-    any condition, in any nested expression or function), or ``set()`` without a source."""
+    any condition, in any nested expression or function), or nothing without a source.
+    Cached per function: the base classes' methods (``PreTrainedModel``'s ~100) are read once."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)  # a decorated forward: its own code
+    if code is not None and not _names_attribute(code, "weight"):
+        return frozenset()
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
-        return set()
-    return {
+        return frozenset()
+    return frozenset(
         node.value.attr
         for node in ast.walk(tree)
         if isinstance(node, ast.Attribute)
@@ -144,7 +157,7 @@ def _weight_reads(fn: Any) -> set[str]:
         and isinstance(node.value, ast.Attribute)
         and isinstance(node.value.value, ast.Name)
         and node.value.value.id == "self"
-    }
+    )
 
 
 @functools.cache

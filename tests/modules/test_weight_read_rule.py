@@ -6,6 +6,7 @@ Float8_e4m3fn")."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -93,7 +94,27 @@ class _ReadsInAHelper(nn.Module):
         return self.proj(x)
 
 
-@pytest.mark.parametrize("cls", [_CastsToWeightDtype, _InheritsTheRead])
+def _logged(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _DecoratedForward(_CastsToWeightDtype):
+    """A decorated forward (transformers' ``deprecate_kwarg``, Bamba's mixer): the wrapper's
+    code reads nothing, the wrapped one does."""
+
+    @_logged
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wi(x)
+        if h.dtype != self.wo.weight.dtype:
+            h = h.to(self.wo.weight.dtype)
+        return self.wo(h)
+
+
+@pytest.mark.parametrize("cls", [_CastsToWeightDtype, _InheritsTheRead, _DecoratedForward])
 def test_a_read_under_a_condition_or_inherited_keeps_the_child(cls) -> None:
     model = nn.Sequential(cls())
     assert [n for n, _, _ in convertible_modules(model)] == ["0.wi"]
