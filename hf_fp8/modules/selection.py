@@ -35,8 +35,9 @@ or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules
   Mamba mixers multiply ``dt_proj.weight`` directly on the CPU path and pass ``x_proj`` /
   ``out_proj`` weights to the fused CUDA kernel; T5-style feed-forwards (LongT5,
   SwitchTransformers, Pix2Struct, Kosmos-2.5, NLLB-MoE …) cast their input to
-  ``wo.weight.dtype``; Bloom's ``slow_but_exact`` slices ``dense.weight``. Reads under a
-  condition count: the condition may hold on another machine or config.
+  ``wo.weight.dtype``. Reads under a condition count (the condition may hold on another
+  machine), unless the instance's own settings close the branch (Bloom's ``slow_but_exact``
+  slices ``dense.weight`` only when that flag is on): ``hf_fp8.modules.weight_reads``.
 * ``linear subclass with its own behaviour``: a subclass that overrides ``forward`` (other than
   the known plain ones, e.g. ``FalconLinear``) or holds more than ``weight`` / ``bias``
   (``DoryLMHead``'s logit scale, ``IdeficsDecoupledLinear``'s extra rows).
@@ -57,10 +58,6 @@ from the module structure only, no list of model names.
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
-import textwrap
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -75,6 +72,7 @@ from hf_fp8.modules.fp8_experts import (
     is_experts_module,
 )
 from hf_fp8.modules.fp8_linear import Fp8Linear
+from hf_fp8.modules.weight_reads import reads_weight_of
 from hf_fp8.numerics import is_fp8
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -114,74 +112,13 @@ def is_router(module: nn.Module, name: str, parent: nn.Module | None = None) -> 
     return child in _ROUTER_NAMES and parent is not None and hasattr(parent, "experts")
 
 
-_INIT_METHODS = ("__init__", "_init_weights", "reset_parameters", "init_weights")
-
-
-def _methods(cls: type) -> dict[str, Any]:
-    """The methods an instance of ``cls`` runs, by name: each from the first class of the
-    MRO that defines it (inherited ones included), torch's own classes left out."""
-    found: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        if klass is object or klass.__module__.startswith("torch."):
-            continue
-        for attr, fn in vars(klass).items():
-            found.setdefault(attr, fn)
-    return {a: fn for a, fn in found.items() if inspect.isfunction(fn)}
-
-
-def _names_attribute(code: Any, attr: str) -> bool:
-    """``code`` (or a function / comprehension nested in it) reads an attribute ``attr``:
-    a cheap exact pre-test (no source read) before parsing."""
-    return attr in code.co_names or any(
-        _names_attribute(c, attr) for c in code.co_consts if hasattr(c, "co_names")
-    )
-
-
-@functools.cache
-def _weight_reads(fn: Any) -> frozenset[str]:
-    """Names ``c`` of every ``self.c.weight`` anywhere in ``fn`` (read with ``ast``: under
-    any condition, in any nested expression or function), or nothing without a source.
-    Cached per function: the base classes' methods (``PreTrainedModel``'s ~100) are read once."""
-    code = getattr(inspect.unwrap(fn), "__code__", None)  # a decorated forward: its own code
-    if code is not None and not _names_attribute(code, "weight"):
-        return frozenset()
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return frozenset()
-    return frozenset(
-        node.value.attr
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute)
-        and node.attr == "weight"
-        and isinstance(node.value, ast.Attribute)
-        and isinstance(node.value.value, ast.Name)
-        and node.value.value.id == "self"
-    )
-
-
-@functools.cache
-def _children_read_directly(cls: type) -> frozenset[str]:
-    """Names ``c`` for which a method of ``cls`` (inherited ones included; not its weight
-    initialisation) reads ``self.c.weight`` anywhere: a tensor op on the weight, or only its
-    dtype (T5-style feed-forwards cast their input to ``self.wo.weight.dtype`` under a
-    condition, which an FP8 weight turns into "Promotion for Float8 Types"). A read under a
-    condition counts too: the condition may hold on another machine (the Mamba mixers' CUDA
-    kernel branch) or config (Bloom's ``slow_but_exact``), and the saved model must run there."""
-    names: set[str] = set()
-    for attr, fn in _methods(cls).items():
-        if attr not in _INIT_METHODS:
-            names |= _weight_reads(fn)
-    return frozenset(names)
-
-
 def reads_child_weight(parent: nn.Module | None, child_name: str) -> bool:
     """The weight-read-directly rule: ``parent`` uses ``child_name``'s ``.weight`` itself."""
     if parent is None:
         return False
     if isinstance(parent, _READS_CHILD_WEIGHT):
         return True
-    return child_name in _children_read_directly(type(parent))
+    return reads_weight_of(parent, child_name)
 
 
 def _plain_linear(module: nn.Module) -> bool:

@@ -187,3 +187,62 @@ def test_t5_like_families_keep_wo_and_run(t5_like_dirs, family, dtype) -> None:
         want = _dequantized(model)(**inputs).logits.float()
     assert got.isfinite().all()
     assert float((got - want).norm() / want.norm()) < (0.02 if dtype == torch.bfloat16 else 1e-4)
+
+
+class _FlagGated(nn.Module):
+    """Bloom's ``slow_but_exact``: ``dense.weight`` is sliced only when the instance's own
+    settings open the branch."""
+
+    def __init__(self, tp: int, exact: bool) -> None:
+        super().__init__()
+        self.dense = nn.Linear(8, 8)
+        self.pretraining_tp = tp
+        self.slow_but_exact = exact
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pretraining_tp > 1 and self.slow_but_exact:
+            return x @ self.dense.weight[:, :4].sum() + x
+        return self.dense(x)
+
+
+@pytest.mark.parametrize(
+    ("tp", "exact", "kept"),
+    [(1, False, False), (2, False, False), (1, True, False), (2, True, True)],
+)
+def test_a_branch_the_instance_settings_close_does_not_keep(tp, exact, kept) -> None:
+    model = nn.Sequential(_FlagGated(tp, exact))
+    assert (convertible_modules(model) == []) is kept
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_bloom_converts_its_dense_layers_unless_slow_but_exact(tmp_path, exact) -> None:
+    torch.manual_seed(0)
+    config = tf.BloomConfig(
+        vocab_size=128, hidden_size=32, n_layer=2, n_head=4, pretraining_tp=2,
+        slow_but_exact=exact,
+    )  # fmt: skip
+    tf.BloomForCausalLM(config).save_pretrained(tmp_path)
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=Fp8Config())
+    block = model.transformer.h[0]
+    assert isinstance(block.mlp.dense_h_to_4h, Fp8Linear)
+    for layer in (block.self_attention.dense, block.mlp.dense_4h_to_h):
+        assert (type(layer) is nn.Linear) is exact
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits, _dequantized(model)(ids).logits
+    assert float((got - want).norm() / want.norm()) < 0.05
+
+
+class _TrainingGated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:  # a mode model.train() switches later: never closes the branch
+            return x @ self.proj.weight
+        return self.proj(x)
+
+
+def test_the_training_mode_never_closes_a_branch() -> None:
+    assert convertible_modules(nn.Sequential(_TrainingGated()).eval()) == []

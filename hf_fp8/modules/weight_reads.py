@@ -1,0 +1,174 @@
+"""Which children's ``.weight`` a module reads itself, from its source (``ast``).
+
+A parent that uses ``self.<child>.weight`` instead of calling the child (a tensor op on the
+weight, or only its dtype: T5-style feed-forwards cast their input to
+``self.wo.weight.dtype``) must keep that child in high precision: an FP8 weight there is
+multiplied as raw codes or raises "Promotion for Float8 Types".
+
+Every method the instance runs is read (inherited ones included, weight initialisation left
+out), every read counts wherever it is: under a condition, in a nested expression or
+function. A condition may hold on another machine (the Mamba mixers' CUDA-kernel branch
+passes ``x_proj`` / ``out_proj`` weights to the fused kernel) and the saved model must run
+there. The one exception is a branch this instance's own settings close: a read inside
+``if <guard> and ...:`` where a guard is a plain instance attribute (``self.slow_but_exact``,
+``self.pretraining_tp > 1`` compared with a constant) that is false on the instance (Bloom's
+``slow_but_exact`` branch, off in its config, slices ``dense.weight``). Modes switched at run
+time (``self.training``) never close a branch.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import operator
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+_INIT_METHODS = ("__init__", "_init_weights", "reset_parameters", "init_weights")
+# a guard: (instance attribute, test, constant); test "truthy" / "falsy" or a comparison
+Guard = tuple[str, str, Any]
+_COMPARE: dict[str, Callable[[Any, Any], bool]] = {
+    "Gt": operator.gt,
+    "GtE": operator.ge,
+    "Lt": operator.lt,
+    "LtE": operator.le,
+    "Eq": operator.eq,
+    "NotEq": operator.ne,
+    "Is": operator.is_,
+    "IsNot": operator.is_not,
+}
+_PLAIN = (bool, int, float, str, type(None))
+# modes switched at run time (model.train(), gradient_checkpointing_enable()), not settings
+_RUNTIME_FLAGS = frozenset({"training", "gradient_checkpointing"})
+
+
+def _self_attribute(node: ast.expr) -> str | None:
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    ):
+        return node.attr
+    return None
+
+
+def _guards(test: ast.expr) -> tuple[Guard, ...]:
+    """The conjuncts of an ``if`` test that an instance can decide: ``self.a``,
+    ``not self.a``, ``self.a <op> <constant>``. Other conjuncts are left out (undecided)."""
+    terms = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+    out: list[Guard] = []
+    for term in terms:
+        if (attr := _self_attribute(term)) is not None:
+            out.append((attr, "truthy", None))
+        elif isinstance(term, ast.UnaryOp) and isinstance(term.op, ast.Not):
+            if (attr := _self_attribute(term.operand)) is not None:
+                out.append((attr, "falsy", None))
+        elif (
+            isinstance(term, ast.Compare)
+            and len(term.ops) == 1
+            and type(term.ops[0]).__name__ in _COMPARE
+            and isinstance(term.comparators[0], ast.Constant)
+            and (attr := _self_attribute(term.left)) is not None
+        ):
+            out.append((attr, type(term.ops[0]).__name__, term.comparators[0].value))
+    return tuple(out)
+
+
+class _Reads(ast.NodeVisitor):
+    """``(child, guards)`` of every ``self.<child>.weight``; ``guards``: those of the ``if``
+    statements whose body holds the read."""
+
+    def __init__(self) -> None:
+        self.found: set[tuple[str, tuple[Guard, ...]]] = set()
+        self.stack: list[tuple[Guard, ...]] = []
+
+    def visit_If(self, node: ast.If) -> None:
+        self.visit(node.test)
+        self.stack.append(_guards(node.test))
+        for statement in node.body:
+            self.visit(statement)
+        self.stack.pop()
+        for statement in node.orelse:
+            self.visit(statement)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if node.attr == "weight" and (child := _self_attribute(node.value)) is not None:
+            self.found.add((child, tuple(g for gs in self.stack for g in gs)))
+        self.generic_visit(node)
+
+
+def _methods(cls: type) -> dict[str, Any]:
+    """The methods an instance of ``cls`` runs, by name: each from the first class of the
+    MRO that defines it (inherited ones included), torch's own classes left out."""
+    found: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.startswith("torch."):
+            continue
+        for attr, fn in vars(klass).items():
+            found.setdefault(attr, fn)
+    return {a: fn for a, fn in found.items() if inspect.isfunction(fn)}
+
+
+def _names_attribute(code: Any, attr: str) -> bool:
+    """``code`` (or a function / comprehension nested in it) reads an attribute ``attr``:
+    an exact pre-test on the code object, before reading any source."""
+    return attr in code.co_names or any(
+        _names_attribute(c, attr) for c in code.co_consts if hasattr(c, "co_names")
+    )
+
+
+@functools.cache
+def _function_reads(fn: Any) -> frozenset[tuple[str, tuple[Guard, ...]]]:
+    """``(child, guards)`` of every ``self.<child>.weight`` in ``fn``; nothing without a
+    source. Cached per function: the base classes' methods (``PreTrainedModel``'s ~100)
+    are read once a process, and only those whose code names ``weight`` are parsed."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)  # a decorated forward: its own code
+    if code is not None and not _names_attribute(code, "weight"):
+        return frozenset()
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    reads = _Reads()
+    reads.visit(tree)
+    return frozenset(reads.found)
+
+
+@functools.cache
+def class_weight_reads(cls: type) -> dict[str, frozenset[tuple[Guard, ...]]]:
+    """``{child: guards of each read}`` over the methods of ``cls`` (see the module
+    docstring)."""
+    out: dict[str, set[tuple[Guard, ...]]] = {}
+    for attr, fn in _methods(cls).items():
+        if attr not in _INIT_METHODS:
+            for child, guards in _function_reads(fn):
+                out.setdefault(child, set()).add(guards)
+    return {child: frozenset(g) for child, g in out.items()}
+
+
+def _closed(module: nn.Module, guard: Guard) -> bool:
+    """True when ``guard`` is false on ``module`` (a plain attribute it holds itself)."""
+    attr, test, constant = guard
+    if attr in _RUNTIME_FLAGS:
+        return False
+    value = module.__dict__.get(attr, ...)
+    if not isinstance(value, _PLAIN):
+        return False  # a property, method, tensor, submodule or missing: undecided
+    try:
+        if test == "truthy":
+            return not value
+        if test == "falsy":
+            return bool(value)
+        return not _COMPARE[test](value, constant)
+    except TypeError:
+        return False
+
+
+def reads_weight_of(parent: nn.Module, child_name: str) -> bool:
+    """``parent`` reads ``self.<child_name>.weight`` on a path its settings leave open."""
+    reads = class_weight_reads(type(parent)).get(child_name, ())
+    return any(not any(_closed(parent, g) for g in guards) for guards in reads)
