@@ -246,3 +246,31 @@ class _TrainingGated(nn.Module):
 
 def test_the_training_mode_never_closes_a_branch() -> None:
     assert convertible_modules(nn.Sequential(_TrainingGated()).eval()) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "cls", "child"),
+    [
+        ("t5", "T5DenseActDense", "wo"),
+        ("t5", "T5DenseGatedActDense", "wo"),
+        ("longt5", "LongT5DenseActDense", "wo"),
+        ("switch_transformers", "SwitchTransformersDenseActDense", "wo"),
+        ("pix2struct", "Pix2StructVisionMlp", "wo"),
+        ("pix2struct", "Pix2StructTextDenseGatedActDense", "wo"),
+        ("kosmos2_5", "Kosmos2_5VisionMlp", "wo"),
+        ("umt5", "UMT5DenseActDense", "wo"),
+        ("nllb_moe", "NllbMoeDenseActDense", "fc2"),
+        ("seamless_m4t", "SeamlessM4TFeedForwardNetwork", "fc2"),
+    ],
+)
+def test_families_that_cast_to_a_weight_dtype_are_seen(module, cls, child) -> None:
+    """The classes of transformers 5.24 that cast their input to ``<child>.weight.dtype``
+    inside an ``if`` (read from the class, no model built)."""
+    import importlib
+
+    from hf_fp8.modules.weight_reads import class_weight_reads
+
+    parent = getattr(
+        importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls
+    )
+    assert () in class_weight_reads(parent)[child]  # read under no setting-closable guard
