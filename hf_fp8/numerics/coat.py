@@ -39,10 +39,13 @@ Conventions and guards:
 Stochastic rounding (optional, ``stochastic_bits=``): the value about to be cast is first
 rounded to a neighbouring fp8 value with probability proportional to its distance, so that
 small, steady changes of a moment (β2 = 0.999 moves ``v`` by 0.1 % a step, one E4M3 step is
-6–12 %) are kept in expectation instead of being rounded away every step. The random bits come
-from a counter-based hash (:func:`hash32`, Wellons' "lowbias32") of a per-(seed, step,
-parameter, moment) key plus the element's index, computed with int64 arithmetic that never
-overflows, so the C kernel, ``torch.compile`` and this reference give the same bits.
+6–12 %) are kept in expectation instead of being rounded away every step. The random bits of
+element ``e`` are the top bits of ``((key + e) · SR_WEYL) mod 2^32``: ``key`` is a lowbias32
+hash (:func:`hash32_int`, Wellons) of (seed, step, parameter, moment), so an element draws
+independent uniform thresholds from step to step, while the elements of one step form a
+randomly shifted Weyl sequence (evenly spread thresholds; one multiply-add per element instead
+of a hash). int64 arithmetic that never overflows keeps the C kernel, ``torch.compile`` and
+this reference on the same bits.
 
 The functions avoid data-dependent Python branches so that ``torch.compile`` can fuse
 them; the optimizer runs them eagerly as its reference step.
@@ -85,6 +88,7 @@ SR_DROP_BITS = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
 SR_MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e5m2: 2.0**-14}
 SR_SUBNORMAL_STEPS = {torch.float8_e4m3fn: 512.0, torch.float8_e5m2: 65536.0}
 HASH_MUL = (0x7FEB352D, 0x846CA68B)  # lowbias32 multipliers
+SR_WEYL = 0x9E3779B1  # 2^32 / golden ratio: the element counter's multiplier
 MASK32 = 0xFFFFFFFF
 
 
@@ -104,19 +108,9 @@ def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
 
 
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 of an int64 tensor holding uint32 values (identical to the C kernel's)."""
-    x = x & MASK32
-    x = x ^ (x >> 16)
-    x = mul32(x, HASH_MUL[0])
-    x = x ^ (x >> 15)
-    x = mul32(x, HASH_MUL[1])
-    return x ^ (x >> 16)
-
-
 def stream_key(seed: int, step: int, index: int, moment: int) -> int:
     """The uint32 key of one moment (0: exp_avg, 1: exp_avg_sq) of parameter ``index`` at
-    ``step``; element ``e`` of it draws ``hash32(key + e)``."""
+    ``step``; element ``e`` of it draws ``((key + e) · SR_WEYL) mod 2^32``."""
     h = hash32_int(seed ^ 0x5BD1E995)
     h = hash32_int(h ^ (step & MASK32))
     h = hash32_int(h ^ ((step >> 32) & MASK32))
@@ -124,24 +118,26 @@ def stream_key(seed: int, step: int, index: int, moment: int) -> int:
 
 
 def random_bits(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """int64 ``hash32(key + e)`` for the flat index ``e`` of every element of ``shape``."""
+    """int64 ``((key + e) · SR_WEYL) mod 2^32`` for the flat index ``e`` of every element of
+    ``shape`` (:func:`stochastic_round_magnitude` uses its top bits)."""
     n = math.prod(shape)
     e = torch.arange(n, dtype=torch.int64, device=key.device).view(shape)
-    return hash32((e + key) & MASK32)
+    return mul32((e + key) & MASK32, SR_WEYL)
 
 
 def stochastic_round_magnitude(
     a: torch.Tensor, bits: torch.Tensor, fp8_dtype: torch.dtype
 ) -> torch.Tensor:
     """Round fp32 magnitudes ``a`` (``0 ≤ a ≤ F``) to fp8-representable values, up with
-    probability proportional to the distance (``bits``: int64 random bits, low ones used).
+    probability proportional to the distance (``bits``: int64 uint32 random bits from
+    :func:`random_bits`, the top ones used).
 
     Normal range: add random bits below the fp8 mantissa to the fp32 pattern and truncate.
     Subnormal range: ``floor(a / spacing + u) · spacing`` with ``u`` uniform in [0, 1).
     The result is clamped to ``F`` (rounding up from the largest value).
     """
     drop = SR_DROP_BITS[fp8_dtype]
-    low = bits & ((1 << drop) - 1)
+    low = bits >> (32 - drop)
     ab = a.view(torch.int32)
     normal = ((ab + low.to(torch.int32)) & ~((1 << drop) - 1)).view(torch.float32)
     steps = SR_SUBNORMAL_STEPS[fp8_dtype]

@@ -123,7 +123,7 @@ def kernel_defines(variant: int) -> dict[str, object]:
         d[f"{name}_SR_STEPS"] = coat.SR_SUBNORMAL_STEPS[dtype]
         d[f"{name}_SR_INV_STEPS"] = 1.0 / coat.SR_SUBNORMAL_STEPS[dtype]
         d[f"{name}_SR_MIN_NORMAL"] = coat.SR_MIN_NORMAL[dtype]
-    d["HASH_MUL0"], d["HASH_MUL1"] = (f"{m:#x}u" for m in coat.HASH_MUL)
+    d["SR_WEYL"] = f"{coat.SR_WEYL:#x}u"
     d["INV_STEPS"] = 1.0 / coat.EXPONENT_STEPS
     d["K_MIN"] = float(coat.EXPONENT_MIN)
     d["K_MAX"] = float(coat.EXPONENT_MAX)

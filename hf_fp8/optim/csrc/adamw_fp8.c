@@ -190,17 +190,6 @@ AI void dec_group_avx512(const uint8_t* restrict qm, const uint8_t* restrict qv,
 #endif
 
 #if HAVE_DEC_AVX512
-/* hash32 on 16 lanes */
-AI __m512i hash32_v(__m512i x) {
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)(uint32_t)HASH_MUL0));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)(uint32_t)HASH_MUL1));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-#endif
-#if HAVE_DEC_AVX512
 /* requant's EX branch for E4M3 codes, U vectors of 16 lanes at a time (n a multiple of 16·U):
    the same fp32 / uint32 operations as the scalar loop (flog2, fexp2_nc, the clamp to F, then
    enc_fp8_mag or sr_code), in the same order per element. Each step is applied to the U
@@ -213,6 +202,10 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
     const __m512 kv = _mm512_set1_ps(k), lm = _mm512_set1_ps(lmax);
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const uint32_t mask = (1u << E4M3_SR_DROP) - 1u;
+    /* (key + i)·SR_WEYL of the 16 lanes, advanced by 16·SR_WEYL per vector */
+    const __m512i dh = _mm512_set1_epi32((int)(16u * (uint32_t)SR_WEYL));
+    __m512i h = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)key), lanes),
+                                   _mm512_set1_epi32((int)(uint32_t)SR_WEYL));
     for (int64_t i0 = 0; i0 < n; i0 += 16 * U) {
         __m512i xb[8], ab[8], c[8], mb[8]; /* U <= 8 */
         __m512 x1[8], tm[8], acc[8], y[8], r[8], f[8], mag[8];
@@ -268,10 +261,8 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
         }
         if (SR) {
             for (int u = 0; u < U; ++u) {
-                __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int)(key + (uint32_t)(i0 + 16 * u))),
-                                             lanes);
-                h = hash32_v(h);
-                __m512i low = _mm512_and_si512(h, _mm512_set1_epi32((int)mask));
+                __m512i low = _mm512_srli_epi32(h, 32 - E4M3_SR_DROP);
+                h = _mm512_add_epi32(h, dh);
                 __m512i cn = _mm512_sub_epi32(
                     _mm512_srli_epi32(_mm512_andnot_si512(_mm512_set1_epi32((int)mask),
                                                           _mm512_add_epi32(mb[u], low)),
@@ -337,26 +328,20 @@ AI uint16_t f_to_bf16(float f) {
     return (uint16_t)(((u & 0x7FFFFFFFu) > INF_BITS) ? 0x7FC0u : r);
 }
 
-/* Wellons' lowbias32: the counter-based hash of coat.hash32 (multipliers from Python). */
-AI uint32_t hash32(uint32_t x) {
-    x ^= x >> 16;
-    x *= (uint32_t)HASH_MUL0;
-    x ^= x >> 15;
-    x *= (uint32_t)HASH_MUL1;
-    x ^= x >> 16;
-    return x;
-}
+/* coat.random_bits of element i of a stream: (key + i)·SR_WEYL mod 2^32 (top bits used). */
+AI uint32_t sr_bits(uint32_t key, uint32_t i) { return (key + i) * (uint32_t)SR_WEYL; }
 
 /* coat.stochastic_round_magnitude: a (0 <= a <= F) to an fp8 value, up with probability
-   proportional to the distance, from the random bits r. */
+   proportional to the distance, from the random bits r (the top SR_DROP of them). */
 AI float sr_mag(float a, uint32_t r, const int E5) {
-    const uint32_t mask = E5 ? ((1u << E5M2_SR_DROP) - 1u) : ((1u << E4M3_SR_DROP) - 1u);
+    const uint32_t drop = E5 ? E5M2_SR_DROP : E4M3_SR_DROP;
+    const uint32_t mask = (1u << drop) - 1u;
     const float F = E5 ? E5M2_MAX : E4M3_MAX;
     const float steps = E5 ? E5M2_SR_STEPS : E4M3_SR_STEPS;
     const float inv_steps = E5 ? E5M2_SR_INV_STEPS : E4M3_SR_INV_STEPS;
     const float unit = E5 ? E5M2_SR_UNIT : E4M3_SR_UNIT;
     const float min_normal = E5 ? E5M2_SR_MIN_NORMAL : E4M3_SR_MIN_NORMAL;
-    uint32_t low = r & mask;
+    uint32_t low = r >> (32u - drop);
     float normal = b2f((f2b(a) + low) & ~mask);
     float u = (float)(int32_t)low * unit;
     float sub = floorf(a * steps + u) * inv_steps;
@@ -374,7 +359,7 @@ AI uint8_t sr_code(float a, uint32_t r, uint32_t s, const int E5) {
     const float steps = E5 ? E5M2_SR_STEPS : E4M3_SR_STEPS;
     const float unit = E5 ? E5M2_SR_UNIT : E4M3_SR_UNIT;
     const float min_normal = E5 ? E5M2_SR_MIN_NORMAL : E4M3_SR_MIN_NORMAL;
-    uint32_t low = r & mask;
+    uint32_t low = r >> (32u - drop);
     uint32_t cn = (((f2b(a) + low) & ~mask) >> drop) - (E5 ? (112u << 2) : (120u << 3));
     float u = (float)(int32_t)low * unit;
     uint32_t cs = (uint32_t)(int32_t)floorf(a * steps + u);
@@ -425,7 +410,7 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
             mag = nz ? mag : 0.0f;
             mag = (mag > F) ? F : mag;
             if (SR)
-                q[i] = sr_code(mag, hash32(key + i), (f2b(x) >> 24) & 0x80u, E5);
+                q[i] = sr_code(mag, sr_bits(key, i), (f2b(x) >> 24) & 0x80u, E5);
             else /* mag in [0, F]: y is finite and >= -126 (see above) */
                 q[i] = enc_fp8_mag(mag, (f2b(x) >> 24) & 0x80u, E5);
         }
@@ -436,7 +421,7 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
             float v = valid ? buf[i] / ss : 0.0f;
             v = (v < -F) ? -F : v;
             v = (v > F) ? F : v;
-            if (SR) v = copysignf(sr_mag(fabsf(v), hash32(key + i), E5), v);
+            if (SR) v = copysignf(sr_mag(fabsf(v), sr_bits(key, i), E5), v);
             q[i] = enc_fp8(v, E5);
         }
     }
