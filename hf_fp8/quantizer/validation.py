@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_fp8.modules import Fp8Linear
+from hf_fp8.modules import Fp8Linear, keep_reason, matches_module
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.modules.fp8_linear import weight_scale_shape
 from hf_fp8.numerics import AMAX_EPS, fp8_dtype, fp8_max, is_fp8
@@ -232,7 +232,9 @@ def check_fp8_experts(
         batch.check()
 
 
-def _check_stray(name: str, module: nn.Module, skipped: Iterable[str]) -> None:
+def _check_stray(
+    name: str, module: nn.Module, skipped: Iterable[str], model: nn.Module | None = None
+) -> None:
     for pname, tensor in (
         *module.named_parameters(recurse=False),
         *module.named_buffers(recurse=False),
@@ -240,6 +242,16 @@ def _check_stray(name: str, module: nn.Module, skipped: Iterable[str]) -> None:
         if tensor is not None and is_fp8(tensor.dtype):
             key = f"{name}.{pname}" if name else pname
             skip = sorted(skipped)
+            rule = None
+            if model is not None and not matches_module(name, skip):
+                rule = keep_reason(module, name, parent=_parent(model, name))
+            if rule is not None and rule != "not a linear":
+                raise CheckpointTensorError(
+                    f"{key}: is FP8 on disk ({tensor.dtype}), but hf_fp8 keeps {name} in high "
+                    f"precision ({rule}): the FP8 layer would fail or compute wrong there. The "
+                    "checkpoint was written by an hf_fp8 that converted it; re-export it from "
+                    "the high-precision model with this version (save_pretrained)"
+                )
             raise CheckpointTensorError(
                 f"{key}: is FP8 on disk ({tensor.dtype}), but {name or 'the model'} loads "
                 f"as {type(module).__name__}, which would read the fp8 codes as plain "
@@ -249,12 +261,19 @@ def _check_stray(name: str, module: nn.Module, skipped: Iterable[str]) -> None:
             )
 
 
+def _parent(model: nn.Module, name: str) -> nn.Module | None:
+    if not name:
+        return None
+    parent = name.rpartition(".")[0]
+    return model.get_submodule(parent) if parent else model
+
+
 def check_no_stray_fp8(model: nn.Module, skipped: Iterable[str] = ()) -> None:
     """Raise if a module other than ``Fp8Linear`` / ``Fp8Experts`` holds fp8 codes (which
     it would read as plain numbers)."""
     for name, module in model.named_modules():
         if not isinstance(module, (Fp8Linear, Fp8Experts)):
-            _check_stray(name, module, skipped)
+            _check_stray(name, module, skipped, model)
 
 
 def _warn_degenerate_input_scales(static: list[tuple[str, torch.Tensor, float]]) -> None:
@@ -309,6 +328,6 @@ def validate_loaded_model(
         elif isinstance(module, Fp8Experts):
             check_fp8_experts(name, module, check_values=codes, scales=scales)
         else:
-            _check_stray(name, module, skipped)
+            _check_stray(name, module, skipped, model)
     scales.check()
     _warn_degenerate_input_scales(static)

@@ -274,3 +274,35 @@ def test_families_that_cast_to_a_weight_dtype_are_seen(module, cls, child) -> No
         importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls
     )
     assert () in class_weight_reads(parent)[child]  # read under no setting-closable guard
+
+
+def test_a_checkpoint_with_a_converted_wo_names_the_rule(t5_like_dirs, tmp_path) -> None:
+    """A LongT5 checkpoint saved by an hf_fp8 that converted ``wo`` (fp8 codes + scale, not
+    listed in ``modules_to_not_convert``) is refused naming the rule and the fix, not
+    loaded as a model whose every forward raises."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from hf_fp8.numerics import quantize_weight
+    from hf_fp8.numerics.checks import CheckpointTensorError
+
+    model_cls = T5_LIKE["longt5"][1]
+    model_cls.from_pretrained(
+        t5_like_dirs["longt5"], quantization_config=Fp8Config("weight_only")
+    ).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for key in [k for k in tensors if k.endswith(".wo.weight")]:
+        codes, scale = quantize_weight(tensors[key], torch.float8_e4m3fn)
+        tensors[key] = codes
+        tensors[key.removesuffix("weight") + "weight_scale"] = scale
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    kept = config["quantization_config"]["modules_to_not_convert"]
+    config["quantization_config"]["modules_to_not_convert"] = [
+        n for n in kept if not n.endswith(".wo")
+    ]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    pattern = r"\.wo\.weight: .*keeps .*reads its \.weight directly.*re-export"
+    with pytest.raises(CheckpointTensorError, match=pattern):
+        model_cls.from_pretrained(tmp_path)
