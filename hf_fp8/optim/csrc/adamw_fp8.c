@@ -215,7 +215,9 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
             ab[u] = _mm512_and_si512(xb[u], _mm512_set1_epi32(0x7FFFFFFF));
             nz[u] = _mm512_cmp_ps_mask(_mm512_castsi512_ps(ab[u]), _mm512_set1_ps(FLT_MIN_F),
                                        _CMP_GE_OQ);
-            x1[u] = _mm512_mask_blend_ps(nz[u], _mm512_set1_ps(1.0f), _mm512_castsi512_ps(ab[u]));
+            /* flog2 of the magnitude itself, not of (nz ? |x| : 1): the lanes it differs in are
+               zeroed below (nz), whatever their log2 */
+            x1[u] = _mm512_castsi512_ps(ab[u]);
         }
         /* flog2 */
         for (int u = 0; u < U; ++u) {
@@ -274,10 +276,8 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
                 c[u] = _mm512_mask_blend_epi32(
                     _mm512_cmp_ps_mask(mag[u], _mm512_set1_ps(E4M3_SR_MIN_NORMAL), _CMP_LT_OQ),
                     cn, cs);
+                /* no NaN case: mag = min(F, nz ? 2^y : 0) with y <= log2 F + 1e-5 */
                 c[u] = _mm512_min_epu32(c[u], _mm512_set1_epi32(0x7E));
-                c[u] = _mm512_mask_mov_epi32(
-                    c[u], _mm512_cmpgt_epu32_mask(mb[u], _mm512_set1_epi32((int)INF_BITS)),
-                    _mm512_set1_epi32(0x7F));
             }
         } else {
             for (int u = 0; u < U; ++u) {
