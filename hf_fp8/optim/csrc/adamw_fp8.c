@@ -7,8 +7,9 @@
    branch-free so that the compiler vectorizes them; max/min reductions run on the bit patterns
    of non-negative floats. With AVX-512 (groups whose length is a multiple of 16), hand-written
    loops do the same operations: E4M3 codes with COAT expansion decode as A[E]·B[j] from two
-   16-entry tables per group (coat.dequantize_groups; dec_group_avx512: two permutes and one
-   multiplication per 16 codes), and requantize with the polynomial chains of 8 vectors
+   16-entry tables per group (coat.dequantize_groups; dec_coat_v: two permutes and one
+   multiplication per 16 codes) in registers of the update loop (update_group_ex_v), and
+   requantize with the polynomial chains of 8 vectors
    interleaved (requant_e4m3_ex_v); the next chunk's memory is prefetched while a chunk
    requantizes (prefetch_group); the log format has its three loops
    (update_group_log_v, requant_log_v_v, requant_log_m_v). Threads take groups from a shared
@@ -176,17 +177,22 @@ AI __m512 dec_coat_v(const uint8_t* q, __m512 ta, __m512 tb) {
         mbits, _mm512_slli_epi32(c, 24), _mm512_set1_epi32((int)0x80000000u), 0xF8));
 }
 
-/* Decoded m and v of one group (n a multiple of 16) into m_out / v_out. */
-AI void dec_group_avx512(const uint8_t* restrict qm, const uint8_t* restrict qv,
-                         float* restrict m_out, float* restrict v_out, const float* tam,
-                         const float* tbm, const float* tav, const float* tbv, int64_t n) {
-    const __m512 am = _mm512_loadu_ps(tam), bm = _mm512_loadu_ps(tbm);
-    const __m512 av = _mm512_loadu_ps(tav), bv = _mm512_loadu_ps(tbv);
-    for (int64_t i = 0; i < n; i += 16) {
-        _mm512_storeu_ps(m_out + i, dec_coat_v(qm + i, am, bm));
-        _mm512_storeu_ps(v_out + i, dec_coat_v(qv + i, av, bv));
-    }
+AI __m512 bf16x16_to_f(const uint16_t* h) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)h));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+
+AI void f_to_bf16x16(uint16_t* out, __m512 f) { /* f_to_bf16 on 16 lanes */
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                            _mm512_set1_epi32((int)INF_BITS));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(r));
+}
+
 #endif
 
 #if HAVE_DEC_AVX512
@@ -482,8 +488,7 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
                      float sm, float sv, const float* restrict tam, const float* restrict tbm,
                      const float* restrict tav, const float* restrict tbv,
                      const float* restrict hp, int64_t n, uint32_t* restrict red,
-                     const int PB, const int GB, const int E5, const int EX, const int SQ,
-                     const int PRE) {
+                     const int PB, const int GB, const int E5, const int EX, const int SQ) {
     const float decay = hp[HP_DECAY], step_size = hp[HP_STEP_SIZE], w1 = hp[HP_ONE_MINUS_BETA1];
     const float b2 = hp[HP_BETA2], w2 = hp[HP_ONE_MINUS_BETA2];
     const float eps = hp[HP_EPS], inv_bc2s = hp[HP_INV_BC2];
@@ -494,10 +499,7 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
     uint32_t amx = 0u, amn = INF_BITS, avx = 0u, avn = INF_BITS;
     for (int64_t i = 0; i < n; ++i) {
         float mo, vo;
-        if (PRE) { /* decoded by dec_group_avx512 into the output buffers */
-            mo = m_out[i];
-            vo = v_out[i];
-        } else if (EX) {
+        if (EX) {
             mo = dec_coat(qm[i], tam, tbm, E5);
             vo = dec_coat(qv[i], tav, tbv, E5);
         } else {
@@ -526,6 +528,59 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
     }
     red[0] = amx; red[1] = amn; red[2] = avx; red[3] = avn;
 }
+
+#if HAVE_DEC_AVX512
+/* update_group for E4M3 codes with expansion on 16 lanes (n a multiple of 16): each vector of
+   codes is decoded in registers (dec_coat_v) and updated with the scalar loop's fp32
+   operations in the same order; the reductions as in update_group. */
+AI void update_group_ex_v(char* p_, const char* g_, const uint8_t* restrict qm,
+                          const uint8_t* restrict qv, float* restrict m_out,
+                          float* restrict v_out, const float* tam, const float* tbm,
+                          const float* tav, const float* tbv, const float* restrict hp,
+                          int64_t n, uint32_t* restrict red, const int PB, const int GB,
+                          const int SQ) {
+    const __m512 decay = _mm512_set1_ps(hp[HP_DECAY]), step_size = _mm512_set1_ps(hp[HP_STEP_SIZE]);
+    const __m512 w1 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA1]), b2 = _mm512_set1_ps(hp[HP_BETA2]);
+    const __m512 w2 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA2]), eps = _mm512_set1_ps(hp[HP_EPS]);
+    const __m512 inv_bc2s = _mm512_set1_ps(hp[HP_INV_BC2]);
+    const __m512 am = _mm512_loadu_ps(tam), bm = _mm512_loadu_ps(tbm);
+    const __m512 av = _mm512_loadu_ps(tav), bv = _mm512_loadu_ps(tbv);
+    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
+    float* restrict p32 = (float*)p_;
+    uint16_t* restrict pbf = (uint16_t*)p_;
+    const float* restrict g32 = (const float*)g_;
+    const uint16_t* restrict gbf = (const uint16_t*)g_;
+    __m512i amx = _mm512_setzero_si512(), amn = _mm512_set1_epi32((int)INF_BITS);
+    __m512i avx = _mm512_setzero_si512(), avn = _mm512_set1_epi32((int)INF_BITS);
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512 mo = dec_coat_v(qm + i, am, bm);
+        __m512 vo = dec_coat_v(qv + i, av, bv);
+        if (SQ) vo = _mm512_mul_ps(vo, vo);
+        __m512 g = GB ? bf16x16_to_f(gbf + i) : _mm512_loadu_ps(g32 + i);
+        __m512 p = PB ? bf16x16_to_f(pbf + i) : _mm512_loadu_ps(p32 + i);
+        __m512 mn = _mm512_add_ps(mo, _mm512_mul_ps(w1, _mm512_sub_ps(g, mo)));
+        __m512 vn = _mm512_add_ps(_mm512_mul_ps(vo, b2), _mm512_mul_ps(_mm512_mul_ps(w2, g), g));
+        __m512 rt = _mm512_sqrt_ps(vn);
+        __m512 den = _mm512_add_ps(_mm512_mul_ps(rt, inv_bc2s), eps);
+        __m512 pn = _mm512_sub_ps(_mm512_mul_ps(p, decay),
+                                  _mm512_div_ps(_mm512_mul_ps(step_size, mn), den));
+        if (PB) f_to_bf16x16(pbf + i, pn); else _mm512_storeu_ps(p32 + i, pn);
+        __m512 vs = SQ ? rt : vn;
+        _mm512_storeu_ps(m_out + i, mn);
+        _mm512_storeu_ps(v_out + i, vs);
+        __m512i a = _mm512_and_si512(_mm512_castps_si512(mn), absm);
+        __m512i b = _mm512_and_si512(_mm512_castps_si512(vs), absm);
+        amx = _mm512_max_epu32(amx, a);
+        avx = _mm512_max_epu32(avx, b);
+        amn = _mm512_mask_min_epu32(amn, _mm512_cmpge_epu32_mask(a, fmin), amn, a);
+        avn = _mm512_mask_min_epu32(avn, _mm512_cmpge_epu32_mask(b, fmin), avn, b);
+    }
+    red[0] = _mm512_reduce_max_epu32(amx);
+    red[1] = _mm512_reduce_min_epu32(amn);
+    red[2] = _mm512_reduce_max_epu32(avx);
+    red[3] = _mm512_reduce_min_epu32(avn);
+}
+#endif
 
 #define CHUNK 16 /* groups processed together: their per-group scalars are vectorized */
 
@@ -591,22 +646,16 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
             n = (n < gs) ? n : gs;
             nn[j] = n;
             uint32_t* red = stats + 4 * j;
-            int pre = 0;
 #if HAVE_DEC_AVX512
-            if (EX && !E5 && n % 16 == 0) { /* E4M3 codes with expansion: 16 lanes */
-                dec_group_avx512(mq + gi * gs, vq + gi * gs, mb + j * gs, vb + j * gs, tam[j],
-                                 tbm[j], tav[j], tbv[j], n);
-                pre = 1;
-            }
-#endif
-            if (pre)
-                update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
-                             mb + j * gs, vb + j * gs, ms[gi], vs[gi], tam[j], tbm[j], tav[j],
-                             tbv[j], hp, n, red, PB, GB, E5, EX, SQ, 1);
+            if (EX && !E5 && n % 16 == 0) /* E4M3 codes with expansion: 16 lanes */
+                update_group_ex_v(pbase + off * psz, gbase + off * gsz, mq + gi * gs,
+                                  vq + gi * gs, mb + j * gs, vb + j * gs, tam[j], tbm[j], tav[j],
+                                  tbv[j], hp, n, red, PB, GB, SQ);
             else
+#endif
                 update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
                              mb + j * gs, vb + j * gs, ms[gi], vs[gi], tam[j], tbm[j], tav[j],
-                             tbv[j], hp, n, red, PB, GB, E5, EX, SQ, 0);
+                             tbv[j], hp, n, red, PB, GB, E5, EX, SQ);
             mmax[j] = red[0]; mmin[j] = red[1]; vmax[j] = red[2]; vmin[j] = red[3];
         }
         float km[CHUNK], kv[CHUNK], lm[CHUNK], lv[CHUNK], am[CHUNK], av[CHUNK];
@@ -665,22 +714,6 @@ AI float log_uniform(uint32_t key, uint32_t i) {
    clamp `x > b ? x : b` is vmaxps(x, b), rintf / floorf are vrndscaleps, the cast of an
    integer-valued float is vcvttps2dq), and the stochastic-rounding counter (key + i)·WEYL
    advances by 16·WEYL per vector instead of a multiply per element. */
-AI __m512 bf16x16_to_f(const uint16_t* h) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)h));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-
-AI void f_to_bf16x16(uint16_t* out, __m512 f) { /* f_to_bf16 on 16 lanes */
-    __m512i u = _mm512_castps_si512(f);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                            _mm512_set1_epi32((int)INF_BITS));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(r));
-}
-
 /* log_m_scale on 16 lanes: 2^e (inv = 0) or 2^-e (inv = 1) from the codes c (floats). */
 AI __m512 log_m_scale_v(__m512 c, __m512 slope, __m512 offset, const int inv) {
     __m512 e = FLOOR_V(_mm512_add_ps(_mm512_mul_ps(c, slope), offset));
