@@ -67,10 +67,11 @@ _PATH_CFLAGS = {
     "neon": (),
     "scalar": (),
 }
-# Paths built in two parts by two concurrent compiler processes (where two CPUs are free to
-# this process), then linked (csrc/fp8_gemv.c's FP8_PART): the fused decode + GEMM, and
-# everything else. The avx512bf16 build is the largest (one compile ~1.5 s of CPU on a Zen4
-# core, a part ~0.8 s) and the first model forward may wait for it.
+# Paths built in two parts by two concurrent compiler processes (where this process may use
+# two CPUs), then linked (csrc/fp8_gemv.c's FP8_PART): the fused decode + GEMM with the
+# decode, and everything else. The avx512bf16 build is the largest (one compile ~1.5 s of CPU
+# on a Zen4 core, each part ~1.0 s) and the first model forward may wait for it. Where every
+# core is busy, two parts take longer than one compile (their total CPU is ~30 % more).
 _PATH_PARTS = {"avx512bf16": ({"FP8_PART": 1}, {"FP8_PART": 2})}
 BF16_ACTIVATION_PATHS = ("avx512bf16",)  # the GEMV takes exact bf16 activations there
 GEMV_MAX_TOKENS = 16  # the C kernel's limit (and where it stops beating decode + matmul)

@@ -36,17 +36,16 @@
 #ifndef FP8_PATH
 #define FP8_PATH 0
 #endif
-/* FP8_PART: 0 (default) the whole library in one compile; 1 fp8_mm_bf16 only; 2 everything
- * else. The avx512bf16 path builds parts 1 and 2 by two concurrent compiler processes and
- * links them (hf_fp8.utils.native's `parts`): about half the wall time of one compile. A part
- * compiles only the exported functions it owns; static helpers it does not call are dropped
- * before optimization. Shared state: the OpenMP entry point (one hidden global); the decode
- * tables are built per part. */
+/* FP8_PART: 0 (default) the whole library in one compile; 1 fp8_mm_bf16 and fp8_decode (the
+ * fused GEMM and what shares its decode); 2 everything else. The avx512bf16 path builds parts
+ * 1 and 2 by two concurrent compiler processes and links them (hf_fp8.utils.native's
+ * `parts`): about 60 % of the wall time of one compile. A part compiles only the exported
+ * functions it owns; static helpers it does not call are dropped before optimization. Shared
+ * state: the OpenMP entry point (one hidden global); the decode tables are built per part. */
 #ifndef FP8_PART
 #define FP8_PART 0
 #endif
-#define WANT_MM (FP8_PART != 2)
-#define WANT_REST (FP8_PART != 1)
+#define IN_PART(p) (FP8_PART == 0 || FP8_PART == (p))
 #if FP8_PATH >= 2
 #include <immintrin.h>
 #elif FP8_PATH == 1
@@ -54,10 +53,11 @@
 #endif
 
 #define AI static inline __attribute__((always_inline))
-/* Per-row epilogues off the dot products: no loop unswitching (at -O3 GCC copies their loops
- * once per combination of scales, bias and output type: ~27 KB of code, about 0.5 s of the
- * avx512bf16 build, for no measurable run time). The attribute only adds that flag: -O3,
- * -ffp-contract=off and the math flags of the command line still apply (same bits). */
+/* The non-fused matmul's epilogue (an elementwise pass, off this CPU's fused path) without
+ * loop unswitching: at -O3 GCC copies its loop once per combination of scales and bias, 12 KB
+ * of code and ~0.2 s of the build. (The GEMV's per-row epilogue keeps -O3: without the
+ * copies it ran 1.5 % slower at 16 tokens, K = 2048.) The attribute only adds that flag:
+ * -O3, -ffp-contract=off and the math flags of the command line still apply (same bits). */
 #define NO_UNSWITCH __attribute__((optimize("no-unswitch-loops")))
 #define MAX_THREADS 64
 
@@ -461,7 +461,7 @@ static void row_dots_bf16(const gemv_t *g, const uint8_t *wrow, int64_t seg, con
 }
 #endif
 
-static NO_UNSWITCH void gemv_epilogue(const gemv_t *g, int64_t n, const float *res, float factor) {
+static void gemv_epilogue(const gemv_t *g, int64_t n, const float *res, float factor) {
     int block = g->wgran == GRAN_BLOCK;
     float wsc = g->wgran == GRAN_TENSOR ? g->ws[0] : g->wgran == GRAN_ROW ? g->ws[n] : 1.0f;
     for (int64_t t = 0; t < g->M; ++t) {
@@ -549,7 +549,7 @@ static void *gemv_worker(void *arg) {
 /* torch's own OpenMP runtime, when the loader hands it over (fp8_set_openmp): the work runs
  * on torch's intra-op threads instead of new ones that would fight them for the cores. */
 typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
-#if WANT_REST /* defined once: part 1 reads the value that part 2's fp8_set_openmp sets */
+#if IN_PART(2) /* defined once: part 1 reads the value that part 2's fp8_set_openmp sets */
 __attribute__((visibility("hidden"))) gomp_parallel_fn fp8_gomp_parallel = NULL;
 
 void fp8_set_openmp(void *gomp_parallel) { fp8_gomp_parallel = (gomp_parallel_fn)gomp_parallel; }
@@ -607,7 +607,7 @@ static void gemv_range(void *p, int64_t n0, int64_t n1) {
     ((gemv_t *)p)->n1 = n1;
 }
 
-#if WANT_REST
+#if IN_PART(2)
 int fp8_gemv(const float *a, int64_t M, int64_t K, const uint8_t *w, int64_t N,
              const float *ws, int64_t wgran, int64_t bn, int64_t bk, const float *as,
              int64_t agran, const float *bias, void *out, int64_t out_kind, int64_t fmt,
@@ -742,7 +742,7 @@ static void decode_range(void *p, int64_t n0, int64_t n1) {
     ((decode_t *)p)->n1 = n1;
 }
 
-#if WANT_REST
+#if IN_PART(1)
 /* Decode rows [row0, row0 + rows) of a [*, K] fp8 weight (w points at row0) into out. */
 int fp8_decode(const uint8_t *w, int64_t rows, int64_t K, int64_t row0, const float *ws,
                int64_t wgran, int64_t bn, int64_t bk, void *out, int64_t out_kind, int64_t fmt,
@@ -1000,7 +1000,7 @@ static void quant_range(void *p, int64_t n0, int64_t n1) {
     ((quant_t *)p)->n1 = n1;
 }
 
-#if WANT_REST
+#if IN_PART(2)
 /* Fake-quantize an [M, K] activation. scale: [1] (tensor), [M] (row) or [M, ceil(K/bk)]
  * (block); read when `given` (static), else written. A tensor amax is reduced through
  * `out` (>= M floats of scratch) before the second pass overwrites it. */
@@ -1068,7 +1068,7 @@ static void epi_range(void *p, int64_t n0, int64_t n1) {
     ((epi_t *)p)->n1 = n1;
 }
 
-#if WANT_REST
+#if IN_PART(2)
 int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, int64_t as_n,
                  const float *ws, int64_t ws_n, const uint16_t *bias, uint16_t *out,
                  int64_t nthreads) {
@@ -1538,7 +1538,7 @@ static void mm_range(void *p, int64_t n0, int64_t n1) {
 }
 #endif
 
-#if WANT_MM
+#if IN_PART(1)
 /* out [M, N] bf16 = epilogue(bf16(x @ decode(w).T)): see above. ws: folded into the decode
  * (NULL: unscaled codes); as / ps: post scales. qfmt >= 0 (then as = NULL): x is first
  * fake-quantized per token to that format, exactly as fp8_quant_act(gran row, post, bf16
@@ -1590,7 +1590,7 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
 }
 #endif
 
-#if WANT_REST
+#if IN_PART(2)
 /* The path this library was built for (checked by the loader). */
 int fp8_kernel_path(void) { return FP8_PATH; }
 
