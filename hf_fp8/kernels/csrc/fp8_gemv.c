@@ -793,10 +793,12 @@ AI float fp8_round(float x, int fmt) {
 
 #define QCHUNK 256
 
-/* Branch-free loops over chunks, so that the compiler vectorizes them (division included:
- * x / scale must be the correctly rounded quotient, as torch's, not x * (1 / scale)). */
-#if FP8_PATH >= 3 /* its vector loops are written out; auto-vectorizing the short tails as */
-__attribute__((optimize("no-tree-vectorize"))) /* well cost 0.2 s of the build per part */
+/* Branch-free loops over chunks, so that the compiler vectorizes them on paths 0-2 (division
+ * included: x / scale must be the correctly rounded quotient, as torch's, not x * (1 / scale)).
+ * AVX-512 paths write the vector loops out and leave only short tails to the scalar loops:
+ * there auto-vectorization is off (it cost 0.2 s of the build per part, for no speed). */
+#if FP8_PATH >= 3
+__attribute__((optimize("no-tree-vectorize")))
 #endif
 static void *quant_worker(void *arg) {
     const quant_t *q = (const quant_t *)arg;
