@@ -13,7 +13,9 @@ there. The one exception is a branch this instance's own settings close: a read 
 ``if <guard> and ...:`` where a guard is a plain instance attribute (``self.slow_but_exact``,
 ``self.pretraining_tp > 1`` compared with a constant) that is false on the instance (Bloom's
 ``slow_but_exact`` branch, off in its config, slices ``dense.weight``). Modes switched at run
-time (``self.training``) never close a branch.
+time never close a branch: ``self.training`` and any attribute a method of the class (or of
+a base class) other than ``__init__`` assigns (``self.x = ...``, ``self.x += ...``,
+``setattr(self, "x", ...)``): a flag that ``forward`` sets is false on a fresh instance only.
 """
 
 from __future__ import annotations
@@ -150,10 +152,73 @@ def class_weight_reads(cls: type) -> dict[str, frozenset[tuple[Guard, ...]]]:
     return {child: frozenset(g) for child, g in out.items()}
 
 
+class _Assigns(ast.NodeVisitor):
+    """Whether ``self.<attr>`` is assigned (or deleted) anywhere in a function."""
+
+    def __init__(self, attr: str) -> None:
+        self.attr = attr
+        self.found = False
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.ctx, (ast.Store, ast.Del)) and _self_attribute(node) == self.attr:
+            self.found = True
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:  # setattr(self, "attr", value)
+        args = node.args
+        if (
+            isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and len(args) >= 2
+            and isinstance(args[0], ast.Name)
+            and args[0].id == "self"
+            and isinstance(args[1], ast.Constant)
+            and args[1].value == self.attr
+        ):
+            self.found = True
+        self.generic_visit(node)
+
+
+def _names_constant(code: Any, value: str) -> bool:
+    return value in code.co_consts or any(
+        _names_constant(c, value) for c in code.co_consts if hasattr(c, "co_consts")
+    )
+
+
+@functools.cache
+def _function_assigns(fn: Any, attr: str) -> bool:
+    """``fn`` assigns ``self.<attr>``; without a source, it is assumed to (never closes)."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is not None and not (_names_attribute(code, attr) or _names_constant(code, attr)):
+        return False  # exact pre-test: the name appears nowhere in the code
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    visitor = _Assigns(attr)
+    visitor.visit(tree)
+    return visitor.found
+
+
+@functools.cache
+def assigned_at_run_time(cls: type, attr: str) -> bool:
+    """A method of ``cls`` or of a base class (not torch's), other than ``__init__``,
+    assigns ``self.<attr>``: a mode switched at run time, not a setting."""
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.startswith("torch."):
+            continue
+        for name, fn in vars(klass).items():
+            fn = getattr(fn, "__func__", fn)  # staticmethod / classmethod
+            if name != "__init__" and inspect.isfunction(fn) and _function_assigns(fn, attr):
+                return True
+    return False
+
+
 def _closed(module: nn.Module, guard: Guard) -> bool:
-    """True when ``guard`` is false on ``module`` (a plain attribute it holds itself)."""
+    """True when ``guard`` is false on ``module`` (a plain attribute it holds itself, that
+    no method switches at run time)."""
     attr, test, constant = guard
-    if attr in _RUNTIME_FLAGS:
+    if attr in _RUNTIME_FLAGS or assigned_at_run_time(type(module), attr):
         return False
     value = module.__dict__.get(attr, ...)
     if not isinstance(value, _PLAIN):

@@ -13,7 +13,7 @@ import torch
 import transformers as tf
 from torch import nn
 
-from hf_fp8 import Fp8Config
+from hf_fp8 import Fp8Config, quantize_model
 from hf_fp8.modules import Fp8Linear, convertible_modules, keep_reason
 
 
@@ -306,3 +306,47 @@ def test_a_checkpoint_with_a_converted_wo_names_the_rule(t5_like_dirs, tmp_path)
     pattern = r"\.wo\.weight: .*keeps .*reads its \.weight directly.*re-export"
     with pytest.raises(CheckpointTensorError, match=pattern):
         model_cls.from_pretrained(tmp_path)
+
+
+class _FlagSetInForward(nn.Module):
+    """A flag the forward itself sets (False on a fresh instance): a run-time mode, not a
+    setting, so the read under it keeps ``proj``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.needs_cast = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.needs_cast = x.dtype != torch.float32
+        if self.needs_cast:
+            x = x.to(self.proj.weight.dtype)
+        return self.proj(x)
+
+
+class _FlagSetInAHelper(_FlagGated):
+    """Bloom-like guards, but a method (not ``__init__``) switches one of them: run time."""
+
+    def enable_exact(self) -> None:
+        setattr(self, "slow_but_exact", True)  # noqa: B010 (the form under test)
+
+
+class _FlagAugmentedInAHelper(_FlagGated):
+    def grow(self) -> None:
+        self.pretraining_tp += 1
+
+
+@pytest.mark.parametrize(
+    "module",
+    [_FlagSetInForward(), _FlagSetInAHelper(2, False), _FlagAugmentedInAHelper(1, True)],
+    ids=["set-in-forward", "setattr-in-helper", "augmented-in-helper"],
+)
+def test_an_attribute_a_method_assigns_never_closes_a_branch(module) -> None:
+    model = nn.Sequential(module)
+    assert convertible_modules(model) == []
+    # the reviewer's repro: the read branch opens at run time, the layer must stay usable
+    if isinstance(module, _FlagSetInForward):
+        quantize_model(model, Fp8Config("dynamic"))
+        assert type(model[0].proj) is nn.Linear
+        out = model(torch.randn(2, 8, dtype=torch.bfloat16))  # forward raised
+        assert out.dtype == torch.float32  # cast to the (high-precision) weight's dtype
