@@ -28,7 +28,11 @@ from hf_fp8.serialization.experts import (
 )
 from hf_fp8.serialization.formats import FORMATS, format_of
 from hf_fp8.serialization.layers import LayerPlan, plan_layers
-from hf_fp8.serialization.tensors import compute_dtype_of, to_hf_fp8_tensors
+from hf_fp8.serialization.tensors import (
+    check_merged_weight_scale,
+    compute_dtype_of,
+    to_hf_fp8_tensors,
+)
 
 if TYPE_CHECKING:
     from hf_fp8.serialization.remote import HubHeaders
@@ -157,6 +161,16 @@ def _scheme(config: Fp8Config) -> dict[str, Any]:
 _FP8_NAME = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}
 
 
+def _merged_codes_shape(group: ExpertGroup, tensors: dict[str, TensorInfo]) -> tuple[int, int, int]:
+    """``[E, out, in]`` of a group's codes, stored merged or (as transformers saves them)
+    one linear per expert and source."""
+    if group.name in tensors:
+        e, out_features, in_features = tensors[group.name].shape
+        return e, out_features, in_features
+    first = tensors[f"{group.per_expert(0, 0)}.weight"]
+    return group.num_experts, sum(group.rows), first.shape[1]
+
+
 def check_stored_tensors(
     checkpoint: Checkpoint,
     fmt: str,
@@ -165,7 +179,8 @@ def check_stored_tensors(
     groups: dict[str, ExpertGroup] | None = None,
 ) -> None:
     """The checks import runs, on what inspect can afford: the fp8 weights' dtypes (headers)
-    and every scale's values (small tensors; merged expert scales split per expert). Raises
+    and every scale's values (small tensors; merged block scales checked against the merged
+    codes, other merged expert scales split per expert). Raises
     ``CheckpointTensorError`` naming the tensor."""
     groups = groups or {}
     tensors = checkpoint.tensors()
@@ -187,8 +202,17 @@ def check_stored_tensors(
             )
     names = [n for n in tensors if module_of(n)[0] in plan.fp8 and module_of(n)[1] in _SCALE_LEAVES]
     names += [n for n in merged_scale_names(groups) if n in tensors]
-    scales = split_experts(checkpoint.get_tensors(names), groups, config)
+    loaded = checkpoint.get_tensors(names)
     dtype = compute_dtype_of(checkpoint.config)
+    if config.weight_granularity == "block":
+        # checked merged, against the merged codes: a block may span gate and up, which
+        # only an export (one scale grid per expert linear) has to refuse
+        for group in groups.values():
+            name = f"{group.name}_weight_scale"
+            if name in loaded:
+                shape = _merged_codes_shape(group, tensors)
+                check_merged_weight_scale(name, loaded.pop(name), shape, config, dtype)
+    scales = split_experts(loaded, groups, config)
     if fmt in FORMATS:
         FORMATS[fmt].import_tensors(scales, plan, config, compute_dtype=dtype)
     else:

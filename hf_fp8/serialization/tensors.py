@@ -63,6 +63,23 @@ def _fit(
     )
 
 
+def check_merged_weight_scale(
+    name: str,
+    value: torch.Tensor,
+    codes_shape: tuple[int, int, int],
+    config: Fp8Config,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The weight scale of merged expert codes ``[E, out, in]`` checked as stored, without
+    splitting it per expert (a block may span two merged sources): shape
+    ``[E, *scale_shape(out, in)]``, finite, > 0 and bounded; raises
+    ``CheckpointTensorError`` naming it."""
+    experts, out_features, in_features = codes_shape
+    shape = (experts, *expected_weight_scale_shape(config, (out_features, in_features)))
+    fp8_dtype = FP8_DTYPES[config.fp8_format]
+    return _fit(name, value, shape, fp8_dtype=fp8_dtype, compute_dtype=compute_dtype)
+
+
 def _check_bias(name: str, value: torch.Tensor, out_features: int) -> torch.Tensor:
     """An fp8 layer's bias: high precision (fp32 / bf16 / fp16) ``[out]``; an fp8 or integer
     bias raises ``CheckpointTensorError`` naming it (no FP8 kernel or loader reads one)."""

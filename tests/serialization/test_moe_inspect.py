@@ -77,3 +77,28 @@ def test_inspect_counts_fp8_experts_as_fp8(family: str, tmp_path) -> None:
     summary = inspect_checkpoint(tmp_path / "fp8")
     assert summary.fp8_share == pytest.approx(_stored_fp8_share(tmp_path / "fp8"), rel=1e-9)
     assert all(part["what"] != "experts not in FP8" for part in summary.high_precision_parts)
+
+
+def test_inspect_and_card_accept_block_scales_straddling_gate_and_up(tmp_path) -> None:
+    """An hf_fp8 Qwen3-MoE with moe_intermediate_size=96 and 128-row blocks (one block spans
+    gate and up) reloads fine, so inspect and the push card read it; the merged block scales
+    are still checked against the merged codes (a zero scale is named). Export still refuses
+    it: test_moe_formats.py::test_export_of_blocks_straddling_gate_and_up_is_refused."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_fp8.hub.push import card_for_folder
+    from hf_fp8.numerics.checks import CheckpointTensorError
+    from tests.serialization.test_moe_formats import _hf_fp8_moe_dir
+
+    src = _hf_fp8_moe_dir(tmp_path, 96, (128, 128))
+    summary = inspect_checkpoint(src)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in summary.fp8_layers
+    card_for_folder(src, "me/x")
+
+    name = "model.layers.0.mlp.experts.gate_up_proj_weight_scale"
+    weights = load_file(src / "model.safetensors")
+    assert tuple(weights[name].shape) == (4, 2, 1)  # [E, ceil(192/128), ceil(128/128)]
+    weights[name][1, 1, 0] = 0.0
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointTensorError, match=name):
+        inspect_checkpoint(src)
