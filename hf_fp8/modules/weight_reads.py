@@ -214,15 +214,22 @@ def assigned_at_run_time(cls: type, attr: str) -> bool:
     return False
 
 
-def _closed(module: nn.Module, guard: Guard) -> bool:
-    """True when ``guard`` is false on ``module`` (a plain attribute it holds itself, that
-    no method switches at run time)."""
-    attr, test, constant = guard
+def _setting(module: nn.Module, guard: Guard) -> Any:
+    """The value of the setting ``guard`` tests on ``module`` (a plain attribute it holds
+    itself that no method switches at run time), or ``...`` when the guard is undecided."""
+    attr = guard[0]
     if attr in _RUNTIME_FLAGS or assigned_at_run_time(type(module), attr):
-        return False
+        return ...
     value = module.__dict__.get(attr, ...)
-    if not isinstance(value, _PLAIN):
-        return False  # a property, method, tensor, submodule or missing: undecided
+    return value if isinstance(value, _PLAIN) else ...  # property, tensor, missing: undecided
+
+
+def _closed(module: nn.Module, guard: Guard) -> bool:
+    """True when ``guard`` is false on ``module`` (see :func:`_setting`)."""
+    _, test, constant = guard
+    value = _setting(module, guard)
+    if value is ...:
+        return False
     try:
         if test == "truthy":
             return not value
@@ -237,3 +244,46 @@ def reads_weight_of(parent: nn.Module, child_name: str) -> bool:
     """``parent`` reads ``self.<child_name>.weight`` on a path its settings leave open."""
     reads = class_weight_reads(type(parent)).get(child_name, ())
     return any(not any(_closed(parent, g) for g in guards) for guards in reads)
+
+
+_SYMBOLS = {"Gt": ">", "GtE": ">=", "Lt": "<", "LtE": "<=", "Eq": "==", "NotEq": "!="}
+_SYMBOLS |= {"Is": "is", "IsNot": "is not"}
+
+
+def opening_settings(parent: nn.Module, child_name: str) -> tuple[Guard, ...]:
+    """The settings of ``parent`` that open every read of ``<child_name>.weight`` keeping
+    the child (Bloom: ``pretraining_tp > 1`` and ``slow_but_exact``), or ``()`` when a read
+    keeps it whatever the settings (or none does): then only the class decides."""
+    reads = class_weight_reads(type(parent)).get(child_name, ())
+    found: list[Guard] = []
+    for guards in reads:
+        if any(_closed(parent, g) for g in guards):
+            continue
+        settings = [g for g in guards if _setting(parent, g) is not ...]
+        if not settings:
+            return ()
+        found += [g for g in settings if g not in found]
+    return tuple(found)
+
+
+def describe_settings(parent: nn.Module, settings: tuple[Guard, ...]) -> tuple[str, str]:
+    """``("pretraining_tp > 1 and slow_but_exact is true", "pretraining_tp=2,
+    slow_but_exact=True")``: the conditions and the values ``parent`` holds."""
+    conditions = []
+    for attr, test, constant in settings:
+        if test == "truthy":
+            conditions.append(f"{attr} is true")
+        elif test == "falsy":
+            conditions.append(f"{attr} is false")
+        else:
+            conditions.append(f"{attr} {_SYMBOLS[test]} {constant!r}")
+    values = dict.fromkeys(f"{g[0]}={parent.__dict__[g[0]]!r}" for g in settings)
+    return " and ".join(conditions), ", ".join(values)
+
+
+def closing_hint(settings: tuple[Guard, ...]) -> str:
+    """How to close the branch: ``slow_but_exact=False`` for a flag, else the names."""
+    for attr, test, _ in settings:
+        if test in ("truthy", "falsy"):
+            return f"{attr}={test == 'falsy'}"
+    return " / ".join(dict.fromkeys(g[0] for g in settings)) + " changed back"

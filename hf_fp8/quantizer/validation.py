@@ -21,6 +21,7 @@ from torch import nn
 from hf_fp8.modules import Fp8Linear, keep_reason, matches_module
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.modules.fp8_linear import weight_scale_shape
+from hf_fp8.modules.weight_reads import closing_hint, describe_settings, opening_settings
 from hf_fp8.numerics import AMAX_EPS, fp8_dtype, fp8_max, is_fp8
 from hf_fp8.numerics.checks import (
     CheckpointTensorError,
@@ -242,9 +243,23 @@ def _check_stray(
         if tensor is not None and is_fp8(tensor.dtype):
             key = f"{name}.{pname}" if name else pname
             skip = sorted(skipped)
-            rule = None
+            rule = parent = None
             if model is not None and not matches_module(name, skip):
-                rule = keep_reason(module, name, parent=_parent(model, name))
+                parent = _parent(model, name)
+                rule = keep_reason(module, name, parent=parent)
+            settings = opening_settings(parent, name.rpartition(".")[2]) if parent else ()
+            if (rule or "").endswith("reads its .weight directly") and settings:  # not the class
+                child = name.rpartition(".")[2]
+                conditions, values = describe_settings(parent, settings)
+                raise CheckpointTensorError(
+                    f"{key}: is FP8 on disk ({tensor.dtype}), but {name} stays in high "
+                    f"precision on this model: {type(parent).__name__} reads {child}.weight "
+                    f"when {conditions} (here {values}), and the FP8 layer would fail or "
+                    f"compute wrong there. The checkpoint was saved with that branch closed "
+                    f"({child} converted): load it with the setting(s) it was saved with (e.g. "
+                    f"from_pretrained(..., {closing_hint(settings)}) when the model's config "
+                    "holds it), or quantize the high-precision model with these settings"
+                )
             if rule is not None and rule != "not a linear":
                 raise CheckpointTensorError(
                     f"{key}: is FP8 on disk ({tensor.dtype}), but hf_fp8 keeps {name} in high "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -350,3 +351,32 @@ def test_an_attribute_a_method_assigns_never_closes_a_branch(module) -> None:
         assert type(model[0].proj) is nn.Linear
         out = model(torch.randn(2, 8, dtype=torch.bfloat16))  # forward raised
         assert out.dtype == torch.float32  # cast to the (high-precision) weight's dtype
+
+
+def test_a_converted_layer_kept_by_a_setting_names_the_setting(tmp_path) -> None:
+    """A Bloom FP8 checkpoint saved with the default settings (``dense`` converted) and
+    loaded with ``slow_but_exact=True, pretraining_tp=2`` is refused naming the settings
+    that open the read, not telling to re-export with this version (which converts
+    ``dense`` again)."""
+    from hf_fp8.numerics.checks import CheckpointTensorError
+
+    torch.manual_seed(0)
+    config = tf.BloomConfig(vocab_size=128, hidden_size=32, n_layer=1, n_head=4)
+    tf.BloomForCausalLM(config).save_pretrained(tmp_path / "hp")
+    tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hp", quantization_config=Fp8Config()
+    ).save_pretrained(tmp_path / "fp8")
+    with pytest.raises(CheckpointTensorError) as info:
+        tf.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "fp8", slow_but_exact=True, pretraining_tp=2
+        )
+    message = str(info.value)
+    assert "re-export" not in message
+    pattern = (
+        r"self_attention\.dense\.weight: .*BloomAttention reads dense\.weight when "
+        r"pretraining_tp > 1 and slow_but_exact is true \(here pretraining_tp=2, "
+        r"slow_but_exact=True\).*slow_but_exact=False"
+    )
+    assert re.search(pattern, message), message
+    # the setting it names loads the checkpoint
+    tf.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", slow_but_exact=False)
