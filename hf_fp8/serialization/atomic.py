@@ -15,12 +15,17 @@
   - *in-folder*, where swapping the folder itself would break something: ``dest`` is a mount
     point, its parent is not writable, ``dest`` or an entry in it belongs to another user
     (the swap would change their owner or copy their files), or ``dest`` is (or holds) the
-    current directory. The temporary folder is ``dest/.hf_fp8-tmp-*``; its files are renamed
-    into ``dest`` one by one (``config.json`` and the weight index last), then the stale
-    files of the old save (``drop``) are removed. Each file appears whole; ``dest`` keeps its
-    inode, owner and mode; other users' files are neither copied nor re-owned. A process
-    killed while writing leaves the old save (plus the hidden temporary folder); killed during
-    the renames (milliseconds) it can leave a mix of old and new files: save again.
+    current directory. The temporary folder is ``dest/.hf_fp8-tmp-*``. Before anything is
+    renamed, every file to replace or remove is checked (its folder writable, the owner rule
+    of a sticky folder); a file that cannot be is named in a ``PermissionError`` and ``dest``
+    is untouched (folders this user cannot list are skipped, not searched for stale files).
+    Then its files are renamed into ``dest`` one by one (``config.json`` and the weight index
+    last) and the stale files of the old save (``drop``) are removed; an error on the way
+    puts back every file replaced or removed (kept as hard links until the end). Each file
+    appears whole; ``dest`` keeps its inode, owner and mode; other users' files are neither
+    copied nor re-owned. A process killed while writing leaves the old save (plus the
+    hidden temporary folder); killed during the renames (milliseconds) it can leave a mix of
+    old and new files: save again.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 TMP_MARKER = ".hf_fp8-tmp-"
@@ -166,16 +171,24 @@ def _keep_old_files(old: Path, new: Path, drop: tuple[str, ...], prefix: str = "
 _LAST = ("model.safetensors.index.json", "config.json")
 
 
-def _walk(root: Path) -> Iterator[tuple[str, bool]]:
+def _walk(root: Path, *, skip_unreadable: bool = False) -> Iterator[tuple[str, bool]]:
     """``(relative POSIX path, is a real directory)`` of every entry under ``root``, parents
-    first; symlinks are entries, never followed; temporary folders of hf_fp8 are left out."""
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+    first; symlinks are entries, never followed; temporary folders of hf_fp8 are left out.
+    With ``skip_unreadable`` a subfolder that cannot be listed (another user's private folder)
+    is an entry without contents instead of a ``PermissionError``."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except PermissionError:
+        if not skip_unreadable:
+            raise
+        return
+    for entry in entries:
         if TMP_MARKER in entry.name:
             continue
         is_dir = entry.is_dir(follow_symlinks=False)
         yield entry.name, is_dir
         if is_dir:
-            for rel, sub_dir in _walk(root / entry.name):
+            for rel, sub_dir in _walk(root / entry.name, skip_unreadable=skip_unreadable):
                 yield f"{entry.name}/{rel}", sub_dir
 
 
@@ -199,25 +212,105 @@ def _in_folder_reason(dest: Path) -> str | None:
     return None
 
 
+def _check_replaceable(dest: Path, rels: Iterable[str]) -> None:
+    """Raise ``PermissionError`` naming the file when one of ``rels`` (files to write or
+    remove in ``dest``) cannot be replaced: its folder is not writable, or is sticky (``+t``)
+    and the file belongs to another user. Checked before anything is renamed."""
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    for rel in rels:
+        parent_rel, _, name = rel.rpartition("/")
+        parent = contained(dest, parent_rel or ".")
+        if not parent.is_dir():  # a folder the save creates (its own parent is checked)
+            continue
+        target = parent / name
+        if not os.access(
+            parent, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids
+        ):
+            raise PermissionError(
+                f"{target}: cannot be replaced, {parent} is not writable by this user; "
+                f"nothing in {dest} was changed. Save to another folder, or ask its owner"
+            )
+        info = parent.stat()
+        if uid and info.st_mode & stat.S_ISVTX and os.path.lexists(target):
+            owner = target.lstat().st_uid
+            if owner != uid and info.st_uid != uid:
+                raise PermissionError(
+                    f"{target}: belongs to another user (uid {owner}) in a sticky folder "
+                    f"(mode +t): only they can replace it; nothing in {dest} was changed. "
+                    "Save to another folder, or ask them to remove it"
+                )
+
+
 def _move_in_place(
     staged: Path, dest: Path, written: list[tuple[str, bool]], drop: tuple[str, ...]
 ) -> None:
     """Rename the ``written`` entries of ``staged`` into ``dest`` one by one (folders made
     first, the files of ``_LAST`` last), then remove the files of ``dest`` matching ``drop``
-    that were not written. Never follows a symlink of ``dest``."""
+    that were not written. Never follows a symlink of ``dest``. Everything is checked first
+    (:func:`_check_replaceable`); an error during the renames puts back the files replaced
+    (kept as hard links in ``staged``) and removes the new ones."""
     names = {rel for rel, _ in written}
-    for rel, is_dir in written:
-        if is_dir:
-            target = contained(dest, rel)
-            if not target.is_dir():
-                target.mkdir()
     files = sorted((rel for rel, is_dir in written if not is_dir), key=lambda r: (r in _LAST, r))
-    for rel in files:  # a symlink in dest's way is replaced like a file, never followed
-        parent, _, name = rel.rpartition("/")
-        os.replace(staged / rel, contained(dest, parent or ".") / name)
-    for rel, is_dir in list(_walk(dest)):
-        if not is_dir and rel not in names and _dropped(rel, drop):
-            (dest / rel).unlink(missing_ok=True)
+    stale = [
+        rel
+        for rel, is_dir in _walk(dest, skip_unreadable=True)
+        if not is_dir and rel not in names and _dropped(rel, drop)
+    ]
+    _check_replaceable(dest, [*(rel for rel, _ in written), *stale])
+    backup = staged / f"{TMP_MARKER}old"
+    backup.mkdir()
+    made: list[Path] = []  # folders created in dest
+    done: list[tuple[Path, Path | None]] = []  # (target in dest, its old file kept in backup)
+    try:
+        for rel, is_dir in written:
+            if is_dir:
+                target = contained(dest, rel)
+                if not target.is_dir():
+                    target.mkdir()
+                    made.append(target)
+        for i, rel in enumerate([*files, *stale]):
+            parent, _, name = rel.rpartition("/")
+            target = contained(dest, parent or ".") / name  # a symlink is replaced, not followed
+            kept = backup / str(i) if os.path.lexists(target) else None
+            if kept is not None:
+                try:
+                    if target.is_symlink():
+                        raise OSError
+                    os.link(target, kept)
+                except OSError:  # a link, or a file we may not link: moved aside instead
+                    os.rename(target, kept)
+            done.append((target, kept))
+            if i < len(files):
+                os.replace(staged / rel, target)
+            else:  # a stale file of the old save: its link in backup goes with staged
+                target.unlink(missing_ok=True)
+    except BaseException:
+        _put_back(done, made, staged)
+        raise
+
+
+def _put_back(done: list[tuple[Path, Path | None]], made: list[Path], staged: Path) -> None:
+    """Undo the renames of :func:`_move_in_place`; a file that cannot be put back is named
+    and the temporary folder holding it is kept."""
+    lost = []
+    for target, kept in reversed(done):
+        try:
+            if kept is None:
+                target.unlink(missing_ok=True)
+            else:
+                os.replace(kept, target)
+        except OSError:
+            lost.append(f"{target} (old copy: {kept})")
+    for folder in reversed(made):
+        with suppress(OSError):
+            folder.rmdir()
+    if lost:  # keep the old copies: renamed so that the caller's cleanup leaves them
+        kept_in = staged.with_name(staged.name + "-restore")
+        staged.rename(kept_in)
+        raise OSError(
+            f"the save failed and these files could not be put back: {lost[:4]}; their old "
+            f"copies are in {kept_in}"
+        )
 
 
 @contextmanager

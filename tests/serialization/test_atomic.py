@@ -407,3 +407,124 @@ def test_in_place_never_follows_symlinks(tmp_path, monkeypatch):
         (tmp / "1_Pooling").mkdir()
         (tmp / "1_Pooling" / "config.json").write_text("pool")
     assert sorted(p.name for p in outside.iterdir()) == ["config.json"]
+
+
+# -- an in-folder save that cannot replace everything: refused before any rename (reviewer 2) ---
+_AS_OTHER = textwrap.dedent(
+    """
+    import importlib.util, json, os, sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("atomic", sys.argv[1])
+    atomic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(atomic)
+    dest = Path(sys.argv[2])
+    drop = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
+    error = None
+    try:
+        with atomic.atomic_folder(dest, drop=drop) as tmp:
+            (tmp / "model.safetensors").write_text("NEW")
+            (tmp / "config.json").write_text("NEW")
+    except PermissionError as exc:
+        error = str(exc)
+    tree = {p.name: p.read_text() for p in dest.iterdir() if p.is_file()}
+    temps = [p.name for p in dest.iterdir() if ".hf_fp8-tmp-" in p.name]
+    print(json.dumps({"error": error, "tree": tree, "temps": temps}))
+    """
+)
+_OTHER = 65534
+
+
+def _as_other_user(dest: Path) -> dict:
+    """Run an in-folder save into ``dest`` as uid 65534 (root drops to it)."""
+    import json
+
+    prefix = ["setpriv", f"--reuid={_OTHER}", f"--regid={_OTHER}", "--clear-groups", "--"]
+    if os.geteuid() != 0 or not _tool_works([*prefix, "true"]):
+        pytest.skip("needs root and setpriv to act as another user")
+    atomic_py = REPO / "hf_fp8" / "serialization" / "atomic.py"
+    cmd = [*prefix, sys.executable, "-c", _AS_OTHER, str(atomic_py), str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def public_tmp():
+    """A folder under /tmp that uid 65534 can reach (pytest's tmp_path is root-only)."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _file(path: Path, text: str, uid: int) -> None:
+    path.write_text(text)
+    os.chown(path, uid, uid)
+
+
+def test_in_place_save_refuses_before_any_rename_in_a_sticky_folder(public_tmp):
+    """Reviewer 2: in a sticky (1777) folder where another user owns config.json, the save
+    replaced model.safetensors, then failed on config.json: a mix of old and new files."""
+    dest = public_tmp / "sticky"
+    dest.mkdir()
+    dest.chmod(0o1777)
+    _file(dest / "config.json", "OLD", 0)
+    _file(dest / "model.safetensors", "OLD", _OTHER)
+    got = _as_other_user(dest)
+    assert got["error"] and "config.json" in got["error"] and "sticky" in got["error"]
+    assert got["tree"] == {"config.json": "OLD", "model.safetensors": "OLD"}
+    assert got["temps"] == []
+
+
+def test_in_place_save_skips_folders_it_cannot_read(public_tmp):
+    """Reviewer 2: a 0700 subfolder of another user made the stale-file walk raise after
+    config.json and the weights were in place (stale shards and index left behind)."""
+    dest = public_tmp / "perm"
+    dest.mkdir()
+    os.chown(dest, _OTHER, _OTHER)
+    for name in ("config.json", "model.safetensors", "model-00001-of-00002.safetensors"):
+        _file(dest / name, "OLD", _OTHER)
+    _file(dest / "model.safetensors.index.json", "OLD", _OTHER)
+    (dest / "private").mkdir(mode=0o700)
+    (dest / "private" / "mine.txt").write_text("root's")
+    got = _as_other_user(dest)
+    assert got == {
+        "error": None,
+        "tree": {"config.json": "NEW", "model.safetensors": "NEW"},
+        "temps": [],
+    }
+    assert (dest / "private" / "mine.txt").read_text() == "root's"
+
+
+def test_in_place_save_puts_back_what_it_replaced_on_an_error(tmp_path, monkeypatch):
+    """An error between two renames (a full disk, a signal) restores the replaced files and
+    removes the new ones: the folder is as it was."""
+    dest = _old_save(tmp_path / "work")
+    (dest / "config.json").write_text("old config")
+    (dest / "model.safetensors.index.json").write_text("old index")
+    before = _tree(dest)
+    monkeypatch.chdir(dest)  # written in place
+    real = os.replace
+    calls = []
+
+    def flaky(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", flaky)
+    drop = ["model.safetensors", "model-*-of-*.safetensors"]
+    with pytest.raises(OSError, match="No space"), atomic_folder(dest, drop=drop) as tmp:
+        (tmp / "model.safetensors").write_text("new weights")
+        (tmp / "extra.txt").write_text("new")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "a.txt").write_text("new")
+        (tmp / "config.json").write_text("{}")
+    monkeypatch.setattr(os, "replace", real)
+    assert _tree(dest) == before
+    assert not (dest / "sub").exists() and _temps(dest) == []
