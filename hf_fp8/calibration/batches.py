@@ -7,8 +7,11 @@ tensor (``model(batch)``).
 
 A top-level tuple of tensors is refused: ``calibrate(model, (input_ids, attention_mask))``
 reads naturally as one batch of positional inputs, but a tuple is also a collection of
-batches, and it used to run the mask as a second batch of token ids. The error names the
-unambiguous spellings of both meanings.
+batches, and it used to run the mask as a second batch of token ids. So is a list in which a
+tensor looks like the attention mask of the tensor before it (``[input_ids,
+attention_mask]``: same shape, integer or bool, only 0 and 1): a list of tensors is a list
+of batches of token ids. The errors name the unambiguous spellings of both meanings: one
+batch as a dict or ``[(input_ids, attention_mask)]``, several as a list of such batches.
 """
 
 from __future__ import annotations
@@ -28,6 +31,39 @@ _TOKENIZE = (
 )
 
 
+_UNAMBIGUOUS = (
+    "Pass one batch as a dict {'input_ids': input_ids, 'attention_mask': attention_mask} "
+    "(model(**batch), what a tokenizer returns) or as [(input_ids, attention_mask)] (a list "
+    "holding one tuple: model(*batch)); several batches: a list of such batches, "
+    "[batch_1, batch_2] (a bare tensor in that list is a whole batch of token ids)"
+)
+
+
+def _is_mask_of(mask: Any, ids: Any) -> bool:
+    """``mask`` looks like the attention mask of ``ids``: same shape, integer or bool, only
+    0 and 1 (token ids that are all 0 / 1 do not occur in real text)."""
+    if not (isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor)):
+        return False
+    if mask.shape != ids.shape or mask.numel() == 0:
+        return False
+    if mask.dtype != torch.bool and (mask.is_floating_point() or mask.is_complex()):
+        return False
+    return bool(((mask == 0) | (mask == 1)).all())
+
+
+def _refuse_a_mask_item(data: list[Any]) -> None:
+    """Raise when an item of ``data`` looks like the attention mask of the one before it:
+    ``calibrate(model, [input_ids, attention_mask])`` would run the mask as token ids."""
+    for index in range(1, len(data)):
+        if _is_mask_of(data[index], data[index - 1]):
+            raise TypeError(
+                f"calibrate got a list of tensors, and item {index} of the list looks like the "
+                f"attention mask of item {index - 1} (same shape {tuple(data[index].shape)}, "
+                f"only 0/1 values): each item of a list is a whole batch, so it would run as "
+                f"token ids. {_UNAMBIGUOUS}"
+            )
+
+
 def _is_text(value: Any) -> bool:
     return isinstance(value, str) or (
         isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
@@ -45,11 +81,10 @@ def as_batches(data: Any) -> Iterable[Any]:
     if isinstance(data, tuple) and data and all(isinstance(v, torch.Tensor) for v in data):
         raise TypeError(
             f"calibrate got a tuple of {len(data)} tensors: one batch of positional inputs, or "
-            f"{len(data)} batches? Pass one batch as [(input_ids, attention_mask)] (a list "
-            "holding the tuple: model(*batch)) or as a dict {'input_ids': input_ids, "
-            "'attention_mask': attention_mask} (model(**batch), what a tokenizer returns); "
-            "several batches of token ids as a list [ids_1, ids_2]"
+            f"{len(data)} batches? {_UNAMBIGUOUS}"
         )
+    if isinstance(data, list):
+        _refuse_a_mask_item(data)
     if not isinstance(data, Iterable):
         raise TypeError(f"calibrate expects {ACCEPTED}; got {type(data).__name__}")
     return data

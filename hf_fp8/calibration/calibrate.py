@@ -102,8 +102,10 @@ def calibrate(
     with ``return_tensors="pt"``, or a tensor of token ids), a list of batches, or any
     iterable of batches such as a ``DataLoader``. A batch is a dict (``model(**batch)``), a
     tuple of tensors (``model(*batch)``) or a tensor. Anything else (e.g. a list of strings)
-    raises ``TypeError`` saying what to pass; so does a bare tuple of tensors (one batch of
-    positional inputs, or several batches?): pass ``[(input_ids, attention_mask)]`` or a dict.
+    raises ``TypeError`` saying what to pass; so do a bare tuple of tensors (one batch of
+    positional inputs, or several batches?) and a list whose tensor looks like the attention
+    mask of the one before it (``[input_ids, attention_mask]``): pass one batch as a dict or
+    ``[(input_ids, attention_mask)]``, several as a list of such batches.
 
     ``observer``: ``"minmax"``, ``"moving_average"`` (``momentum=0.9``), ``"percentile"``
     (``percentile=99.99``) or ``"mse"``. During calibration the static layers run with

@@ -144,14 +144,32 @@ def test_dataloader_equals_the_list_of_its_batches(tiny_model_dir):
         (
             (BATCHES[0]["input_ids"], BATCHES[0]["attention_mask"]),
             TypeError,
-            r"tuple of 2 tensors.*\[\(input_ids, attention_mask\)\].*"
-            r"\{'input_ids': .*'attention_mask'.*\[ids_1, ids_2\]",
+            r"tuple of 2 tensors.*\{'input_ids': .*'attention_mask'.*"
+            r"\[\(input_ids, attention_mask\)\].*several batches: a list of such batches",
+        ),
+        # the same as a list ran the mask as a second batch of token ids, silently, too
+        (
+            [BATCHES[0]["input_ids"], BATCHES[0]["attention_mask"]],
+            TypeError,
+            r"item 1 of the list looks like the attention mask of item 0 .*\(2, 12\).*0/1.*"
+            r"\{'input_ids': .*'attention_mask'.*\[\(input_ids, attention_mask\)\]",
+        ),
+        (  # a boolean mask, after a first batch given as a dict
+            [BATCHES[1], BATCHES[0]["input_ids"], BATCHES[0]["attention_mask"].bool()],
+            TypeError,
+            r"item 2 of the list looks like the attention mask of item 1",
         ),
     ],
 )
 def test_what_it_cannot_use_is_named(batches, error, pattern, tiny_model_dir):
     with pytest.raises(error, match=pattern):
         _scales(tiny_model_dir, batches)
+
+
+def test_a_list_of_token_id_tensors_is_still_a_list_of_batches(tiny_model_dir):
+    """Same-shape batches of token ids (not 0/1 only) run as batches, as documented."""
+    ids = [batch["input_ids"] for batch in BATCHES]
+    assert _scales(tiny_model_dir, ids) == _scales(tiny_model_dir, BATCHES)
 
 
 def test_the_forms_the_tuple_error_suggests_work(tiny_model_dir):
