@@ -394,3 +394,50 @@ def test_repo_downloads_leave_out_only_the_top_level_weights():
         "2_Dense/model.safetensors",
         "2_Dense/pytorch_model.bin",
     ]
+
+
+# -- indexes transformers does not read (reviewer 2) ------------------------------------------
+def _stale_bin_index(llama_dir, tmp_path) -> Path:
+    """What ``hf download --exclude "*.bin"`` leaves of a repo that ships both formats."""
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "pytorch_model-00001-of-00002.bin"}}
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    return src
+
+
+def _stale_safetensors_index(llama_dir, tmp_path) -> Path:
+    """model.safetensors next to an index of shards that are gone: transformers reads the
+    single file and ignores the index."""
+    src = tmp_path / "src"
+    shutil.copytree(llama_dir, src)
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    return src
+
+
+@pytest.mark.parametrize("build", [_stale_bin_index, _stale_safetensors_index])
+def test_source_check_ignores_indexes_transformers_does_not_read(llama_dir, tmp_path, build):
+    """Reviewer 2: quantize/calibrate refused these folders (FileNotFoundError) though
+    transformers loads them; the path rules still hold for every index."""
+    from hf_fp8.serialization.atomic import UnsafePathError
+    from hf_fp8.serialization.checkpoint import check_source_folder
+
+    src = build(llama_dir, tmp_path)
+    assert AutoModelForCausalLM.from_pretrained(src) is not None  # the reference: it loads
+    check_source_folder(src)
+    stale = next(src.glob("*.index.json"))
+    index = json.loads(stale.read_text())
+    index["weight_map"] = {"lm_head.weight": "../outside/x.safetensors"}
+    stale.write_text(json.dumps(index))
+    with pytest.raises(UnsafePathError, match="leaves the folder"):
+        check_source_folder(src)
+
+
+def test_source_check_requires_the_index_transformers_reads_complete(llama_dir, tmp_path):
+    from hf_fp8.serialization.checkpoint import check_source_folder
+
+    src = _stale_safetensors_index(llama_dir, tmp_path)
+    (src / "model.safetensors").unlink()  # now transformers reads the index
+    with pytest.raises(FileNotFoundError, match=r"model-00001-of-00002\.safetensors"):
+        check_source_folder(src)

@@ -277,25 +277,43 @@ def companion_files(root: str | os.PathLike, *, skip: Iterable[str] = ()) -> lis
     return folder_files(root, keep=lambda rel: rel not in skipped and not _weights(Path(rel)))
 
 
+# What transformers' from_pretrained reads from a local folder, first found wins (5.x).
+_LOAD_ORDER = (WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def read_index(root: Path) -> str | None:
+    """The weight index transformers will read from ``root`` (``None``: a single file, or
+    nothing it knows): the first of ``_LOAD_ORDER`` present decides."""
+    first = next((name for name in _LOAD_ORDER if (root / name).is_file()), None)
+    return first if first is not None and first.endswith(".index.json") else None
+
+
 def check_source_folder(root: str | os.PathLike) -> None:
     """Check a local model folder before a loader that does not check paths (transformers'
-    ``from_pretrained``) reads it: no symlink among its files (:func:`folder_files`), and
-    every file named by a weight index (``*.index.json``) inside it, no ``..`` or absolute
-    names. Raises ``UnsafePathError`` / ``FileNotFoundError`` naming the file."""
+    ``from_pretrained``) reads it: no symlink among its files (:func:`folder_files`), every
+    file named by a weight index (``*.index.json``) inside it (no ``..`` or absolute names),
+    and the files of the index transformers reads (:func:`read_index`) all there. Other
+    indexes (a ``pytorch_model.bin.index.json`` whose ``.bin`` shards were not downloaded, an
+    index next to ``model.safetensors``) are ignored, as transformers does. Raises
+    ``UnsafePathError`` / ``FileNotFoundError`` naming the file."""
     root = Path(root).expanduser().resolve()
     links_within = hub_cache_root(root)
     folder_files(root)
+    read = read_index(root)
     for index_path in sorted(root.glob("*.index.json")):
         contained(root, index_path.name, links_within=links_within)
         try:
             index = json.loads(index_path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            if index_path.name != read:
+                continue
             raise ValueError(f"{index_path.name} is not valid JSON ({err})") from err
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             continue
         for file in sorted({v for v in weight_map.values() if isinstance(v, str)}):
-            if not contained(root, file, links_within=links_within).is_file():
+            path = contained(root, file, links_within=links_within)
+            if index_path.name == read and not path.is_file():
                 raise FileNotFoundError(
                     f"{index_path.name} names {file}, which is not in {root}: the checkpoint "
                     "is incomplete; download or save it again"
