@@ -145,7 +145,13 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _dropped(rel: str, drop: Iterable[str]) -> bool:
-    return any(rel == pattern or fnmatch.fnmatchcase(rel, pattern) for pattern in drop)
+    """``rel`` (a POSIX path relative to the folder) matches one of ``drop``. A pattern without
+    ``/`` names top-level files only (fnmatch's ``*`` also matches ``/``: without this rule
+    ``model-*-of-*.safetensors`` would match ``backup/model-00001-of-00002.safetensors``)."""
+    return any(
+        ("/" in pattern or "/" not in rel) and (rel == pattern or fnmatch.fnmatchcase(rel, pattern))
+        for pattern in drop
+    )
 
 
 def _keep_old_files(old: Path, new: Path, drop: tuple[str, ...], prefix: str = "") -> None:

@@ -528,3 +528,28 @@ def test_in_place_save_puts_back_what_it_replaced_on_an_error(tmp_path, monkeypa
     monkeypatch.setattr(os, "replace", real)
     assert _tree(dest) == before
     assert not (dest / "sub").exists() and _temps(dest) == []
+
+
+@pytest.mark.parametrize("mode", ["swap", "in-folder"])
+def test_drop_patterns_match_only_at_the_top_level(tmp_path, monkeypatch, mode):
+    """Reviewer 2: ``model-*-of-*.safetensors`` (fnmatch's ``*`` matches ``/``) deleted a
+    user's ``model-v1-backup/model-00001-of-00002.safetensors`` on every overwrite. A pattern
+    that names a folder still matches in it."""
+    from hf_fp8.hub.hooks import WEIGHT_FILES
+
+    dest = _old_save(tmp_path / "out")
+    (dest / "model-v1-backup").mkdir()
+    (dest / "model-v1-backup" / "model-00001-of-00002.safetensors").write_text("backup")
+    (dest / "model-v1-backup" / "pytorch_model.bin").write_text("backup bin")
+    (dest / "old").mkdir()
+    (dest / "old" / "stale.bin").write_text("stale")
+    monkeypatch.chdir(dest if mode == "in-folder" else tmp_path)
+    with atomic_folder(dest, drop=(*WEIGHT_FILES, "old/*.bin")) as tmp:
+        assert (tmp.parent == dest) == (mode == "in-folder")
+        (tmp / "model.safetensors").write_text("new weights")
+        (tmp / "config.json").write_text("{}")
+    assert {k: v.decode() for k, v in _tree(dest).items()} == {
+        **_NEW,
+        "model-v1-backup/model-00001-of-00002.safetensors": "backup",
+        "model-v1-backup/pytorch_model.bin": "backup bin",
+    }
