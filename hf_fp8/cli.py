@@ -14,7 +14,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +182,8 @@ def _companion_source(model_id: str) -> Path | None:
         try:
             from huggingface_hub import HfApi
 
-            ignore = _companion_ignore(HfApi().list_repo_files(model_id))
+            files = HfApi().list_repo_files(model_id)
+            ignore = _companion_ignore(files, module_dirs=_hub_module_dirs(model_id, files))
         except Exception:  # offline: the cached snapshot is used as it is
             ignore = _WEIGHT_PATTERNS
         return Path(snapshot_download(model_id, ignore_patterns=ignore))
@@ -196,12 +197,26 @@ _WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth", "*.h5", "*.msgpac
 _WEIGHT_PATTERNS += ["*.onnx", "*.onnx_data", "*.gguf", "onnx/*", "openvino/*", "original/*"]
 
 
-def _companion_ignore(repo_files: Sequence[str]) -> list[str]:
-    """``snapshot_download`` ignore patterns for a repo's files: exactly its model weights
-    (top level, ``onnx/`` …), so that pipeline modules' weights (``2_Dense/``) come along."""
+def _hub_module_dirs(model_id: str, repo_files: Sequence[str]) -> set[str]:
+    """The pipeline module folders the repo's ``modules.json`` names (none without one)."""
+    if "modules.json" not in repo_files:
+        return set()
+    from huggingface_hub import hf_hub_download
+
+    from hf_fp8.serialization.checkpoint import pipeline_module_dirs
+
+    return pipeline_module_dirs(Path(hf_hub_download(model_id, "modules.json")).read_bytes())
+
+
+def _companion_ignore(repo_files: Sequence[str], module_dirs: Iterable[str] = ()) -> list[str]:
+    """``snapshot_download`` ignore patterns for a repo's files: exactly its weights but the
+    pipeline modules' (``module_dirs``: ``2_Dense/`` … from ``modules.json``), which come
+    along; the model's own (top level), other formats (``onnx/``) and other folders'
+    (``checkpoint-500/``) stay out."""
     from hf_fp8.serialization.checkpoint import model_weight_files
 
-    return [re.sub(r"([*?\[])", r"[\1]", f) for f in model_weight_files(repo_files)]
+    weights = model_weight_files(repo_files, module_dirs)
+    return [re.sub(r"([*?\[])", r"[\1]", f) for f in weights]
 
 
 def _save(model, args: argparse.Namespace, model_id: str, out: Path) -> None:

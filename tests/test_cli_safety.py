@@ -385,7 +385,8 @@ def test_repo_downloads_leave_out_only_the_top_level_weights():
         "2_Dense/pytorch_model.bin",
         "weird[1]*.safetensors",
     ]
-    patterns = _companion_ignore(files)
+    files += ["modules.json", "checkpoint-500/optimizer.pt", "fp16/model.safetensors"]
+    patterns = _companion_ignore(files, module_dirs={"2_Dense"})
     kept = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)]
     assert kept == [
         "config.json",
@@ -393,6 +394,7 @@ def test_repo_downloads_leave_out_only_the_top_level_weights():
         "original/params.json",
         "2_Dense/model.safetensors",
         "2_Dense/pytorch_model.bin",
+        "modules.json",
     ]
 
 
@@ -441,3 +443,51 @@ def test_source_check_requires_the_index_transformers_reads_complete(llama_dir, 
     (src / "model.safetensors").unlink()  # now transformers reads the index
     with pytest.raises(FileNotFoundError, match=r"model-00001-of-00002\.safetensors"):
         check_source_folder(src)
+
+
+def test_only_pipeline_modules_keep_their_weights(tmp_path):
+    """Reviewer 2: every subfolder's weights were copied into the FP8 output (and pushed):
+    a Trainer's checkpoint-500/optimizer.pt, an fp16/ copy, ctranslate2/model.bin. Only the
+    folders modules.json names (sentence-transformers modules) keep theirs."""
+    from hf_fp8.serialization.checkpoint import companion_files, module_dirs_of
+
+    src = tmp_path / "src"
+    files = {
+        "config.json": "{}",
+        "model.safetensors": "w",
+        "tokenizer.json": "{}",
+        "colbert_linear.pt": "w",
+        "2_Dense/config.json": "{}",
+        "2_Dense/model.safetensors": "dense",
+        "1_Pooling/config.json": "{}",
+        "checkpoint-500/model.safetensors": "w",
+        "checkpoint-500/optimizer.pt": "w",
+        "checkpoint-500/trainer_state.json": "{}",
+        "fp16/model.safetensors": "w",
+        "ctranslate2/model.bin": "w",
+    }
+    for rel, text in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    ]
+    (src / "modules.json").write_text(json.dumps(modules))
+    assert module_dirs_of(src) == {"1_Pooling", "2_Dense"}
+    assert companion_files(src) == [
+        "1_Pooling/config.json",
+        "2_Dense/config.json",
+        "2_Dense/model.safetensors",
+        "checkpoint-500/trainer_state.json",
+        "modules.json",
+        "tokenizer.json",
+    ]
+    (src / "modules.json").unlink()  # no pipeline: no subfolder keeps its weights
+    assert "2_Dense/model.safetensors" not in companion_files(src)

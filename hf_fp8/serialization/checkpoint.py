@@ -271,10 +271,12 @@ def folder_files(
 def companion_files(root: str | os.PathLike, *, skip: Iterable[str] = ()) -> list[str]:
     """The files of a model folder that travel with its weights (tokenizer, generation config,
     sentence-transformers ``modules.json``, ``1_Pooling/`` …): every file but the config, the
-    safetensors weights and index, the model card, ``skip``, hidden files and weights in other
-    formats (``.bin``, ``onnx/`` …). A symlink among them raises (see :func:`folder_files`)."""
+    safetensors weights and index, the model card, ``skip``, hidden files and weights other
+    than a pipeline module's (``.bin``, ``onnx/``, ``checkpoint-500/`` …, see
+    :func:`_weights`). A symlink among them raises (see :func:`folder_files`)."""
     skipped = {CONFIG_NAME, INDEX_NAME, CARD_NAME, WEIGHTS_NAME, *skip}
-    return folder_files(root, keep=lambda rel: rel not in skipped and not _weights(Path(rel)))
+    dirs = module_dirs_of(root)
+    return folder_files(root, keep=lambda rel: rel not in skipped and not _weights(Path(rel), dirs))
 
 
 # What transformers' from_pretrained reads from a local folder, first found wins (5.x).
@@ -338,19 +340,51 @@ def copy_companion_files(
     return copied
 
 
-def _weights(rel: Path) -> bool:
-    """The model's own weights in any format: weight files at the top level or in a folder
-    of other formats (``onnx/`` …). Weights of a pipeline's modules (sentence-transformers
-    ``2_Dense/model.safetensors``) are files of their own and travel with the model."""
+def pipeline_module_dirs(modules_json: str | bytes) -> set[str]:
+    """The folders a sentence-transformers ``modules.json`` names (``1_Pooling``,
+    ``2_Dense`` …; the model itself, path ``""``, is not a folder). Names that leave the
+    folder (absolute, ``..``) are left out; an unreadable file names none."""
+    try:
+        modules = json.loads(modules_json)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return set()
+    dirs = set()
+    for module in modules if isinstance(modules, list) else []:
+        path = module.get("path") if isinstance(module, dict) else None
+        if not isinstance(path, str):
+            continue
+        rel = Path(path.strip("/"))
+        if rel.parts and not rel.is_absolute() and ".." not in rel.parts:
+            dirs.add(rel.as_posix())
+    return dirs
+
+
+def module_dirs_of(root: str | os.PathLike) -> set[str]:
+    """:func:`pipeline_module_dirs` of ``root``'s ``modules.json`` (none without one)."""
+    root = Path(root).expanduser().resolve()
+    path = contained(root, "modules.json", links_within=hub_cache_root(root))
+    return pipeline_module_dirs(path.read_bytes()) if path.is_file() else set()
+
+
+def _weights(rel: Path, module_dirs: Iterable[str] = ()) -> bool:
+    """Weights that are not a pipeline module's own: weight files at the top level (the
+    model's, in any format) or in any folder but those ``module_dirs`` names (other formats
+    ``onnx/``, a Trainer's ``checkpoint-500/``, an ``fp16/`` copy …). A sentence-transformers
+    module's weights (``2_Dense/model.safetensors``, its folder named by ``modules.json``)
+    are files of their own and travel with the model."""
     if rel.suffix not in _OTHER_WEIGHTS:
         return False
-    return len(rel.parts) == 1 or rel.parts[0] in _OTHER_WEIGHT_DIRS
+    if len(rel.parts) == 1:
+        return True
+    return not any(rel.parts[: len(Path(d).parts)] == Path(d).parts for d in module_dirs)
 
 
-def model_weight_files(files: Iterable[str]) -> list[str]:
-    """The entries of ``files`` (POSIX paths relative to a model folder) that are the model's
-    own weights (see :func:`_weights`): what a conversion never copies or downloads."""
-    return [f for f in files if _weights(Path(f))]
+def model_weight_files(files: Iterable[str], module_dirs: Iterable[str] = ()) -> list[str]:
+    """The entries of ``files`` (POSIX paths relative to a model folder) that are weights
+    but no pipeline module's (see :func:`_weights`): what a conversion never copies or
+    downloads."""
+    module_dirs = list(module_dirs)
+    return [f for f in files if _weights(Path(f), module_dirs)]
 
 
 def check_out_dir(
