@@ -26,6 +26,10 @@
     copied nor re-owned. A process killed while writing leaves the old save (plus the
     hidden temporary folder); killed during the renames (milliseconds) it can leave a mix of
     old and new files: save again.
+
+A later save into the folder removes the temporary folders that killed saves left (in
+``dest`` and beside it): only this user's, named with this host and a process that is gone,
+untouched for 5 minutes; never one a running save writes.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ import ctypes.util
 import errno
 import fnmatch
 import os
+import re
 import shutil
+import socket
 import stat
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -319,6 +326,61 @@ def _put_back(done: list[tuple[Path, Path | None]], made: list[Path], staged: Pa
         )
 
 
+# A temporary folder is named TMP_MARKER + host + pid + random: a later save can tell the
+# leftovers of a killed save (process gone) from the folder of one still writing.
+_STALE_AFTER_S = 300.0
+
+
+def _tmp_prefix() -> str:
+    return f"{TMP_MARKER}{socket.gethostname()}-{os.getpid()}-"
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
+
+
+def _newest_mtime(folder: Path) -> float:
+    newest = folder.lstat().st_mtime
+    for entry in os.scandir(folder):
+        newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    return newest
+
+
+def _remove_stale_temps(folder: Path, lead: str = "") -> None:
+    """Remove the temporary folders (``lead`` + ``_tmp_prefix()`` + random) that saves killed
+    before they finished left in ``folder``: only this user's, made on this host by a
+    process that is gone, unchanged for ``_STALE_AFTER_S`` (a folder a running save, here or
+    on another machine sharing the folder, still writes is never one). Never fails a save."""
+    pattern = re.compile(re.escape(lead + TMP_MARKER) + r"(?P<host>.+)-(?P<pid>\d+)-[A-Za-z0-9_]+")
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    host = socket.gethostname()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or match["host"] != host or not _pid_gone(int(match["pid"])):
+            continue
+        path = folder / entry.name
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if uid is not None and entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            if time.time() - _newest_mtime(path) < _STALE_AFTER_S:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @contextmanager
 def atomic_folder(dest: str | os.PathLike, *, drop: Iterable[str] = ()) -> Iterator[Path]:
     """Write a folder atomically: ``with atomic_folder(out) as tmp: save_into(tmp)``.
@@ -340,16 +402,19 @@ def atomic_folder(dest: str | os.PathLike, *, drop: Iterable[str] = ()) -> Itera
     created = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     in_folder = dest.is_dir() and _in_folder_reason(dest) is not None
+    if dest.is_dir():
+        _remove_stale_temps(dest)
+    _remove_stale_temps(dest.parent, f".{dest.name}")
     tmp = None
     if not in_folder:
         try:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{TMP_MARKER}", dir=dest.parent))
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}{_tmp_prefix()}", dir=dest.parent))
         except PermissionError:  # the parent is not writable: write inside dest
             if not dest.is_dir():
                 raise
             in_folder = True
     if tmp is None:
-        tmp = Path(tempfile.mkdtemp(prefix=TMP_MARKER, dir=dest))
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(), dir=dest))
     try:
         yield tmp
         if in_folder:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -553,3 +554,46 @@ def test_drop_patterns_match_only_at_the_top_level(tmp_path, monkeypatch, mode):
         "model-v1-backup/model-00001-of-00002.safetensors": "backup",
         "model-v1-backup/pytorch_model.bin": "backup bin",
     }
+
+
+def test_a_later_save_removes_what_a_killed_save_left(tmp_path, monkeypatch):
+    """Reviewer 2: a SIGKILLed in-folder save left dest/.hf_fp8-tmp-* (partial weights)
+    forever. A later save removes ours whose process is gone and that nothing wrote to for
+    minutes; a folder of a running save (this process), a recent one, and a folder in
+    someone else's name scheme are kept."""
+    import socket
+
+    dest = _old_save(tmp_path / "work")
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    dead_pid = int(dead.stdout)
+    host = socket.gethostname()
+    old = time.time() - 3600
+
+    def leftover(name: str, age: float) -> Path:
+        folder = dest / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+        os.utime(folder / "model.safetensors", (age, age))
+        os.utime(folder, (age, age))
+        return folder
+
+    killed = leftover(f"{TMP_MARKER}{host}-{dead_pid}-abc12345", old)
+    sibling = tmp_path / f".work{TMP_MARKER}{host}-{dead_pid}-def67890"
+    sibling.mkdir()
+    os.utime(sibling, (old, old))
+    running = leftover(f"{TMP_MARKER}{host}-{os.getpid()}-abc12345", old)
+    recent = leftover(f"{TMP_MARKER}{host}-{dead_pid}-recent00", time.time())
+    foreign = leftover(f"{TMP_MARKER}abc12345", old)
+    restore = leftover(f"{TMP_MARKER}{host}-{dead_pid}-abc00000-restore", old)
+    monkeypatch.chdir(dest)  # written in place
+    with atomic_folder(dest, drop=["model.safetensors"]) as tmp:
+        assert tmp.name.startswith(f"{TMP_MARKER}{host}-{os.getpid()}-")
+        (tmp / "model.safetensors").write_text("new weights")
+    assert not killed.exists() and not sibling.exists()
+    assert running.exists() and recent.exists() and foreign.exists() and restore.exists()
+    assert (dest / "model.safetensors").read_text() == "new weights"
