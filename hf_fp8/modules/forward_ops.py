@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_fp8.modules.weight_reads import self_attribute
+
 # global functions a kind may call, by identity
 _FUNCTIONS: dict[Any, str] = {
     torch.bmm: "bmm",
@@ -86,15 +88,6 @@ class _Walker(ast.NodeVisitor):
             return None if base is None else getattr(base, node.attr, None)
         return None
 
-    def _self_attribute(self, node: ast.expr) -> str | None:
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name)
-            and node.value.id == "self"
-        ):
-            return node.attr
-        return None
-
     def _value_attribute_ok(self, name: str) -> bool:
         """``self.<name>`` read as a value: a parameter, buffer or plain instance attribute
         (not a method, property or anything else the class computes)."""
@@ -114,7 +107,7 @@ class _Walker(ast.NodeVisitor):
         self.unknown.append("lambda")
 
     def visit_Attribute(self, node: ast.Attribute) -> None:  # a read, not a call
-        own = self._self_attribute(node)
+        own = self_attribute(node)
         if own is not None:
             if not self._value_attribute_ok(own):
                 self.unknown.append(f"self.{own}")
@@ -128,7 +121,7 @@ class _Walker(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
         target = self._resolve(func)
-        own = self._self_attribute(func)
+        own = self_attribute(func)
         values: list[ast.expr] = []  # arguments that carry values (the rest: shapes)
         if target is not None:  # a global function, called by whatever name
             name = _FUNCTIONS.get(target)

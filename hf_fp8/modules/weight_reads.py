@@ -48,7 +48,8 @@ _PLAIN = (bool, int, float, str, type(None))
 _RUNTIME_FLAGS = frozenset({"training", "gradient_checkpointing"})
 
 
-def _self_attribute(node: ast.expr) -> str | None:
+def self_attribute(node: ast.expr) -> str | None:
+    """``name`` when ``node`` is ``self.<name>``, else ``None``."""
     if (
         isinstance(node, ast.Attribute)
         and isinstance(node.value, ast.Name)
@@ -64,17 +65,17 @@ def _guards(test: ast.expr) -> tuple[Guard, ...]:
     terms = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
     out: list[Guard] = []
     for term in terms:
-        if (attr := _self_attribute(term)) is not None:
+        if (attr := self_attribute(term)) is not None:
             out.append((attr, "truthy", None))
         elif isinstance(term, ast.UnaryOp) and isinstance(term.op, ast.Not):
-            if (attr := _self_attribute(term.operand)) is not None:
+            if (attr := self_attribute(term.operand)) is not None:
                 out.append((attr, "falsy", None))
         elif (
             isinstance(term, ast.Compare)
             and len(term.ops) == 1
             and type(term.ops[0]).__name__ in _COMPARE
             and isinstance(term.comparators[0], ast.Constant)
-            and (attr := _self_attribute(term.left)) is not None
+            and (attr := self_attribute(term.left)) is not None
         ):
             out.append((attr, type(term.ops[0]).__name__, term.comparators[0].value))
     return tuple(out)
@@ -98,7 +99,7 @@ class _Reads(ast.NodeVisitor):
             self.visit(statement)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
-        if node.attr == "weight" and (child := _self_attribute(node.value)) is not None:
+        if node.attr == "weight" and (child := self_attribute(node.value)) is not None:
             self.found.add((child, tuple(g for gs in self.stack for g in gs)))
         self.generic_visit(node)
 
@@ -160,7 +161,7 @@ class _Assigns(ast.NodeVisitor):
         self.found = False
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
-        if isinstance(node.ctx, (ast.Store, ast.Del)) and _self_attribute(node) == self.attr:
+        if isinstance(node.ctx, (ast.Store, ast.Del)) and self_attribute(node) == self.attr:
             self.found = True
         self.generic_visit(node)
 
