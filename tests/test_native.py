@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -304,3 +305,41 @@ def test_a_failing_part_leaves_no_library_and_names_the_part(parts_env, failing)
     assert runs(parts_env).count("start compile") == 2  # remembered: no second attempt
     # the other variants still build
     assert add(native.load_library("parts", parts_env["src"], parts=PARTS), 1, 2) == 103
+
+
+@pytest.mark.parametrize("hanging", [1, 2])
+def test_a_hung_compiler_and_its_children_are_stopped_at_the_timeout(
+    env, tmp_path, monkeypatch, hanging
+):
+    """A real gcc driver's child (cc1) holds the output pipes: killing only the driver at the
+    timeout left the build waiting for the child, holding the build lock (reviewer repro).
+    Every process of the build is stopped at the deadline, and the other part with it."""
+    src = tmp_path / "parts.c"
+    src.write_text(PARTS_SOURCE)
+    child_pid = tmp_path / "child.pid"
+    wrapper = tmp_path / "cc-hang"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--version*) exec ' + str(native.compiler()) + ' "$@";; esac\n'
+        f'case "$*" in *-DPART={hanging}*) sleep 60 & echo $! > {child_pid}; wait;; esac\n'
+        f'exec {native.compiler()} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 2.0)
+    native.forget()
+    start = time.monotonic()
+    with pytest.raises(native.NativeUnavailable, match="timed out"):
+        native.load_library("hang", src, parts=PARTS)
+    assert time.monotonic() - start < 20  # not the child's 60 s
+    pid = int(child_pid.read_text())
+    for _ in range(50):  # the killed child is reaped by init: poll until it is gone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the compiler's child process outlived the build")
+    names = sorted(p.suffix for p in env["cache"].iterdir())
+    assert ".so" not in names and ".c" not in names and ".o" not in names, names

@@ -34,11 +34,13 @@ import os
 import platform
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
@@ -60,6 +62,7 @@ BASE_CFLAGS = (
     "-pthread",
 )
 DISABLE_ENV = "HF_FP8_DISABLE_CPU_KERNEL"
+COMPILE_TIMEOUT_S = 600.0  # one whole build (all parts and the link)
 CACHE_ENV = "HF_FP8_CACHE"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -256,21 +259,45 @@ def _check_own_file(path: Path) -> None:
 
 
 def _run(cmd: list[str], what: str) -> subprocess.Popen[str]:
+    """Start a compiler run in a process group of its own, so that :func:`_stop` reaches the
+    driver's children (gcc's cc1 / as hold the output pipes)."""
     try:
         return subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=hasattr(os, "killpg"),
         )
     except OSError as exc:
         raise NativeUnavailable(f"running {cmd[0]} for {what} failed: {exc}") from exc
 
 
-def _wait(proc: subprocess.Popen[str], what: str) -> None:
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """Kill a compiler run and every process of its group, then reap it."""
     try:
-        _, err = proc.communicate(timeout=600)
-    except subprocess.SubprocessError as exc:
-        proc.kill()
-        proc.communicate()
-        raise NativeUnavailable(f"{what}: {exc}") from exc
+        if hasattr(os, "killpg"):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except OSError:  # already gone
+        pass
+    try:
+        proc.communicate(timeout=10)
+    except subprocess.SubprocessError:  # a grandchild that left the group holds a pipe
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        proc.wait()
+
+
+def _wait(proc: subprocess.Popen[str], what: str, deadline: float) -> None:
+    try:
+        _, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired as exc:
+        _stop(proc)
+        raise NativeUnavailable(f"{what} timed out after {COMPILE_TIMEOUT_S:.0f} s") from exc
     if proc.returncode != 0:
         raise NativeUnavailable(f"{what} failed:\n{err[-2000:]}")
 
@@ -284,13 +311,12 @@ def _compile(
     tmp_so = tmp_c.with_suffix(".so")
     objs = [tmp_c.with_suffix(f".part{i}.o") for i in range(len(parts or ()))]
     procs: list[subprocess.Popen[str]] = []
+    deadline = time.monotonic() + COMPILE_TIMEOUT_S  # for the whole build, parts and link
     try:
         tmp_c.write_text(source)
         if not parts:
-            _wait(
-                _run([cc, *flags, str(tmp_c), "-o", str(tmp_so)], dest.name),
-                f"compiling {dest.name}",
-            )
+            procs.append(_run([cc, *flags, str(tmp_c), "-o", str(tmp_so)], dest.name))
+            _wait(procs[0], f"compiling {dest.name}", deadline)
         else:
             whats = [
                 f"compiling part {i + 1} of {len(parts)} ({' '.join(p)}) of {dest.name}"
@@ -298,23 +324,17 @@ def _compile(
             ]
             for part, obj, what in zip(parts, objs, whats, strict=True):
                 procs.append(_run([cc, *flags, *part, "-c", str(tmp_c), "-o", str(obj)], what))
-            errors = []
             for proc, what in zip(procs, whats, strict=True):
-                try:
-                    _wait(proc, what)
-                except NativeUnavailable as exc:
-                    errors.append(str(exc))
-            if errors:
-                raise NativeUnavailable("\n".join(errors))
+                _wait(proc, what, deadline)  # the first failure stops the others (finally)
             link = [cc, *flags, *map(str, objs), "-o", str(tmp_so)]
-            _wait(_run(link, dest.name), f"linking {dest.name}")
+            procs.append(_run(link, dest.name))
+            _wait(procs[-1], f"linking {dest.name}", deadline)
         os.chmod(tmp_so, 0o700)
         os.replace(tmp_so, dest)  # atomic: a reader sees the old file or the whole new one
     finally:
-        for proc in procs:  # an exception while waiting: no compiler outlives the build
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        for proc in procs:  # an error or timeout: no compiler outlives the build
+            if proc.returncode is None:
+                _stop(proc)
         for p in (tmp_c, tmp_so, *objs):
             p.unlink(missing_ok=True)
 
