@@ -343,3 +343,25 @@ def test_a_hung_compiler_and_its_children_are_stopped_at_the_timeout(
         pytest.fail("the compiler's child process outlived the build")
     names = sorted(p.suffix for p in env["cache"].iterdir())
     assert ".so" not in names and ".c" not in names and ".o" not in names, names
+
+
+def test_a_later_build_removes_what_a_killed_build_left(env, tmp_path):
+    """A build killed by SIGKILL leaves its temporary source and objects in the cache: the
+    next build of that library removes those of dead processes, never a running one's."""
+    src = tmp_path / "parts.c"
+    src.write_text(PARTS_SOURCE)
+    native.load_library("orphans", src, parts=PARTS)  # find the library's file name
+    stem = next(env["cache"].glob("*.so")).stem
+    for p in env["cache"].glob("*.so"):
+        p.unlink()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = [env["cache"] / f".{stem}.{dead.pid}.7.{s}" for s in ("c", "part0.o", "so")]
+    running = env["cache"] / f".{stem}.{os.getpid()}.7.c"
+    other = env["cache"] / f".otherlib.{dead.pid}.7.c"
+    for p in (*left, running, other):
+        p.write_text("x")
+    native.forget()
+    native.load_library("orphans", src, parts=PARTS)
+    assert not any(p.exists() for p in left)
+    assert running.exists() and other.exists()  # a live process's; another library's

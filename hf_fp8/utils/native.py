@@ -339,6 +339,34 @@ def _compile(
             p.unlink(missing_ok=True)
 
 
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, only whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
+
+
+def _remove_orphans(cache: Path, stem: str) -> None:
+    """Remove the temporary sources, objects and libraries of builds of ``stem`` whose process
+    was killed (named ``.{stem}.{pid}.{thread}.*`` by :func:`_compile`): ours, in our cache,
+    with that process gone. Called under ``stem``'s build lock."""
+    pattern = re.compile(rf"\.{re.escape(stem)}\.(\d+)\.\d+\.(c|so|part\d+\.o)")
+    uid = _uid()
+    for entry in os.scandir(cache):
+        match = pattern.fullmatch(entry.name)
+        if match is None or not _pid_gone(int(match[1])):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and (uid is None or st.st_uid == uid):
+                os.unlink(cache / entry.name)
+        except OSError:
+            pass
+
+
 def _open(path: Path) -> ctypes.CDLL:
     _check_own_file(path)
     return ctypes.CDLL(str(path))
@@ -362,6 +390,7 @@ def _build_and_load(
                 return _open(lib_path)
             except OSError:  # corrupt, truncated, foreign: rebuild once
                 lib_path.unlink(missing_ok=True)
+        _remove_orphans(cache, lib_path.stem)
         _compile(cc, source, flags, lib_path, parts)
         try:
             return _open(lib_path)
