@@ -49,6 +49,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from hf_fp8.utils.processes import pid_gone
+
 TMP_MARKER = ".hf_fp8-tmp-"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -335,16 +337,6 @@ def _tmp_prefix() -> str:
     return f"{TMP_MARKER}{socket.gethostname()}-{os.getpid()}-"
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # another user's process: alive
-        return False
-    return False
-
-
 def _newest_mtime(folder: Path) -> float:
     newest = folder.lstat().st_mtime
     for entry in os.scandir(folder):
@@ -366,7 +358,7 @@ def _remove_stale_temps(folder: Path, lead: str = "") -> None:
         return
     for entry in entries:
         match = pattern.fullmatch(entry.name)
-        if match is None or match["host"] != host or not _pid_gone(int(match["pid"])):
+        if match is None or match["host"] != host or not pid_gone(int(match["pid"])):
             continue
         path = folder / entry.name
         try:

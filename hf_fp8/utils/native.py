@@ -46,6 +46,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
+from hf_fp8.utils.processes import pid_gone
+
 try:
     import fcntl
 except ImportError:  # Windows: no lock, the atomic rename still keeps files whole
@@ -339,16 +341,6 @@ def _compile(
             p.unlink(missing_ok=True)
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: nothing is sent, only whether the process exists
-    except ProcessLookupError:
-        return True
-    except OSError:  # another user's process: alive
-        return False
-    return False
-
-
 def _remove_orphans(cache: Path, stem: str) -> None:
     """Remove the temporary sources, objects and libraries of builds of ``stem`` whose process
     was killed (named ``.{stem}.{pid}.{thread}.*`` by :func:`_compile`): ours, in our cache,
@@ -357,7 +349,7 @@ def _remove_orphans(cache: Path, stem: str) -> None:
     uid = _uid()
     for entry in os.scandir(cache):
         match = pattern.fullmatch(entry.name)
-        if match is None or not _pid_gone(int(match[1])):
+        if match is None or not pid_gone(int(match[1])):
             continue
         try:
             st = entry.stat(follow_symlinks=False)
