@@ -235,27 +235,37 @@ PARTS_SOURCE = textwrap.dedent(
 PARTS = ({"PART": 1}, {"PART": 2})
 
 
+def _parts_with_compiler(tmp_path, monkeypatch, body: str):
+    """Write the two-part source and a compiler wrapper (``$CC``) running the shell ``body``
+    for every call but ``--version``; return the source path."""
+    src = tmp_path / "parts.c"
+    src.write_text(PARTS_SOURCE)
+    wrapper = tmp_path / "cc-parts"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--version*) exec ' + str(native.compiler()) + ' "$@";; esac\n' + body
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    native.forget()
+    return src
+
+
 @pytest.fixture
 def parts_env(env, tmp_path, monkeypatch):
     """``env`` with a two-part source and a compiler wrapper that logs when each run starts
     and ends (the -c runs sleep 0.5 s between the two)."""
-    src = tmp_path / "parts.c"
-    src.write_text(PARTS_SOURCE)
     log = tmp_path / "runs.log"
-    wrapper = tmp_path / "cc-parts"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        'case "$*" in *--version*) exec ' + str(native.compiler()) + ' "$@";; esac\n'
+    src = _parts_with_compiler(
+        tmp_path,
+        monkeypatch,
         'kind=link; case "$*" in *" -c "*) kind=compile;; esac\n'
         f'echo "start $kind" >> {log}\n'
         '[ "$kind" = compile ] && sleep 0.5\n'
         f'{native.compiler()} "$@"; rc=$?\n'
         f'echo "end $kind" >> {log}\n'
-        "exit $rc\n"
+        "exit $rc\n",
     )
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CC", str(wrapper))
-    native.forget()
     return {**env, "src": src, "runs": log}
 
 
@@ -314,20 +324,14 @@ def test_a_hung_compiler_and_its_children_are_stopped_at_the_timeout(
     """A real gcc driver's child (cc1) holds the output pipes: killing only the driver at the
     timeout left the build waiting for the child, holding the build lock (reviewer repro).
     Every process of the build is stopped at the deadline, and the other part with it."""
-    src = tmp_path / "parts.c"
-    src.write_text(PARTS_SOURCE)
     child_pid = tmp_path / "child.pid"
-    wrapper = tmp_path / "cc-hang"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        'case "$*" in *--version*) exec ' + str(native.compiler()) + ' "$@";; esac\n'
+    src = _parts_with_compiler(
+        tmp_path,
+        monkeypatch,
         f'case "$*" in *-DPART={hanging}*) sleep 60 & echo $! > {child_pid}; wait;; esac\n'
-        f'exec {native.compiler()} "$@"\n'
+        f'exec {native.compiler()} "$@"\n',
     )
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 2.0)
-    native.forget()
     start = time.monotonic()
     with pytest.raises(native.NativeUnavailable, match="timed out"):
         native.load_library("hang", src, parts=PARTS)

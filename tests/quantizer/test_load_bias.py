@@ -74,20 +74,25 @@ def _with_bias(src: str, dst, key: str, dtype: torch.dtype) -> str:
     return str(dst)
 
 
-def _expect_refused(path: str, key: str) -> None:
-    pattern = re.escape(key) + r": .*bias.*model\.safetensors"
-    with pytest.raises(CheckpointTensorError, match=pattern):
+def _load_error(path: str) -> str:
+    """The message of the error loading ``path`` raises (``""`` when it loads)."""
+    try:
         tf.AutoModelForCausalLM.from_pretrained(path)
+    except CheckpointTensorError as exc:
+        return str(exc)
+    return ""
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn, torch.int32])
 def test_fp8_or_integer_linear_bias_is_refused(llama_fp8, tmp_path, dtype) -> None:
-    _expect_refused(_with_bias(llama_fp8, tmp_path / "bad", LLAMA_BIAS, dtype), LLAMA_BIAS)
+    message = _load_error(_with_bias(llama_fp8, tmp_path / "bad", LLAMA_BIAS, dtype))
+    assert re.search(re.escape(LLAMA_BIAS) + r": .*bias.*model\.safetensors", message), message
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.int32])
 def test_fp8_or_integer_experts_bias_is_refused(gpt_oss_fp8, tmp_path, dtype) -> None:
-    _expect_refused(_with_bias(gpt_oss_fp8, tmp_path / "bad", EXPERTS_BIAS, dtype), EXPERTS_BIAS)
+    message = _load_error(_with_bias(gpt_oss_fp8, tmp_path / "bad", EXPERTS_BIAS, dtype))
+    assert re.search(re.escape(EXPERTS_BIAS) + r": .*bias.*model\.safetensors", message), message
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
