@@ -5,21 +5,125 @@ an ``Fp8Linear`` (adapters take ``compute_dtype``) but cannot merge: it adds the
 ``weight.data`` in place, and fp8 tensors do not promote. ``Fp8LoraLinear`` (registered for
 ``Fp8Linear`` through peft's custom-module API by the ``peft_lora`` patch,
 ``hf_fp8.patches.peft_lora``) swaps the FP8 base for its dequantized ``nn.Linear`` before
-merging. So ``merge_and_unload()`` returns a high-precision model;
-``hf_fp8.quantize_model(merged, config)`` turns it back into FP8. ``unmerge`` restores the
-original FP8 layer bit for bit.
+merging (frozen, as peft leaves a plain base). So ``merge_and_unload()`` returns a
+high-precision model; ``hf_fp8.quantize_model(merged, config)`` turns it back into FP8.
+``unmerge`` restores the original FP8 layer bit for bit.
+
+Like peft's own ``nn.Linear`` dispatch, it forces ``fan_in_fan_out=False`` (an ``Fp8Linear``
+stores ``[out, in]``, also where it replaced a GPT-2 ``Conv1D``). DoRA reads the dequantized
+weight (its magnitude and weight norm equal DoRA's on the dequantized model). LoRA inits and
+variants that rewrite the base weight (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, KaSA) are refused:
+the FP8 base is frozen fp8 codes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from peft.tuners.lora.dora import DoraLinearLayer
 from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.lora.variants import DoraLinearVariant
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from torch import nn
 
 from hf_fp8.modules import Fp8Linear
 
+# ``init_lora_weights`` values (prefixes) whose init subtracts the adapter from the base weight
+REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+
+def _dense_copy(layer: Fp8Linear) -> nn.Linear:
+    """``layer.dequantize()`` with the requires_grad flags of ``layer`` (a frozen base stays
+    frozen when merged)."""
+    dense = layer.dequantize()
+    dense.weight.requires_grad_(layer.weight.requires_grad)
+    if dense.bias is not None:
+        dense.bias.requires_grad_(layer.bias.requires_grad)
+    return dense
+
+
+class _DequantizedBase:
+    """What peft's DoRA reads of a base layer (``weight``, ``bias``), with the weight dequantized:
+    peft's ``dequantize_module_weight`` returns a plain tensor as it is."""
+
+    def __init__(self, layer: Fp8Linear) -> None:
+        self.weight = layer.dequantize_weight()
+        self.bias = layer.bias
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return iter(())  # nothing to gather (peft's DeepSpeed ZeRO-3 context)
+
+
+class Fp8DoraLinearLayer(DoraLinearLayer):
+    """peft's DoRA magnitude over an ``Fp8Linear``: the weight norm (and, with dropout, the base
+    output) use the dequantized weight."""
+
+    def forward(self, x: torch.Tensor, *, base_layer: nn.Module, **kwargs: Any) -> torch.Tensor:
+        if isinstance(base_layer, Fp8Linear):
+            base_layer = _DequantizedBase(base_layer)
+        return super().forward(x, base_layer=base_layer, **kwargs)
+
+
+class Fp8DoraLinearVariant(DoraLinearVariant):
+    """peft's DoRA variant; its magnitude starts as the row norm of the dequantized weight."""
+
+    @staticmethod
+    def init(module: Fp8LoraLinear, adapter_name: str, **kwargs: Any) -> None:
+        with module._dequantized_base():
+            DoraLinearVariant.init(module, adapter_name, **kwargs)
+        dora = module.lora_magnitude_vector[adapter_name]
+        fp8_dora = Fp8DoraLinearLayer(fan_in_fan_out=dora.fan_in_fan_out)
+        fp8_dora.weight = dora.weight
+        module.lora_magnitude_vector[adapter_name] = fp8_dora
+
+
+def _check_config(config: Any, target_name: str) -> None:
+    """Refuse what would rewrite the frozen FP8 base weight, naming the way that works."""
+    init = config.init_lora_weights
+    if isinstance(init, str) and init.lower().startswith(REWRITING_INITS):
+        what = f"init_lora_weights={init!r}"
+    elif getattr(config, "kasa_config", None):
+        what = "KaSA (kasa_config)"
+    else:
+        return
+    raise ValueError(
+        f"{what} rewrites the base weight of {target_name or 'the target'}, an FP8 layer "
+        "(Fp8Linear) whose fp8 codes are frozen. Load the model in high precision for it "
+        "(from_pretrained(..., quantization_config=hf_fp8.Fp8Config(..., dequantize=True)) for "
+        "an FP8 checkpoint, or without quantization_config), train the adapter there, and "
+        "quantize the merged model afterwards with hf_fp8.quantize_model(model, "
+        "hf_fp8.Fp8Config(...)); or use a plain LoRA init (init_lora_weights=True / 'gaussian')."
+    )
+
 
 class Fp8LoraLinear(LoraLinear):
-    """peft's LoRA ``Linear`` over an ``Fp8Linear`` base, with a working merge."""
+    """peft's LoRA ``Linear`` over an ``Fp8Linear`` base, with a working merge and DoRA."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, **kwargs: Any):
+        if config.fan_in_fan_out or kwargs.get("fan_in_fan_out"):
+            # peft's dispatch does this for nn.Linear; custom modules skip its dispatch
+            warnings.warn(
+                "fan_in_fan_out is set to True but the target module is `Fp8Linear` (stored "
+                "[out, in] like torch.nn.Linear). Setting fan_in_fan_out to False.",
+                stacklevel=2,
+            )
+            config.fan_in_fan_out = False
+            if "fan_in_fan_out" in kwargs:
+                kwargs["fan_in_fan_out"] = False
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+
+    @property
+    def lora_variants(self) -> dict:
+        return {**super().lora_variants, ("use_dora",): Fp8DoraLinearVariant}
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: Any, **kwargs):
+        """peft's ``update_layer`` after refusing the inits that rewrite the base weight."""
+        _check_config(config, kwargs.get("target_name", ""))
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Merge into a dequantized copy of the FP8 base (which is kept for ``unmerge``)."""
@@ -27,26 +131,46 @@ class Fp8LoraLinear(LoraLinear):
         if not adapter_names:
             return  # nothing to merge: the FP8 base stays as it is
         base = self.get_base_layer()
-        swapped = isinstance(base, Fp8Linear)
-        if swapped:
+        if isinstance(base, Fp8Linear):
             self.__dict__["_fp8_base"] = base  # kept out of the module tree / state dict
-            self._set_base(base.dequantize())
+            self._set_base(_dense_copy(base))
+        # peft's DoRA merge of a further adapter unmerges and re-merges the merged ones
+        # (``_unmerged_base_weight``): the dense copy must stay in place through that replay.
+        depth = self.__dict__.get("_fp8_merge_depth", 0)
+        self.__dict__["_fp8_merge_depth"] = depth + 1
         try:
             super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
-        except BaseException:
-            if swapped and not self.merged:
-                self._set_base(self.__dict__.pop("_fp8_base"))
-            raise
+        finally:
+            self.__dict__["_fp8_merge_depth"] = depth
+            if depth == 0:
+                self._restore_fp8_base()  # only when nothing got merged (an error)
 
     def unmerge(self) -> None:
         """Unmerge, and put the original FP8 layer back once nothing is merged."""
         super().unmerge()
+        if not self.__dict__.get("_fp8_merge_depth", 0):
+            self._restore_fp8_base()
+
+    def _restore_fp8_base(self) -> None:
         original = self.__dict__.get("_fp8_base")
         if not self.merged and original is not None:
             self._set_base(original)
             del self.__dict__["_fp8_base"]
 
-    def _set_base(self, layer) -> None:
+    @contextlib.contextmanager
+    def _dequantized_base(self) -> Iterator[None]:
+        """For peft code that reads the base weight once (DoRA's init): a frozen dense copy."""
+        base = self.get_base_layer()
+        if not isinstance(base, Fp8Linear):
+            yield
+            return
+        self._set_base(_dense_copy(base))
+        try:
+            yield
+        finally:
+            self._set_base(base)
+
+    def _set_base(self, layer: nn.Module) -> None:
         owner = self
         while isinstance(owner.base_layer, BaseTunerLayer):
             owner = owner.base_layer

@@ -4,8 +4,10 @@ peft 0.21 has a documented (experimental) way to give a layer type its own LoRA 
 ``LoraConfig._register_custom_module({layer_cls: lora_cls})``, checked by peft's dispatcher
 before its built-in ones. hf_fp8 calls it at the end of ``LoraConfig.__post_init__`` (so configs
 built by ``PeftModel.from_pretrained`` get it too). The mapping is not saved with the adapter
-config. Without this patch, LoRA on FP8 layers still trains through peft's default layer; only
-``merge_and_unload`` cannot merge into fp8 weights.
+config. A custom module skips peft's built-in dispatch, so ``Fp8LoraLinear`` applies its
+``nn.Linear`` rule itself (``fan_in_fan_out`` forced False). Without this patch, LoRA on FP8
+layers still trains through peft's default layer, but ``merge_and_unload`` cannot merge into
+fp8 weights and DoRA fails.
 """
 
 from __future__ import annotations

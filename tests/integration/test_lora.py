@@ -201,3 +201,33 @@ def test_requantized_merged_model_saves_as_fp8(tiny_model_dir, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")
     assert isinstance(reloaded.model.layers[0].self_attn.q_proj, Fp8Linear)
     assert torch.equal(_logits(reloaded), _logits(requantized))
+
+
+def test_merged_layers_stay_frozen_like_on_a_plain_base(tiny_model_dir):
+    """Merging keeps the base frozen (reference: peft on the plain model); unmerge puts the very
+    FP8 layer back, bit for bit and frozen."""
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    reference = get_peft_model(plain, LoraConfig(r=4, target_modules=TARGETS))
+    peft_model = get_peft_model(
+        _fp8(tiny_model_dir, "weight_only", torch.float32), LoraConfig(r=4, target_modules=TARGETS)
+    )
+
+    def trainable(model):
+        return sorted(name for name, p in model.named_parameters() if p.requires_grad)
+
+    expected = trainable(reference)
+    assert trainable(peft_model) == expected
+    layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    original = layer.get_base_layer()
+    codes = original.weight.detach().clone()
+    reference.merge_adapter()
+    peft_model.merge_adapter()
+    assert trainable(peft_model) == trainable(reference) == expected
+    peft_model.unmerge_adapter()
+    assert layer.get_base_layer() is original and trainable(peft_model) == expected
+    assert torch.equal(original.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert not original.weight.requires_grad and not original.weight_scale.requires_grad
+    merged = peft_model.merge_and_unload()
+    q_proj = merged.model.layers[0].self_attn.q_proj
+    plain_q_proj = reference.merge_and_unload().model.layers[0].self_attn.q_proj
+    assert q_proj.weight.requires_grad is plain_q_proj.weight.requires_grad is False
