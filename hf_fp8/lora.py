@@ -10,8 +10,9 @@ high-precision model; ``hf_fp8.quantize_model(merged, config)`` turns it back in
 ``unmerge`` restores the original FP8 layer bit for bit.
 
 Like peft's own ``nn.Linear`` dispatch, it forces ``fan_in_fan_out=False`` (an ``Fp8Linear``
-stores ``[out, in]``, also where it replaced a GPT-2 ``Conv1D``). DoRA reads the dequantized
-weight (its magnitude and weight norm equal DoRA's on the dequantized model). LoRA inits and
+stores ``[out, in]``, also where it replaced a GPT-2 ``Conv1D``). DoRA and MiCA read the
+dequantized weight (DoRA's magnitude and weight norm equal DoRA's on the dequantized model,
+MiCA's ``lora_B`` comes from its singular vectors). LoRA inits and
 variants that rewrite the base weight (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, KaSA) are refused:
 the FP8 base is frozen fp8 codes.
 """
@@ -34,6 +35,8 @@ from hf_fp8.modules import Fp8Linear
 
 # ``init_lora_weights`` values (prefixes) whose init subtracts the adapter from the base weight
 REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+# ... and those that only read it (they get the dequantized weight)
+READING_INITS = ("mica",)
 
 
 def _dense_copy(layer: Fp8Linear) -> nn.Linear:
@@ -121,9 +124,13 @@ class Fp8LoraLinear(LoraLinear):
         return {**super().lora_variants, ("use_dora",): Fp8DoraLinearVariant}
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: Any, **kwargs):
-        """peft's ``update_layer`` after refusing the inits that rewrite the base weight."""
+        """peft's ``update_layer``; refuses the inits that rewrite the base weight and shows those
+        that read it the dequantized weight."""
         _check_config(config, kwargs.get("target_name", ""))
-        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        init = config.init_lora_weights
+        reads_base = isinstance(init, str) and init.lower().startswith(READING_INITS)
+        with self._dequantized_base() if reads_base else contextlib.nullcontext():
+            super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Merge into a dequantized copy of the FP8 base (which is kept for ``unmerge``)."""
@@ -159,7 +166,8 @@ class Fp8LoraLinear(LoraLinear):
 
     @contextlib.contextmanager
     def _dequantized_base(self) -> Iterator[None]:
-        """For peft code that reads the base weight once (DoRA's init): a frozen dense copy."""
+        """For peft code that reads the base weight once (DoRA's and MiCA's init): a frozen
+        dense copy in its place."""
         base = self.get_base_layer()
         if not isinstance(base, Fp8Linear):
             yield

@@ -87,7 +87,8 @@ def test_dora_training_step_matches_the_dequantized_model(tiny_model_dir, dropou
     )
 
 
-def test_dora_merge_and_unmerge_match_the_dequantized_model(tiny_model_dir):
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_dora_merge_and_unmerge_match_the_dequantized_model(tiny_model_dir, safe_merge):
     fp8, reference = (_dora(tiny_model_dir, kind).eval() for kind in ("fp8", "dequantized"))
     batch = model_inputs("llama")
     with torch.no_grad():
@@ -95,14 +96,14 @@ def test_dora_merge_and_unmerge_match_the_dequantized_model(tiny_model_dir):
         torch.testing.assert_close(fp8(**batch).logits, expected, rtol=1e-4, atol=1e-4)
         layer = fp8.base_model.model.model.layers[0].self_attn.q_proj
         original = layer.get_base_layer()
-        fp8.merge_adapter()
+        fp8.merge_adapter(safe_merge=safe_merge)
         assert type(layer.get_base_layer()) is torch.nn.Linear
         torch.testing.assert_close(fp8(**batch).logits, expected, rtol=1e-4, atol=1e-4)
         fp8.unmerge_adapter()
         assert layer.get_base_layer() is original
         torch.testing.assert_close(fp8(**batch).logits, expected, rtol=1e-4, atol=1e-4)
-        merged = fp8.merge_and_unload()
-        reference_merged = reference.merge_and_unload()
+        merged = fp8.merge_and_unload(safe_merge=safe_merge)
+        reference_merged = reference.merge_and_unload(safe_merge=safe_merge)
         for name, module in reference_merged.named_modules():
             if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in TARGETS:
                 torch.testing.assert_close(
@@ -152,3 +153,16 @@ def test_inits_that_rewrite_the_base_weight_are_refused_with_the_fix(tiny_model_
         ValueError, match=r"rewrites the base weight.*dequantize=True.*quantize_model"
     ):
         get_peft_model(model, LoraConfig(r=4, target_modules=TARGETS, **extra))
+
+
+def test_mica_init_reads_the_dequantized_weight(tiny_model_dir):
+    """MiCA's ``lora_B`` is built from the base weight's singular vectors (read, not changed)."""
+    adapters = []
+    for kind in ("fp8", "dequantized"):
+        config = LoraConfig(r=4, target_modules=TARGETS, init_lora_weights="mica")
+        model = get_peft_model(_llama(tiny_model_dir, kind), config)
+        adapters.append({k: v for k, v in model.state_dict().items() if "lora_" in k})
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    for key, value in adapters[1].items():
+        torch.testing.assert_close(adapters[0][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert all(v.abs().sum() > 0 for k, v in adapters[0].items() if "lora_B" in k)
