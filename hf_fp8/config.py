@@ -9,6 +9,8 @@ import dataclasses
 import importlib.metadata
 import inspect
 import math
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -83,16 +85,10 @@ class Fp8Config(QuantizationConfigMixin):
             weight_scale_method=weight_scale_method,
         )
         scales = {
-            "activation_scale": None if activation_scale is None else float(activation_scale),
-            "activation_scales": (
-                {str(k): float(v) for k, v in activation_scales.items()}
-                if activation_scales
-                else None
-            ),
+            "activation_scale": _scale(activation_scale, "activation_scale"),
+            "activation_scales": _scales(activation_scales),
         }
         values = [scales["activation_scale"], *(scales["activation_scales"] or {}).values()]
-        if any(v is not None and not (v > 0 and math.isfinite(v)) for v in values):
-            raise ValueError("activation scales must be positive finite numbers")
         if not recipe.is_static and any(v is not None for v in values):
             raise ValueError(
                 "activation_scale / activation_scales are only used with activation_scheme='static'"
@@ -101,11 +97,9 @@ class Fp8Config(QuantizationConfigMixin):
         self.__dict__.update(
             quant_method=QUANT_METHOD,
             **recipe.to_strings(),
-            modules_to_not_convert=(
-                None if modules_to_not_convert is None else list(modules_to_not_convert)
-            ),
+            modules_to_not_convert=_module_names(modules_to_not_convert),
             **scales,
-            dequantize=bool(dequantize),
+            dequantize=_bool(dequantize, "dequantize"),
             _recipe=recipe,
         )
 
@@ -116,7 +110,7 @@ class Fp8Config(QuantizationConfigMixin):
             recipe = dataclasses.replace(self._recipe, kernel=kernel)
             self.__dict__.update(kernel=kernel.value, _recipe=recipe)
         elif name == "dequantize":
-            self.__dict__["dequantize"] = bool(value)
+            self.__dict__["dequantize"] = _bool(value, "dequantize")
         elif name in self.__dict__:
             raise AttributeError(
                 f"Fp8Config is immutable: build a new one with config.replace({name}=...) "
@@ -193,6 +187,73 @@ class Fp8Config(QuantizationConfigMixin):
         return isinstance(other, Fp8Config) and self.to_dict() == other.to_dict()
 
     __hash__ = None  # the loading attributes may still be assigned
+
+
+# -- field checks: wrong types are refused, never converted (DESIGN §2.6) -----------------------
+def _bool(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{field} must be a bool (True or False), got {value!r} ({type(value).__name__}); "
+            "in a config.json write true / false without quotes"
+        )
+    return value
+
+
+def _module_names(names: Any) -> list[str] | None:
+    """``modules_to_not_convert``: ``None`` or a list / tuple of non-empty module names."""
+    if names is None:
+        return None
+    if not isinstance(names, (list, tuple)):
+        hint = f"; for one name write [{names!r}]" if isinstance(names, str) else ""
+        raise ValueError(
+            "modules_to_not_convert must be a list of module names (str), e.g. ['lm_head'], "
+            f"or None; got {names!r} ({type(names).__name__}){hint}"
+        )
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name.strip():
+            what = (
+                "an empty name, which matches no module" if isinstance(name, str) else "not a str"
+            )
+            raise ValueError(
+                f"modules_to_not_convert[{i}]={name!r} is {what}: the list holds module names "
+                "(str), e.g. ['lm_head', 'model.layers.0.mlp']; remove or fix that entry"
+            )
+    return list(names)
+
+
+def _scale(value: Any, field: str) -> float | None:
+    """A static activation scale: ``None`` or a positive finite number (not a bool or str)."""
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(
+            f"{field} must be a positive finite number (a float, e.g. 0.05) or None, got "
+            f"{value!r} ({type(value).__name__}); in a config.json write the number without "
+            "quotes"
+        )
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{field}={value!r}: activation scales must be positive finite numbers")
+    return value
+
+
+def _scales(scales: Any) -> dict[str, float] | None:
+    """``activation_scales``: ``None`` or a dict of module name -> positive finite float."""
+    if scales is None:
+        return None
+    if not isinstance(scales, Mapping):
+        raise ValueError(
+            "activation_scales must be a dict {module name: positive finite float}, e.g. "
+            f"{{'model.layers.0.self_attn.q_proj': 0.05}}, or None; got {scales!r} "
+            f"({type(scales).__name__}). One scale for every layer is activation_scale=..."
+        )
+    for key in scales:
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError(
+                f"activation_scales key {key!r} is not a module name: the keys are non-empty "
+                "str, e.g. 'model.layers.0.self_attn.q_proj' (experts: '<experts>.down_proj')"
+            )
+    return {k: _scale(v, f"activation_scales[{k!r}]") for k, v in scales.items()} or None
 
 
 def _version() -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -170,14 +171,23 @@ def parse(enum: type[E], value: Any, field: str) -> E:
         raise ValueError(f"{field}={value!r} is not supported; use one of {values(enum)}") from None
 
 
-def _block_size(block_size: Sequence[int]) -> tuple[int, int]:
-    try:
-        parsed = tuple(int(b) for b in block_size)
-    except (TypeError, ValueError):
-        parsed = ()
-    if len(parsed) != 2 or min(parsed) < 1:
-        raise ValueError(f"block_size must be two positive ints [rows, cols], got {block_size!r}")
-    return parsed  # type: ignore[return-value]
+def _block_size(block_size: Any) -> tuple[int, int]:
+    """``block_size`` as ``(rows, cols)``: a list or tuple of two positive ints. Floats,
+    bools and strings are refused, not rounded or converted (``[32.7, 64]`` is an error)."""
+    ok = (
+        isinstance(block_size, (list, tuple))
+        and len(block_size) == 2
+        and all(
+            isinstance(b, numbers.Integral) and not isinstance(b, bool) and b >= 1
+            for b in block_size
+        )
+    )
+    if not ok:
+        raise ValueError(
+            "block_size must be two positive ints [rows, cols] (a list or tuple of int, not "
+            f"float or bool), e.g. block_size=[128, 128]; got {block_size!r}"
+        )
+    return (int(block_size[0]), int(block_size[1]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,16 +267,18 @@ class Fp8Recipe:
         (``"token"`` for dynamic, ``"block"`` with block weights, ``"tensor"`` for static,
         ``None`` for weight-only). Errors name the accepted values. Cached: a model load
         resolves the same words once, not once per layer."""
+        # validated before the cache: its keys compare 32.0 == 32 and True == 1
+        block = _block_size(block_size)
         try:
             return _resolve_cached(
                 cls, activation_scheme, weight_granularity, activation_granularity, fp8_format,
-                tuple(block_size), kernel, weight_scale_method,
+                block, kernel, weight_scale_method,
             )  # fmt: skip
-        except TypeError:  # unhashable words (e.g. a list inside block_size): the error path
+        except TypeError:  # unhashable words: the error path
             pass
         return cls._resolve(
             activation_scheme, weight_granularity, activation_granularity, fp8_format,
-            block_size, kernel, weight_scale_method,
+            block, kernel, weight_scale_method,
         )  # fmt: skip
 
     @classmethod
@@ -290,7 +302,7 @@ class Fp8Recipe:
             weights,
             activation_granularity,
             fp8_format,
-            tuple(block_size),  # validated in __post_init__
+            block_size,  # validated in __post_init__
             kernel,
             weight_scale_method,
         )

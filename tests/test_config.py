@@ -194,7 +194,10 @@ def test_config_is_immutable_except_the_loading_attributes() -> None:
     assert config.kernel == "emulated" and config.recipe.kernel == "emulated"
     with pytest.raises(ValueError, match=r"kernel='cuda'.*'auto', 'scaled_mm', 'emulated'"):
         config.kernel = "cuda"
-    config.dequantize = 1
+    config.dequantize = True
+    assert config.dequantize is True
+    with pytest.raises(ValueError, match=r"dequantize must be a bool.*got 1 \(int\)"):
+        config.dequantize = 1
     assert config.dequantize is True
     other = config.replace(activation_scheme="dynamic", activation_scale=None)
     assert other.recipe.activation_granularity == "token" and config.activation_scheme == "static"
@@ -224,3 +227,90 @@ def test_an_unknown_saved_field_names_it_and_says_upgrade() -> None:
 
     with pytest.raises(ValueError, match="expert_granularity"):
         AutoQuantizationConfig.from_dict(saved)
+
+
+# -- wrong types are refused, never converted (DESIGN §2.6; review R2 F6) ------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dequantize": "false"}, r"dequantize must be a bool \(True or False\), got 'false'"),
+        ({"dequantize": 0}, r"dequantize must be a bool.*got 0 \(int\)"),
+        ({"dequantize": None}, r"dequantize must be a bool"),
+        (
+            {"modules_to_not_convert": "mlp"},
+            r"modules_to_not_convert must be a list of module names.*"
+            r"got 'mlp' \(str\); for one name write \['mlp'\]",
+        ),
+        ({"modules_to_not_convert": {"mlp"}}, r"must be a list of module names.*\(set\)"),
+        ({"modules_to_not_convert": ["lm_head", 3]}, r"modules_to_not_convert\[1\]=3 is not a str"),
+        ({"modules_to_not_convert": [""]}, r"modules_to_not_convert\[0\]='' is an empty name"),
+        ({"modules_to_not_convert": ["lm_head", " "]}, r"\[1\]=' ' is an empty name"),
+        ({"weight_granularity": "block", "block_size": [32.7, 64.9]}, r"block_size must be two"),
+        ({"weight_granularity": "block", "block_size": [32.0, 64.0]}, r"not float or bool"),
+        ({"weight_granularity": "block", "block_size": [True, 64]}, r"block_size must be two"),
+        ({"block_size": "64"}, r"block_size must be two positive ints.*got '64'"),
+        ({"block_size": "12"}, r"block_size must be two positive ints"),
+        ({"block_size": 128}, r"block_size must be two positive ints.*got 128"),
+        ({"block_size": ["128", "128"]}, r"block_size must be two positive ints"),
+        ({"block_size": [128, 128, 1]}, r"block_size must be two positive ints"),
+        (
+            {"activation_scheme": "static", "activation_scales": [0.1]},
+            r"activation_scales must be a dict \{module name: positive finite float\}.*"
+            r"got \[0\.1\] \(list\).*activation_scale=",
+        ),
+        (
+            {"activation_scheme": "static", "activation_scales": {"a.q": "0.1"}},
+            r"activation_scales\['a.q'\] must be a positive finite number.*got '0.1' \(str\)",
+        ),
+        (
+            {"activation_scheme": "static", "activation_scales": {"a.q": True}},
+            r"activation_scales\['a.q'\] must be a positive finite number",
+        ),
+        (
+            {"activation_scheme": "static", "activation_scales": {1: 0.1}},
+            r"activation_scales key 1 is not a module name",
+        ),
+        (
+            {"activation_scheme": "static", "activation_scales": {"": 0.1}},
+            r"activation_scales key '' is not a module name",
+        ),
+        (
+            {"activation_scheme": "static", "activation_scales": {"a.q": float("nan")}},
+            "positive finite",
+        ),
+        (
+            {"activation_scheme": "static", "activation_scale": "0.05"},
+            r"activation_scale must be a positive finite number.*got '0.05' \(str\)",
+        ),
+        ({"activation_scheme": "static", "activation_scale": True}, r"activation_scale must be"),
+    ],
+)
+def test_wrong_types_are_refused_not_converted(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        Fp8Config(**kwargs)
+
+
+def test_a_saved_config_with_a_quoted_bool_is_refused() -> None:
+    """config.json ``"dequantize": "false"`` used to load the FP8 checkpoint dequantized."""
+    saved = {**Fp8Config().to_dict(), "dequantize": "false"}
+    with pytest.raises(ValueError, match=r"dequantize must be a bool.*without quotes"):
+        Fp8Config.from_dict(json.loads(json.dumps(saved)))
+
+
+def test_accepted_forms_round_trip_through_json() -> None:
+    import numpy as np
+
+    config = Fp8Config(
+        "static", weight_granularity="block", block_size=(np.int64(64), 32),
+        modules_to_not_convert=("lm_head", "model.layers.0.mlp"), activation_scale=np.float32(0.5),
+        activation_scales={"a.q": 1, "b.experts.down_proj": 0.25}, dequantize=False,
+    )  # fmt: skip
+    assert config.block_size == [64, 32] and type(config.block_size[0]) is int
+    assert config.modules_to_not_convert == ["lm_head", "model.layers.0.mlp"]
+    assert config.activation_scales == {"a.q": 1.0, "b.experts.down_proj": 0.25}
+    assert type(config.activation_scale) is float and config.activation_scale == 0.5
+    loaded = Fp8Config.from_dict(json.loads(config.to_json_string(use_diff=False)))
+    assert loaded == config and loaded.to_dict() == config.to_dict()
+    assert loaded.recipe.block_size == (64, 32)
+    assert Fp8Config(modules_to_not_convert=[]).modules_to_not_convert == []
+    assert Fp8Config("static", activation_scales={}).activation_scales is None

@@ -106,3 +106,15 @@ def test_direct_construction_validates_too() -> None:
     recipe = Fp8Recipe("weight_only", activation_granularity=None)  # type: ignore[arg-type]
     assert recipe.activation_scheme is ActivationScheme.WEIGHT_ONLY
     assert dataclasses.replace(recipe, kernel="emulated").kernel is Kernel.EMULATED
+
+
+def test_block_size_floats_and_bools_are_refused_even_after_a_cached_equal_key() -> None:
+    """The resolve cache compares ``32.0 == 32`` and ``True == 1``: the check runs first."""
+    assert Fp8Recipe.resolve("dynamic", weight_granularity="block", block_size=(32, 64))
+    assert Fp8Recipe.resolve("dynamic", weight_granularity="block", block_size=(1, 64))
+    for bad in ((32.0, 64), [True, 64], (32.7, 64.9), "ab"):
+        with pytest.raises(ValueError, match=r"block_size must be two positive ints.*not float"):
+            Fp8Recipe.resolve("dynamic", weight_granularity="block", block_size=bad)
+        with pytest.raises(ValueError, match="block_size must be two positive ints"):
+            Fp8Recipe(block_size=bad)
+    assert type(Fp8Recipe(block_size=[64, 32]).block_size) is tuple
