@@ -7,7 +7,8 @@
   same foreach operations as ``torch.optim.AdamW(foreach=True)``.
 
 Hyper-parameters of the quantized step travel as one fp32 tensor (:func:`hyperparams`) so
-that a compiled step never recompiles when the learning rate changes.
+that a compiled step never recompiles when the learning rate changes (float64 for float64
+weights, whose decay and update are applied in float64: :func:`apply_update`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,20 @@ from hf_fp8.numerics.coat import dequantize_groups, quantize_groups, random_bits
 HP_FIELDS = ("decay", "step_size", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "inv_bc2")
 
 
-def hyperparams(group: dict, step: float, device: torch.device) -> torch.Tensor:
-    """fp32 tensor of :data:`HP_FIELDS` for one step of ``group``.
+def hp_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the hyper-parameter tensor for a parameter of ``param_dtype``: float64 for
+    float64 weights (their decay factor is applied in float64), else fp32."""
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+def hyperparams(
+    group: dict, step: float, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Tensor of :data:`HP_FIELDS` for one step of ``group``, in ``dtype`` (:func:`hp_dtype`).
 
     ``decay = 1 - lr·wd``, ``step_size = lr / (1 - β1^t)``, ``inv_bc2 = 1 / sqrt(1 - β2^t)``,
-    computed in float64 (a tensor ``lr`` stays on its device: no host sync).
+    computed in float64 (a tensor ``lr`` stays on its device: no host sync). The steps use
+    every field but ``decay`` in fp32 whatever ``dtype`` is (:func:`split_hyperparams`).
     """
     beta1, beta2 = group["betas"]
     bc1 = 1.0 - beta1**step
@@ -50,9 +60,28 @@ def hyperparams(group: dict, step: float, device: torch.device) -> torch.Tensor:
             else torch.tensor(v, dtype=torch.float64, device=device)
             for v in (values[name] for name in HP_FIELDS)
         ]
-        return torch.stack(parts).to(torch.float32)
+        return torch.stack(parts).to(dtype)
     values.update(decay=1.0 - lr * wd, step_size=lr / bc1)
-    return torch.tensor([values[name] for name in HP_FIELDS], dtype=torch.float32, device=device)
+    return torch.tensor([values[name] for name in HP_FIELDS], dtype=dtype, device=device)
+
+
+def split_hyperparams(hp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(decay, fields)``: ``decay`` in ``hp``'s dtype, ``fields`` every field in fp32 (for an
+    fp32 ``hp``, exactly its values)."""
+    return hp[HP_FIELDS.index("decay")], dict(zip(HP_FIELDS, hp.float().unbind(0), strict=True))
+
+
+def apply_update(param: torch.Tensor, decay: torch.Tensor, update: torch.Tensor) -> None:
+    """``param ← param·decay − update`` in place (``update`` fp32).
+
+    fp32 and narrower weights: computed in fp32 and rounded once (the C kernel's order and
+    rounding). float64 weights: decay and update applied in float64, as
+    ``torch.optim.AdamW`` does, so the weight is never rounded to fp32.
+    """
+    if param.dtype == torch.float64:
+        param.mul_(decay).sub_(update.to(param.dtype))
+    else:
+        param.copy_(param.float() * decay - update)
 
 
 def grouped_step(
@@ -86,8 +115,8 @@ def grouped_step(
             param, grad, m_q, m_scale, v_q, v_scale, v_exp, hp, keys=keys, sr_m=sr_m, sr_v=sr_v
         )
         return
-    h = dict(zip(HP_FIELDS, hp.unbind(0), strict=True))
-    decay, step_size, w1, beta2 = h["decay"], h["step_size"], h["one_minus_beta1"], h["beta2"]
+    decay, h = split_hyperparams(hp)
+    step_size, w1, beta2 = h["step_size"], h["one_minus_beta1"], h["beta2"]
     w2, eps, inv_bc2 = h["one_minus_beta2"], h["eps"], h["inv_bc2"]
     g = grad.float()
     m = dequantize_groups(m_q, m_scale, m_exp)
@@ -98,7 +127,7 @@ def grouped_step(
     v = v * beta2 + w2 * g * g
     root = _sqrt_rn(v)
     denom = root * inv_bc2 + eps
-    param.copy_(param.float() * decay - step_size * m / denom)
+    apply_update(param, decay, step_size * m / denom)
     expand = m_exp is not None
     stored_v = root if sqrt_v else v
     moments = ((m, m_q, m_scale, m_exp, sr_m, 0), (stored_v, v_q, v_scale, v_exp, sr_v, 1))
@@ -135,8 +164,8 @@ def grouped_step_log(
     ``m_q`` int8 / ``v_q`` uint8 codes ``[G, group_size]``; ``m_scale``, ``v_scale`` (``amax``
     of v) and ``v_exp`` (k) fp32 ``[G]``. v is requantized first: m is stored relative to the
     new ``v̂``. Every operation is fp32 / int32 and in the order of the C kernel."""
-    h = dict(zip(HP_FIELDS, hp.unbind(0), strict=True))
-    decay, step_size, w1, beta2 = h["decay"], h["step_size"], h["one_minus_beta1"], h["beta2"]
+    decay, h = split_hyperparams(hp)
+    step_size, w1, beta2 = h["step_size"], h["one_minus_beta1"], h["beta2"]
     w2, eps, inv_bc2 = h["one_minus_beta2"], h["eps"], h["inv_bc2"]
     g = grad.float()
     v_bits = log_moments.dequantize_v_bits(v_q, v_scale, v_exp)
@@ -146,7 +175,7 @@ def grouped_step_log(
     m = m + w1 * (g - m)
     v = v * beta2 + w2 * g * g
     denom = _sqrt_rn(v) * inv_bc2 + eps
-    param.copy_(param.float() * decay - step_size * m / denom)
+    apply_update(param, decay, step_size * m / denom)
     if (sr_m or sr_v) and keys is None:
         raise ValueError("stochastic rounding needs the stream keys")
     bits_v = log_moments.sr_bits(keys[1], v.shape) if sr_v else None
@@ -228,14 +257,17 @@ def fp32_step(
 ) -> None:
     """AdamW on fp32 states with ``torch.optim.AdamW(foreach=True)``'s operations.
 
-    ``params`` / ``grads`` may be bf16 (computed in fp32 copies, rounded back once).
+    ``params`` / ``grads`` may be bf16 / fp16 (computed in fp32 copies, rounded back once);
+    float64 ``params`` are updated in float64 (the fp32 moments' update applied in float64,
+    never a round trip of the weight through fp32). One dtype per call, as torch's foreach
+    groups.
     """
     if not params:
         return
-    p32 = [p if p.dtype == torch.float32 else p.float() for p in params]
+    work = [p if p.dtype in (torch.float32, torch.float64) else p.float() for p in params]
     g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
     if weight_decay != 0:
-        torch._foreach_mul_(p32, 1 - lr * weight_decay)
+        torch._foreach_mul_(work, 1 - lr * weight_decay)
     torch._foreach_lerp_(exp_avgs, g32, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, g32, g32, 1 - beta2)
@@ -244,7 +276,7 @@ def fp32_step(
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(p32, exp_avgs, denom, step_size)
-    for p, p_32 in zip(params, p32, strict=True):
-        if p is not p_32:
-            p.copy_(p_32)
+    torch._foreach_addcdiv_(work, exp_avgs, denom, step_size)
+    for p, w in zip(params, work, strict=True):
+        if p is not w:
+            p.copy_(w)

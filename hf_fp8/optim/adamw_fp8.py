@@ -194,9 +194,10 @@ class AdamWFp8(Optimizer):
 
     def _step_group(self, group: dict[str, Any], index: dict[torch.Tensor, int]) -> None:
         beta1, beta2 = group["betas"]
-        fp32: dict[torch.device, dict[str, list]] = {}  # per device: foreach needs one
+        # per device and dtype, as torch's foreach groups (float64 weights step in float64)
+        fp32: dict[tuple[torch.device, torch.dtype], dict[str, list]] = {}
         batch = _cpu_kernel.Batch()
-        hp_cache: dict[tuple[float, torch.device], torch.Tensor] = {}
+        hp_cache: dict[tuple[float, torch.device, torch.dtype], torch.Tensor] = {}
         stepped: list[dict[str, Any]] = []  # states whose step count this call advanced
         for p in group["params"]:
             if p.grad is None:
@@ -210,7 +211,9 @@ class AdamWFp8(Optimizer):
             stepped.append(state)
             step = float(state["step"])
             if not is_quantized_state(state):
-                lists = fp32.setdefault(p.device, {"p": [], "g": [], "m": [], "v": [], "s": []})
+                lists = fp32.setdefault(
+                    (p.device, p.dtype), {"p": [], "g": [], "m": [], "v": [], "s": []}
+                )
                 for key, value in zip(
                     "pgmvs", (p, p.grad, state["exp_avg"], state["exp_avg_sq"], step), strict=True
                 ):
@@ -220,9 +223,9 @@ class AdamWFp8(Optimizer):
             if param.numel() == 0:
                 continue
             states = tuple(None if s is None else local(s) for s in quantized_states(state))
-            key = (step, param.device)
+            key = (step, param.device, _step.hp_dtype(param.dtype))
             if key not in hp_cache:
-                hp_cache[key] = _step.hyperparams(group, step, param.device)
+                hp_cache[key] = _step.hyperparams(group, *key)
             keys = _stream_keys(group, int(step), index[p], p, states[0].shape[1])
             self._quantized_step(param, grad, states, hp_cache[key], group, batch, keys)
         try:
