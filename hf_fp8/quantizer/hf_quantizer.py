@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ from hf_fp8.quantizer.validation import (
     stored_dtype,
     validate_loaded_model,
 )
+from hf_fp8.utils.folders import check_files_inside, check_source_folder
 
 _FP8_PARAMS = ("weight", "weight_scale")
 
@@ -179,6 +181,11 @@ class Fp8HfQuantizer(HfQuantizer):
             self.quantization_config = config
         self.modules_to_not_convert = skip
         self.checkpoint_root = str(getattr(model.config, "_name_or_path", "") or "")
+        if self.pre_quantized and os.path.isdir(self.checkpoint_root):
+            # transformers follows ``..`` / absolute shard names and symlinks: only the
+            # folder's own files are read (DESIGN §8), as ``hf-fp8 inspect`` requires
+            check_source_folder(self.checkpoint_root)
+            check_files_inside(self.checkpoint_root, kwargs.get("checkpoint_files"))
         static_pre_quantized = self.pre_quantized and config.activation_scheme == "static"
         swapped: dict[int, Fp8Linear] = {}  # a linear shared by two parents stays shared
         for name, module, parent in convertible_modules(model, skip=skip):

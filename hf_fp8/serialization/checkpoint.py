@@ -23,6 +23,9 @@ from safetensors.torch import save_file
 
 from hf_fp8.serialization.atomic import atomic_folder, contained, hub_cache_root
 
+# the folder checks live in hf_fp8.utils.folders (the quantizer runs them too); re-exported
+from hf_fp8.utils.folders import check_source_folder, folder_files, read_index  # noqa: F401
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -239,35 +242,6 @@ class Checkpoint:
         return [Path(rel) for rel in companion_files(self.root, skip=self.files)]
 
 
-def _walk(root: Path) -> Iterator[str]:
-    """Relative POSIX paths of the entries under ``root``, hidden ones left out; linked
-    folders are yielded, not entered."""
-    for folder, dirs, names in os.walk(root):
-        rel_folder = Path(folder).relative_to(root)
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in [*dirs, *sorted(names)]:
-            if not name.startswith("."):
-                yield (rel_folder / name).as_posix()
-
-
-def folder_files(
-    root: str | os.PathLike, *, keep: Callable[[str], bool] | None = None
-) -> list[str]:
-    """Every file under ``root`` (POSIX paths relative to it) for which ``keep`` holds, hidden
-    files and folders left out: what ``push`` uploads and conversions copy. A symlink among
-    them raises ``UnsafePathError``: hf_fp8 never reads, copies or uploads a link target (a Hub
-    cache snapshot's links into its own ``blobs/`` are the cache's layout and allowed)."""
-    root = Path(root).expanduser().resolve()
-    links_within = hub_cache_root(root)
-    found = []
-    for rel in _walk(root):
-        if keep is not None and not keep(rel):
-            continue
-        if contained(root, rel, links_within=links_within).is_file():
-            found.append(rel)
-    return sorted(found)
-
-
 def companion_files(root: str | os.PathLike, *, skip: Iterable[str] = ()) -> list[str]:
     """The files of a model folder that travel with its weights (tokenizer, generation config,
     sentence-transformers ``modules.json``, ``1_Pooling/`` …): every file but the config, the
@@ -277,49 +251,6 @@ def companion_files(root: str | os.PathLike, *, skip: Iterable[str] = ()) -> lis
     skipped = {CONFIG_NAME, INDEX_NAME, CARD_NAME, WEIGHTS_NAME, *skip}
     dirs = module_dirs_of(root)
     return folder_files(root, keep=lambda rel: rel not in skipped and not _weights(Path(rel), dirs))
-
-
-# What transformers' from_pretrained reads from a local folder, first found wins (5.x).
-_LOAD_ORDER = (WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def read_index(root: Path) -> str | None:
-    """The weight index transformers will read from ``root`` (``None``: a single file, or
-    nothing it knows): the first of ``_LOAD_ORDER`` present decides."""
-    first = next((name for name in _LOAD_ORDER if (root / name).is_file()), None)
-    return first if first is not None and first.endswith(".index.json") else None
-
-
-def check_source_folder(root: str | os.PathLike) -> None:
-    """Check a local model folder before a loader that does not check paths (transformers'
-    ``from_pretrained``) reads it: no symlink among its files (:func:`folder_files`), every
-    file named by a weight index (``*.index.json``) inside it (no ``..`` or absolute names),
-    and the files of the index transformers reads (:func:`read_index`) all there. Other
-    indexes (a ``pytorch_model.bin.index.json`` whose ``.bin`` shards were not downloaded, an
-    index next to ``model.safetensors``) are ignored, as transformers does. Raises
-    ``UnsafePathError`` / ``FileNotFoundError`` naming the file."""
-    root = Path(root).expanduser().resolve()
-    links_within = hub_cache_root(root)
-    folder_files(root)
-    read = read_index(root)
-    for index_path in sorted(root.glob("*.index.json")):
-        contained(root, index_path.name, links_within=links_within)
-        try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            if index_path.name != read:
-                continue
-            raise ValueError(f"{index_path.name} is not valid JSON ({err})") from err
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            continue
-        for file in sorted({v for v in weight_map.values() if isinstance(v, str)}):
-            path = contained(root, file, links_within=links_within)
-            if index_path.name == read and not path.is_file():
-                raise FileNotFoundError(
-                    f"{index_path.name} names {file}, which is not in {root}: the checkpoint "
-                    "is incomplete; download or save it again"
-                )
 
 
 def copy_companion_files(
