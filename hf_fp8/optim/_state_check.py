@@ -4,6 +4,12 @@ A loaded state is untrusted input that the C kernel would address with raw point
 is installed, every tensor is checked against the parameter it belongs to: the layout follows
 from the parameter's shape and the group's ``group_size`` (see :mod:`hf_fp8.optim._layout`),
 codes are fp8 of the configured format, scales and exponents are fp32, finite and in range.
+Values are checked too, with limits that follow from the formats: every code is finite (no
+NaN / inf bit pattern), second-moment codes are not negative, fp32 moments are finite, and
+no scale lets the group's largest code decode to inf (``F · scale`` for fp8 codes,
+``127 · scale · 2^e`` for the log format's first moment): every moment a state that passes
+decodes to is finite. (Finite but inconsistent moments, a huge ``m`` over a tiny ``v``, still
+give huge updates, as they do in ``torch.optim.AdamW``.)
 An fp32 AdamW state (``exp_avg`` / ``exp_avg_sq``, e.g. from ``torch.optim.AdamW``) is
 checked the same way and converted to FP8 moments when this optimizer would quantize the
 parameter. Errors name the parameter and the tensor, and say how to fix it.
@@ -88,15 +94,41 @@ def _check(
 def _check_range(t: torch.Tensor, pid: Any, key: str, lo: float, hi: float) -> None:
     v = local(t)
     if v.numel() and not (torch.isfinite(v).all() and (v >= lo).all() and (v <= hi).all()):
-        raise _fail(pid, key, f"holds values outside [{lo}, {hi}] or non-finite values")
+        raise _fail(pid, key, f"holds values outside [{lo}, {hi:.7g}] or non-finite values")
 
 
-# moment_format="log": exactly these entries, dtypes and value ranges.
+FLT_MAX = torch.finfo(torch.float32).max
+CHUNK = 1 << 22  # elements per piece of a code check (bounds the temporary fp32 copy)
+
+
+def _check_codes(t: torch.Tensor, pid: Any, key: str, *, second_moment: bool) -> None:
+    """fp8 codes: no NaN / inf bit pattern; second-moment codes not negative (``v >= 0``)."""
+    flat = local(t).reshape(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        x = flat[start : start + CHUNK].float()
+        if not bool(torch.isfinite(x).all()):
+            raise _fail(pid, key, "holds NaN or inf codes (a corrupt or hand-edited state)")
+        if second_moment and bool((x < 0).any()):
+            raise _fail(pid, key, "holds negative second-moment codes (v >= 0 always)")
+
+
+def _check_top_decodes(top: torch.Tensor, pid: Any, key: str, what: str) -> None:
+    """``top``: each group's largest decodable value; it must be finite in fp32."""
+    if top.numel() and not bool(torch.isfinite(top).all()):
+        raise _fail(
+            pid,
+            key,
+            f"is so large that {what} decodes to inf in fp32 (a corrupt or hand-edited state)",
+        )
+
+
+# moment_format="log": exactly these entries, dtypes and value ranges (m codes are -127..127;
+# a larger m scale would decode the largest code to inf before its power of two).
 LOG_LAYOUT = {
-    "exp_avg_fp8": (torch.int8, None),
-    "exp_avg_scale": (torch.float32, (0.0, math.inf)),
+    "exp_avg_fp8": (torch.int8, (-log_moments.M_CODE_MAX, log_moments.M_CODE_MAX)),
+    "exp_avg_scale": (torch.float32, (0.0, FLT_MAX / log_moments.M_CODE_MAX)),
     "exp_avg_sq_fp8": (torch.uint8, None),
-    "exp_avg_sq_scale": (torch.float32, (0.0, math.inf)),
+    "exp_avg_sq_scale": (torch.float32, (0.0, FLT_MAX)),
     "exp_avg_sq_exponent": (torch.float32, (coat.EXPONENT_MIN, coat.EXPONENT_MAX)),
 }
 
@@ -126,6 +158,13 @@ def _check_log(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], pi
         _check(state[key], pid, key, shape, (dtype,))
         if bounds is not None:
             _check_range(state[key], pid, key, *bounds)
+    # m̂ = (q·scale)·2^e, 2^e <= that of v's largest code (255): the group's largest |m̂|.
+    v_scale, v_exp = local(state["exp_avg_sq_scale"]), local(state["exp_avg_sq_exponent"])
+    top_v = torch.full((*v_scale.shape, 1), log_moments.V_CODE_MAX, dtype=torch.uint8)
+    s_top, _ = log_moments.m_scales(top_v.to(v_scale.device), v_scale, v_exp)
+    top_m = torch.full_like(s_top, log_moments.M_CODE_MAX).to(torch.int8)
+    top = log_moments.dequantize_m(top_m, local(state["exp_avg_scale"]), s_top)
+    _check_top_decodes(top, pid, "exp_avg_scale", "code 127 times the 2^e of exp_avg_sq")
 
 
 def _check_quantized(
@@ -175,12 +214,20 @@ def _check_quantized(
                     f"fp8_format={group['fp8_format']!r} ({want})",
                 )
             _check(t, pid, key, (rows, gc * gs), (want,))
+            _check_codes(t, pid, key, second_moment=key == "exp_avg_sq_fp8")
         elif key.endswith("_scale"):
             _check(t, pid, key, (rows, gc), (torch.float32,))
-            _check_range(t, pid, key, 0.0, math.inf)
+            _check_range(t, pid, key, 0.0, FLT_MAX / torch.finfo(want).max)
         else:
             _check(t, pid, key, (rows, gc), (torch.float32,))
             _check_range(t, pid, key, coat.EXPONENT_MIN, coat.EXPONENT_MAX)
+    for name in ("exp_avg", "exp_avg_sq"):  # the largest code F of each group, decoded
+        scale = local(state[f"{name}_scale"])
+        exp = local(state[f"{name}_exponent"]) if expand else None
+        top_q = torch.full((*scale.shape, 1), torch.finfo(want).max, device=scale.device)
+        top = coat.dequantize_groups(top_q.to(want), scale, exp)
+        what = f"the largest code ({torch.finfo(want).max:g})"
+        _check_top_decodes(top, pid, f"{name}_scale", what)
 
 
 def _to_fp8(
@@ -259,6 +306,8 @@ def validated_state(
             raise _fail(pid, key, "is missing")
         _check(saved[key], pid, key, tuple(p.shape), floats)
     m, v = (_to_device(saved[k], p).to(torch.float32) for k in FP32_KEYS)
+    if not bool(torch.isfinite(local(m)).all()):
+        raise _fail(pid, "exp_avg", "holds non-finite values")
     if not bool(torch.isfinite(local(v)).all()) or bool((local(v) < 0).any()):
         raise _fail(pid, "exp_avg_sq", "holds negative or non-finite values")
     if wants_quantized(p, group) and not is_dtensor(p) and not is_dtensor(m):
