@@ -148,8 +148,10 @@ class Fp8LoraLinear(LoraLinear):
         try:
             super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
         finally:
-            self.__dict__["_fp8_merge_depth"] = depth
-            if depth == 0:
+            if depth:
+                self.__dict__["_fp8_merge_depth"] = depth
+            else:
+                del self.__dict__["_fp8_merge_depth"]
                 self._restore_fp8_base()  # only when nothing got merged (an error)
 
     def unmerge(self) -> None:
