@@ -7,13 +7,18 @@
   ``1 × bk`` activation groups. This variant is also what transformers' own ``fp8``
   (FineGrainedFP8) loads.
 
-vLLM quantizes dynamic per-tensor activations per tensor, so an import gives
-``activation_granularity="tensor"``. Per-row weights and weight-only models have no place in
-this format: export those to compressed-tensors.
+The format has no word for the granularity of dynamic activations: vLLM picks it per platform
+(``Fp8LinearMethod``: per token where CUTLASS FP8 runs, i.e. FP8 NVIDIA GPUs; per tensor
+elsewhere). hf_fp8 records its model's in ``hf_fp8_activation_granularity`` (``"token"`` |
+``"tensor"``; vLLM's ``Fp8Config.from_config`` and transformers' ``FineGrainedFP8Config`` read
+only the keys they know) and reads it back; without it (AutoFP8 checkpoints) a dynamic import
+is per token, what vLLM runs on the GPUs these checkpoints are made for. Per-row weights and
+weight-only models have no place in this format: export those to compressed-tensors.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -24,6 +29,11 @@ from hf_fp8.serialization.layers import LayerPlan
 from hf_fp8.serialization.tensors import to_hf_fp8_tensors
 
 QUANT_METHOD = "fp8"
+# hf_fp8's own key: the dynamic activation granularity of per-tensor-weight exports
+GRANULARITY_KEY = "hf_fp8_activation_granularity"
+_DYNAMIC_GRANULARITIES = ("token", "tensor")
+# what vLLM runs for a dynamic checkpoint without the key, on a GPU with CUTLASS FP8
+_DEFAULT_DYNAMIC_GRANULARITY = "token"
 # transformers' FineGrainedFP8 names → hf_fp8 names
 IMPORT_RENAMES = {"weight_scale_inv": "weight_scale", "activation_scale": "input_scale"}
 
@@ -64,6 +74,15 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
                     "with a block_size that divides every layer"
                 )
         qc["weight_block_size"] = list(config.block_size)
+    elif config.activation_scheme == "dynamic":
+        qc[GRANULARITY_KEY] = config.activation_granularity
+        warnings.warn(
+            f"vllm-fp8 export: vLLM picks the dynamic activation granularity per platform (per "
+            f"token with CUTLASS FP8, else per tensor); this model's ({config.activation_granularity!r}) "
+            f"is kept in quantization_config.{GRANULARITY_KEY} for hf_fp8's import",
+            UserWarning,
+            stacklevel=2,
+        )
     return qc
 
 
@@ -96,9 +115,28 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
             "hf_fp8 imports e4m3 weights with float scales"
         )
     block = qc.get("weight_block_size")
+    recorded = qc.get(GRANULARITY_KEY)
+    if block is None and scheme == "dynamic":
+        granularity = _DEFAULT_DYNAMIC_GRANULARITY if recorded is None else recorded
+        if granularity not in _DYNAMIC_GRANULARITIES:
+            raise ValueError(
+                f"fp8 {GRANULARITY_KEY} {recorded!r} is not one of {_DYNAMIC_GRANULARITIES}: "
+                "the checkpoint's config.json is damaged; re-export it"
+            )
+        return {
+            "activation_scheme": "dynamic",
+            "weight_granularity": "tensor",
+            "activation_granularity": granularity,
+        }
+    if recorded is not None:
+        raise ValueError(
+            f"fp8 {GRANULARITY_KEY}={recorded!r} goes with dynamic per-tensor-weight "
+            f"checkpoints only, this one is {scheme}"
+            f"{' with weight blocks' if block is not None else ''}: the config is damaged"
+        )
     if block is None:
         return {
-            "activation_scheme": scheme,
+            "activation_scheme": "static",
             "weight_granularity": "tensor",
             "activation_granularity": "tensor",
         }

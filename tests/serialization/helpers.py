@@ -17,6 +17,7 @@ SCHEMES: dict[str, dict] = {
         "weight_granularity": "tensor",
         "activation_granularity": "tensor",
     },
+    "dynamic-tensor-token": {"activation_scheme": "dynamic", "weight_granularity": "tensor"},
     "dynamic-row-block": {
         "activation_scheme": "dynamic",
         "activation_granularity": "block",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -24,17 +25,29 @@ def _read(path):
         return config, {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
 
 
-@pytest.mark.parametrize("scheme", ["dynamic-tensor-tensor", "static-tensor"])
+@pytest.mark.parametrize(
+    "scheme", ["dynamic-tensor-tensor", "dynamic-tensor-token", "static-tensor"]
+)
 def test_per_tensor_export_has_scalar_scales_and_round_trips(scheme, tiny_model_dir, tmp_path):
+    """Reviewer R2 F1: a per-token dynamic model came back per-tensor (logits 4 % off): the
+    activation granularity is recorded in a key vLLM ignores and read back on import."""
     model = quantized(tiny_model_dir("llama"), scheme)
-    out = export_checkpoint(model, tmp_path / "vllm", "vllm-fp8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = export_checkpoint(model, tmp_path / "vllm", "vllm-fp8")
     config, tensors = _read(out)
     static = scheme.startswith("static")
-    assert config == {
+    want = {
         "quant_method": "fp8",
         "activation_scheme": "static" if static else "dynamic",
         "ignored_layers": ["lm_head"],
     }
+    if not static:
+        want["hf_fp8_activation_granularity"] = scheme.rpartition("-")[2]
+    assert config == want
+    # dynamic: one warning that vLLM picks the granularity by platform; static: none
+    platform = [w for w in caught if "per platform" in str(w.message)]
+    assert len(platform) == (0 if static else 1)
     layer = model.get_submodule(Q)
     assert (
         tensors[f"{Q}.weight_scale"].shape == ()
@@ -46,8 +59,57 @@ def test_per_tensor_export_has_scalar_scales_and_round_trips(scheme, tiny_model_
         assert float(tensors[f"{Q}.input_scale"]) == float(layer.input_scale)
 
     back = AutoModelForCausalLM.from_pretrained(import_checkpoint(out, tmp_path / "back"))
+    assert back.config.quantization_config.activation_granularity == (
+        model.config.quantization_config.activation_granularity
+    )
     assert_states_bit_equal(model, back)
     assert torch.equal(logits(back), logits(model))
+
+
+def _autofp8_config(**quantization_config) -> dict:
+    return {"quant_method": "fp8", **quantization_config}
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "granularity"),
+    [
+        # vLLM's Fp8LinearMethod: per-token dynamic activations where CUTLASS FP8 runs
+        # (every FP8 NVIDIA GPU), per-tensor elsewhere: an AutoFP8 checkpoint means per token
+        (_autofp8_config(activation_scheme="dynamic"), "token"),
+        (_autofp8_config(activation_scheme="static"), "tensor"),
+        (
+            _autofp8_config(activation_scheme="dynamic", hf_fp8_activation_granularity="tensor"),
+            "tensor",
+        ),
+        (
+            _autofp8_config(activation_scheme="dynamic", hf_fp8_activation_granularity="token"),
+            "token",
+        ),
+    ],
+)
+def test_import_reads_the_activation_granularity(quantization_config, granularity):
+    from hf_fp8.serialization.vllm_fp8 import import_kwargs
+
+    assert import_kwargs(quantization_config)["activation_granularity"] == granularity
+
+
+@pytest.mark.parametrize(
+    "quantization_config",
+    [
+        _autofp8_config(activation_scheme="dynamic", hf_fp8_activation_granularity="row"),
+        _autofp8_config(activation_scheme="static", hf_fp8_activation_granularity="token"),
+        _autofp8_config(
+            activation_scheme="dynamic",
+            weight_block_size=[128, 128],
+            hf_fp8_activation_granularity="token",
+        ),
+    ],
+)
+def test_import_refuses_a_granularity_the_scheme_cannot_have(quantization_config):
+    from hf_fp8.serialization.vllm_fp8 import import_kwargs
+
+    with pytest.raises(ValueError, match="hf_fp8_activation_granularity"):
+        import_kwargs(quantization_config)
 
 
 def test_block_export_loads_in_transformers_fp8_with_same_weights(tiny_model_dir, tmp_path):
