@@ -110,7 +110,8 @@ def finish_experts(
     name: str, module: Fp8Experts, config: Any, *, offloaded: bool, checkpoint_root: str = ""
 ) -> list[str]:
     """After loading: the names of tensors the checkpoint did not fill; static input scales
-    the checkpoint lacks (saved before calibration) dropped, or taken from ``config``
+    the checkpoint lacks (saved before calibration; a checkpoint that stores only some is
+    refused by the quantizer, ``StoredInputScales``) dropped, or taken from ``config``
     (``Fp8Config.activation_scale_for``); codes and scales frozen; compute dtype from the bias
     (an fp8 or integer bias refused, naming its file in ``checkpoint_root``)."""
     missing = []

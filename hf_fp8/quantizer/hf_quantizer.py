@@ -33,6 +33,7 @@ from hf_fp8.quantizer.experts import (
     quantize_experts_tensor,
     swap_experts,
 )
+from hf_fp8.quantizer.input_scales import StoredInputScales
 from hf_fp8.quantizer.validation import (
     FP8_LINEAR_TENSORS,
     check_bias,
@@ -302,11 +303,15 @@ class Fp8HfQuantizer(HfQuantizer):
         if self.stored_scale_keys:
             raise _already_fp8(min(self.stored_scale_keys))
         missing = []
+        input_scales = StoredInputScales()
         disk = [k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v == "disk"]
         for name, module in model.named_modules():
             if isinstance(module, Fp8Experts):
                 last = getattr(module, module.layout.projections[-1])
                 offloaded = last.is_meta and ("" in disk or matches_module(name, disk))
+                for proj in module.layout.projections:
+                    key = f"{proj}_input_scale"
+                    input_scales.add(f"{name}.{key}", getattr(module, key), offloaded=offloaded)
                 missing += finish_experts(
                     name,
                     module,
@@ -324,8 +329,9 @@ class Fp8HfQuantizer(HfQuantizer):
                 if p is not None and not (offloaded or getattr(p, "_is_hf_initialized", False)):
                     missing.append(f"{name}.{pname}")
             scale = module.input_scale
+            input_scales.add(f"{name}.input_scale", scale, offloaded=offloaded)
             if scale is not None and not (offloaded or getattr(scale, "_is_hf_initialized", False)):
-                module.input_scale = None  # saved before calibration
+                module.input_scale = None  # saved before calibration (or refused below)
             given = module.__dict__.pop("_hf_fp8_input_scale", None)
             if given is not None and module.input_scale is None:
                 module.set_input_scale(given)
@@ -345,6 +351,7 @@ class Fp8HfQuantizer(HfQuantizer):
                 "Re-export it with hf_fp8 (save_pretrained), or list these modules in "
                 "Fp8Config(modules_to_not_convert=[...]) when quantizing on the fly."
             )
+        input_scales.check(self.checkpoint_root, self.quantization_config)
         validate_loaded_model(model, skipped=self.modules_to_not_convert)
         if self.pre_quantized and self.quantization_config.dequantize:
             self._dequantize(model)  # Fp8Config(dequantize=True): back to high precision

@@ -1,0 +1,88 @@
+"""A static checkpoint that lost some of its calibrated ``input_scale`` tensors is refused
+(reviewer R2 F2). Before, each missing one quietly took the config's fallback
+``activation_scale`` (calibrated 0.000202 came back 0.05, outputs 1.6 % off). A checkpoint
+saved before calibration (no input scale stored at all) still loads with the fallback."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import hf_fp8
+from hf_fp8 import Fp8Config
+from hf_fp8.modules.fp8_experts import Fp8Experts
+from hf_fp8.numerics.checks import CheckpointTensorError
+from tests.serialization.moe_fixtures import tiny_qwen3_moe
+from tests.tiny_models import model_inputs
+
+LAYER = "model.layers.0.mlp.down_proj"
+
+
+def _drop(folder: Path, keep) -> list[str]:
+    """Remove the ``*input_scale`` tensors for which ``keep(name)`` is false; returns them."""
+    tensors = load_file(folder / "model.safetensors")
+    dropped = sorted(k for k in tensors if k.endswith("input_scale") and not keep(k))
+    for key in dropped:
+        del tensors[key]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return dropped
+
+
+@pytest.fixture(scope="module")
+def calibrated_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), quantization_config=Fp8Config("static", activation_scale=0.05)
+    )
+    hf_fp8.calibrate(model, [model_inputs("llama")["input_ids"]])
+    path = tmp_path_factory.mktemp("static_calibrated")
+    model.save_pretrained(path)
+    return path
+
+
+def test_one_missing_calibrated_input_scale_is_refused(calibrated_dir, tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for f in calibrated_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    _drop(folder, keep=lambda k: k != f"{LAYER}.input_scale")
+    with pytest.raises(CheckpointTensorError, match=re.escape(f"{LAYER}.input_scale")) as err:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert "calibrate" in str(err.value) and "model.safetensors" in str(err.value)
+
+
+def test_no_stored_input_scale_keeps_the_config_fallback(calibrated_dir, tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for f in calibrated_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    assert _drop(folder, keep=lambda k: False)  # saved "before calibration"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert float(model.get_submodule(LAYER).input_scale) == pytest.approx(0.05)
+
+
+def test_experts_missing_one_input_scale_is_refused(tmp_path):
+    model = hf_fp8.quantize_model(
+        tiny_qwen3_moe(), Fp8Config("static", activation_scale=0.05), skip=["lm_head"]
+    )
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, Fp8Experts)
+    experts.down_proj_input_scale.data.fill_(0.003)  # as if calibrated
+    model.save_pretrained(tmp_path)
+    key = "model.layers.0.mlp.experts.down_proj_input_scale"
+    assert key in load_file(tmp_path / "model.safetensors")
+    _drop(tmp_path, keep=lambda k: k != key)
+    with pytest.raises(CheckpointTensorError, match=re.escape(key)):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_complete_static_checkpoint_reloads_its_scales(calibrated_dir):
+    model = AutoModelForCausalLM.from_pretrained(calibrated_dir)
+    stored = load_file(calibrated_dir / "model.safetensors")[f"{LAYER}.input_scale"]
+    assert torch.equal(
+        model.get_submodule(LAYER).input_scale.detach().reshape(-1), stored.reshape(-1)
+    )
