@@ -615,6 +615,11 @@ class Fp8Experts(RecipeWords, nn.Module):
         self._check_frozen()
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
+        if x.shape[0] == 0:
+            # an empty batch routes nothing (and reshape(0, -1) cannot infer top_k): an empty
+            # output of the input's shape, on the inputs' autograd graph as the high-precision
+            # grouped_mm / batched_mm experts' output is
+            return hidden_states * top_k_weights.sum().to(hidden_states.dtype)
         index = top_k_index.reshape(x.shape[0], -1)
         routing = route(index, self.num_experts)
         h = self._project(self.layout.up_name, x, routing, from_tokens=True)
