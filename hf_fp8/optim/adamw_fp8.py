@@ -60,6 +60,17 @@ DEFAULT_MIN_QUANTIZE_NUMEL = 4096
 FORMAT_OPTIONS = ("group_size", "fp8_format", "dynamic_range_expansion", "sqrt_second_moment")
 # (moment_format is compared resolved: "auto" and what it stands for are the same format)
 STOCHASTIC_ROUNDING = (False, True, "exp_avg_sq")
+# Flags of torch.optim.AdamW / Adam groups that are not AdamWFp8 options: dropped when such a
+# state is loaded (amsgrad / maximize True and Adam's L2 weight decay are refused instead).
+TORCH_ONLY_KEYS = (
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+    "decoupled_weight_decay",
+)
 
 
 class AdamWFp8(Optimizer):
@@ -450,7 +461,8 @@ class AdamWFp8(Optimizer):
             hook(self)
 
     def _merged_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Saved hyper-parameters over this optimizer's (a torch AdamW state lacks ours)."""
+        """Saved groups over this optimizer's (a torch AdamW state lacks our options): every
+        saved key is kept except :data:`TORCH_ONLY_KEYS`."""
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"loaded state has {len(saved_groups)} parameter groups, "
@@ -481,8 +493,17 @@ class AdamWFp8(Optimizer):
                         f"loaded param group {i} uses {option}=True, which AdamWFp8 does not "
                         "support"
                     )
+            if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay"):
+                raise ValueError(
+                    f"loaded param group {i} is torch.optim.Adam's (decoupled_weight_decay="
+                    f"False, weight_decay={saved['weight_decay']!r}: L2 decay added to the "
+                    "gradient); AdamWFp8 decays the weights decoupled, like AdamW. Load it into "
+                    "torch.optim.Adam, or set weight_decay=0 in the saved group to drop the decay"
+                )
+            # Like torch.optim: every saved key is kept (schedulers' initial_lr, user keys),
+            # options the saved group lacks stay this optimizer's; torch-only flags go.
             new = {k: v for k, v in group.items() if k != "params"}
-            new.update({k: v for k, v in saved.items() if k in self.defaults or k == "params"})
+            new.update({k: v for k, v in saved.items() if k not in TORCH_ONLY_KEYS})
             try:
                 _validate_group(new)
             except ValueError as exc:
