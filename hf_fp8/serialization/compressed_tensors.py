@@ -12,10 +12,17 @@ The tensors are hf_fp8's own (``weight`` fp8, ``weight_scale``, ``input_scale``,
 | weight-only | no ``input_activations`` |
 
 compressed-tensors is not needed to write or read this format.
+
+MoE experts: vLLM loads FP8 experts (one ``FusedMoE`` layer per experts module, matched by the
+``Linear`` target) only as tensor weights with tensor activations, channel weights with
+dynamic token activations, or block weights (``CompressedTensorsW8A8Fp8MoEMethod``); an export
+of FP8 experts in any other pair is refused, and FP8 weight-only experts (which transformers
+loads, vLLM does not) warn. Experts kept in high precision are listed in ``ignore``.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -51,6 +58,56 @@ def _fp8_args(strategy: str, dynamic: bool, **extra: Any) -> dict[str, Any]:
     }
 
 
+# What vLLM's fused-MoE loader runs from an export with FP8 experts; the first is hf_fp8's
+# dynamic default.
+_MOE_RECIPES = (
+    'Fp8Config("dynamic") (per-row weights, dynamic per-token activations)',
+    'Fp8Config("static", weight_granularity="tensor")',
+    'Fp8Config("dynamic", weight_granularity="tensor", activation_granularity="tensor")',
+    'Fp8Config("dynamic", weight_granularity="block")',
+)
+
+
+def _vllm_moe_loads(weights: dict[str, Any], acts: dict[str, Any] | None) -> bool:
+    """Whether vLLM's ``CompressedTensorsW8A8Fp8MoEMethod`` accepts this FP8 pair."""
+    if acts is None:
+        return False  # no FP8 weight-only fused-MoE method
+    pair = (weights["strategy"], acts["strategy"])
+    return (
+        weights["strategy"] == "block"
+        or pair == ("tensor", "tensor")
+        or (pair == ("channel", "token") and acts["dynamic"])
+    )
+
+
+def _check_moe(config: Fp8Config, plan: LayerPlan, group: dict[str, Any]) -> None:
+    """Refuse FP8 experts in a pair vLLM's fused-MoE loader asserts on; warn for weight-only."""
+    if not plan.fp8_experts:
+        return
+    weights, acts = group["weights"], group.get("input_activations")
+    if _vllm_moe_loads(weights, acts):
+        return
+    experts = sorted(set(plan.fp8_experts.values()))
+    where = f"{experts[0]}" + (f" (and {len(experts) - 1} more)" if len(experts) > 1 else "")
+    if acts is None:
+        warnings.warn(
+            f"compressed-tensors export: FP8 weight-only experts ({where}) load in "
+            "transformers, not in vLLM's fused-MoE loader (it has no FP8 weight-only method)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    act = "static" if not acts["dynamic"] else "dynamic"
+    raise ValueError(
+        f"compressed-tensors export: vLLM's fused-MoE loader refuses FP8 experts ({where}) with "
+        f"{weights['strategy']} weights and {act} {acts['strategy']} activations; it loads "
+        f"tensor+tensor, channel+dynamic token or block weights. Quantize with "
+        f"{'; '.join(_MOE_RECIPES)}; or keep the experts in high precision with "
+        f'Fp8Config(..., modules_to_not_convert=["experts"]) (listed in the export\'s ignore); '
+        f"or keep the hf_fp8 checkpoint (from_pretrained loads it)"
+    )
+
+
 def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
     """``quantization_config`` of the compressed-tensors export of an hf_fp8 model."""
     if config.fp8_format != "e4m3":
@@ -80,12 +137,13 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
             group["input_activations"] = _fp8_args("group", True, group_size=group_size)
         else:
             group["input_activations"] = _fp8_args(config.activation_granularity, True)
+    _check_moe(config, plan, group)
     return {
         "quant_method": QUANT_METHOD,
         "format": FORMAT,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
-        "ignore": list(plan.high_precision),
+        "ignore": plan.ignored(),
         "kv_cache_scheme": None,
     }
 

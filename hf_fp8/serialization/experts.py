@@ -180,6 +180,30 @@ def experts_view(
     return out, groups
 
 
+def high_precision_experts(
+    model_type: str | None, tensors: dict[str, TensorInfo]
+) -> dict[str, str]:
+    """``{per-expert module: experts module}`` of the expert linears stored one per expert in
+    high precision (``mlp.experts.3.gate_proj.weight`` bf16 → ``mlp.experts``): experts kept
+    out of FP8, which the foreign formats' ignore lists must name (vLLM checks
+    ``<experts>.0.gate_proj`` …) and an import must keep in high precision."""
+    patterns = [
+        (merge.source_regex(i), merge.target.rpartition(".")[0])
+        for merge in expert_merges(model_type)
+        for i in range(len(merge.sources))
+    ]
+    found: dict[str, str] = {}
+    for name, info in tensors.items():
+        if info.dtype in FP8_DTYPE_NAMES or not name.endswith(".weight"):
+            continue
+        for regex, owner in patterns:
+            m = regex.match(name)
+            if m and m["leaf"] == "weight":
+                found[name.removesuffix(".weight")] = m["prefix"] + owner
+                break
+    return found
+
+
 def expert_modules(groups: dict[str, ExpertGroup]) -> dict[str, tuple[str, int, int]]:
     """``{per-expert module: (merged name, source index, expert)}`` of every group."""
     return {

@@ -78,7 +78,7 @@ def import_checkpoint(
         weight_granularity=scheme.weight_granularity,
         activation_granularity=scheme.activation_granularity,
         block_size=scheme.block_size,
-        modules_to_not_convert=plan.high_precision,
+        modules_to_not_convert=plan.modules_to_not_convert(),
     )
     fmt = FORMATS[fmt_name]
     check_complete(plan, _renamed(tensors, fmt.import_renames), config)

@@ -3,8 +3,8 @@ device from ``config.json``) matched against the tensors that carry a ``weight_s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from hf_fp8.modules import is_conv1d
 from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.serialization.checkpoint import FP8_DTYPE_NAMES, TensorInfo, module_of
+from hf_fp8.serialization.experts import high_precision_experts
 
 # Tensor leaves that only an FP8 layer has (hf_fp8's, compressed-tensors' and vLLM's names).
 _SCALE_NAMES = frozenset({"weight_scale", "weight_scale_inv", "input_scale", "activation_scale"})
@@ -27,6 +28,20 @@ class LayerPlan:
     fp8: dict[str, tuple[int, int]]  # name -> (out_features, in_features) of the fp8 weight
     high_precision: list[str]  # linear layers of the stock model stored without fp8
     conv1d: list[str]  # GPT-2 style Conv1D layers of the stock model
+    # MoE experts, one linear per expert and projection -> the experts module they belong to
+    fp8_experts: dict[str, str] = field(default_factory=dict)  # (also in ``fp8``)
+    high_precision_experts: dict[str, str] = field(default_factory=dict)
+
+    def ignored(self) -> list[str]:
+        """Every linear the foreign formats must not quantize: the stock model's
+        high-precision linears, then the high-precision per-expert linears (vLLM looks up
+        ``<experts>.0.gate_proj`` … in ``ignore`` / ``ignored_layers``)."""
+        return [*self.high_precision, *sorted(self.high_precision_experts)]
+
+    def modules_to_not_convert(self) -> list[str]:
+        """hf_fp8's ``modules_to_not_convert`` for this plan: the high-precision linears and
+        the experts modules whose experts are stored in high precision."""
+        return [*self.high_precision, *sorted(set(self.high_precision_experts.values()))]
 
 
 def registered_model_class(model_type: str, architecture: object) -> type | None:
@@ -87,12 +102,17 @@ def stock_linear_layers(config: dict[str, Any]) -> dict[str, str]:
 
 
 def plan_layers(
-    config: dict[str, Any], tensors: dict[str, TensorInfo], *, experts: Iterable[str] = ()
+    config: dict[str, Any],
+    tensors: dict[str, TensorInfo],
+    *,
+    experts: Mapping[str, tuple[str, int, int]] | None = None,
 ) -> LayerPlan:
     """Match fp8 weights to the stock model's linear layers; raise on any fp8 weight that is
     not a plain ``nn.Linear`` of that model (Conv1D, renamed tensors). ``experts`` names the
-    per-expert linears of MoE experts (``serialization.experts.expert_modules``): they count
-    as FP8 linears, never as high-precision ones."""
+    per-expert linears of FP8 MoE experts (``serialization.experts.expert_modules``): they
+    count as FP8 linears, never as high-precision ones. Experts stored per expert in high
+    precision are found by name (``high_precision_experts``)."""
+    experts = experts or {}
     stock = stock_linear_layers(config)
     stock.update(dict.fromkeys(experts, "expert"))
     fp8: dict[str, tuple[int, int]] = {}
@@ -131,4 +151,13 @@ def plan_layers(
         raise ValueError("the checkpoint holds no fp8 weights: quantize it first (hf-fp8 quantize)")
     high = sorted(n for n, kind in stock.items() if kind == "linear" and n not in fp8)
     conv = sorted(n for n, kind in stock.items() if kind == "conv1d")
-    return LayerPlan(fp8=dict(sorted(fp8.items())), high_precision=high, conv1d=conv)
+    hp_experts = high_precision_experts(config.get("model_type"), tensors)
+    return LayerPlan(
+        fp8=dict(sorted(fp8.items())),
+        high_precision=high,
+        conv1d=conv,
+        fp8_experts={
+            n: merged.rpartition(".")[0] for n, (merged, _, _) in experts.items() if n in fp8
+        },
+        high_precision_experts={n: m for n, m in hp_experts.items() if n not in fp8},
+    )

@@ -56,7 +56,7 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
     qc: dict[str, Any] = {
         "quant_method": QUANT_METHOD,
         "activation_scheme": config.activation_scheme,
-        "ignored_layers": list(plan.high_precision),
+        "ignored_layers": plan.ignored(),
     }
     if config.weight_granularity == "block":
         if config.activation_scheme != "dynamic":
