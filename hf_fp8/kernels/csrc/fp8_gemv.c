@@ -1186,6 +1186,10 @@ static void mm_pack_rows(const mm_t *g, const uint16_t *src, int64_t m0, int64_t
             int64_t jn = pairs - j0 < 16 ? pairs - j0 : 16;
             __mmask16 km = (__mmask16)((1u << jn) - 1u);
             __m512i r[16];
+            /* rows 2 K bytes apart, 64 bytes of each: the hardware prefetcher lags behind 16
+               such streams (at K = 5632 the packing took 30 % longer without this) */
+            for (int i = 0; i < rows; ++i)
+                _mm_prefetch((const char *)(src + i * g->K + k0 + 2 * j0 + 128), _MM_HINT_T0);
             for (int i = 0; i < 16; ++i)
                 r[i] = i < rows ? _mm512_maskz_loadu_epi32(km, src + i * g->K + k0 + 2 * j0)
                                 : _mm512_setzero_si512();
@@ -1340,6 +1344,18 @@ AI void mm_dec_cols(const mm_dec_t *dec, int64_t col, uint16_t *wb) {
     }
 }
 
+/* The lines of out that the epilogue of tokens m0 .. m0 + tokens writes (columns n0 .. n0 +
+ * MM_MR), prefetched for writing one 32-pair step before it: the activations streamed
+ * through L1 meanwhile evict them, and each of the epilogue's 32 partial-line stores waited
+ * for its line. */
+AI void mm_prefetch_out(const mm_t *g, int64_t m0, int64_t tokens, int64_t n0) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        const uint16_t *o = g->out + (m0 + t) * g->N + n0;
+        __builtin_prefetch(o, 1, 3);
+        __builtin_prefetch(o + MM_MR - 1, 1, 3);
+    }
+}
+
 /* MM_MR rows x NV * 16 tokens over `pairs` k-pairs. wb: the decoded panel; xt: the packed
  * activations of the first token (pair stride ldx); c: partial sums [row][token] (stride
  * ldc), unless first (start at 0) / last (the epilogue writes out instead); dec: NULL, or
@@ -1369,6 +1385,8 @@ AI void mm_dec_cols(const mm_dec_t *dec, int64_t col, uint16_t *wb) {
                 }                                                                             \
             }                                                                                 \
             if (2 * j0 < dec_end) mm_dec_cols(dec, 2 * j0, wb);                               \
+            if (last && j0 + 64 >= pairs && j0 + 32 < pairs) /* one step before the epilogue */ \
+                mm_prefetch_out(g, m0, mvalid < 16 * NV ? mvalid : 16 * NV, n0);               \
         }                                                                                     \
         if (!last) {                                                                          \
             for (int r = 0; r < MR; ++r)                                                   \
