@@ -3,6 +3,7 @@ Llama-4 / JetMoE experts outside transformers' interface) and the one rule for w
 convert (``is_convertible`` for linears, ``convertible_experts`` for MoE experts);
 ``high_precision_parts`` says what stays high precision and why."""
 
+from hf_fp8.modules.activation_scales import check_activation_scales, scale_keys
 from hf_fp8.modules.fp8_bmm_experts import Fp8BmmExperts
 from hf_fp8.modules.fp8_experts import (
     Fp8Experts,
@@ -33,6 +34,7 @@ __all__ = [
     "Fp8Experts",
     "Fp8Linear",
     "Fp8ParallelExperts",
+    "check_activation_scales",
     "convertible_experts",
     "convertible_modules",
     "experts_keep_reason",
@@ -44,6 +46,7 @@ __all__ = [
     "is_router",
     "keep_reason",
     "matches_module",
+    "scale_keys",
     "unconverted_experts",
     "unconverted_linears",
     "unmatched_patterns",
