@@ -17,6 +17,10 @@ patch                  what it changes                              public alter
 ``accelerate_fsdp2``   ``accelerator.prepare`` under FSDP2 with a    ``hf_fp8.fully_shard_fp8(model)``
                        casting ``mixed_precision`` shards FP8       before ``accelerator.prepare``
                        modules in fp8-keeping groups first
+``fp8_without_config`` ``from_pretrained`` of a local folder whose   keep ``config.json``'s
+                       fp8 weights have scales but whose config     ``quantization_config``; pass no
+                       has no ``quantization_config``: refused      base-model ``config=``
+                       (it would load as garbage)
 =====================  ==========================================  =====================================
 
 Each patch is applied on its own, when the library it changes is imported (see
@@ -84,6 +88,14 @@ PATCHES: dict[str, Patch] = {
         ("transformers.modeling_utils",),
         "model.half() / model.float() on hf_fp8 models",
         "model.to(torch.float16) / model.to(torch.float32)",
+    ),
+    "fp8_without_config": Patch(
+        "hf_fp8.patches.fp8_without_config",
+        ("transformers.modeling_utils",),
+        "refusing FP8 checkpoints loaded without their quantization_config (fp8 codes read "
+        "as plain weights, scales dropped)",
+        "check that config.json keeps its quantization_config (hf-fp8 inspect FOLDER) and "
+        "pass no base-model config= to from_pretrained",
     ),
     "accelerate_fsdp2": Patch(
         "hf_fp8.patches.accelerate_fsdp2",

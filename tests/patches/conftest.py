@@ -1,0 +1,3 @@
+"""Shared fixtures."""
+
+from tests.tiny_models import tiny_model_dir  # noqa: F401
