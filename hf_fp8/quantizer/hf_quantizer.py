@@ -34,6 +34,7 @@ from hf_fp8.quantizer.experts import (
     swap_experts,
 )
 from hf_fp8.quantizer.input_scales import StoredInputScales
+from hf_fp8.quantizer.kept_modules import skip_list_hint
 from hf_fp8.quantizer.validation import (
     FP8_LINEAR_TENSORS,
     check_bias,
@@ -142,6 +143,13 @@ class Fp8HfQuantizer(HfQuantizer):
         return 1
 
     def validate_environment(self, *args, device_map=None, **kwargs) -> None:
+        if not self.pre_quantized and self.quantization_config.dequantize:
+            raise ValueError(
+                "Fp8Config(dequantize=True) loads an FP8 checkpoint back in high precision, "
+                "but this checkpoint is not FP8 (it would be quantized on the fly and then "
+                "ignored the flag). To load it in high precision, call from_pretrained "
+                "without quantization_config; to quantize it, leave dequantize=False"
+            )
         # a layer offloaded to disk never reaches its module: its scales are read and checked
         # while loading (get_new_dtype); otherwise only after loading, where all are in memory
         self.may_offload_to_disk = (
@@ -285,15 +293,34 @@ class Fp8HfQuantizer(HfQuantizer):
                 check_bias(key, stored_dtype(key, param), source=source)
         ours = [t for t in targets if t in self.fp8_tensor_names]
         for key in ours:  # before anything is read or offloaded to disk
-            check_stored_tensor(
-                key,
-                param,
-                fp8_dtype=fp8_dtype(self.quantization_config.fp8_format),
-                read_scales=getattr(self, "may_offload_to_disk", True),
-            )
+            try:
+                check_stored_tensor(
+                    key,
+                    param,
+                    fp8_dtype=fp8_dtype(self.quantization_config.fp8_format),
+                    read_scales=getattr(self, "may_offload_to_disk", True),
+                )
+            except CheckpointTensorError as err:
+                hint = self._skip_list_hint(key, param)
+                if hint is None:
+                    raise
+                raise CheckpointTensorError(hint) from err
         if ours or _is_fp8_on_disk(param) or any(t in self.experts_tensor_names for t in targets):
             return None  # Fp8Experts tensors: checked after loading (check_fp8_experts)
         return super().get_new_dtype(converter, param, dtype)
+
+    def _skip_list_hint(self, key: str, param: Any) -> str | None:
+        """A high-precision weight where FP8 codes were expected, in a pre-quantized load:
+        the config's ``modules_to_not_convert`` lost a layer the checkpoint kept?"""
+        if not (self.pre_quantized and key.endswith(".weight")):
+            return None
+        try:
+            dtype = stored_dtype(key, param)
+        except CheckpointTensorError:
+            return None
+        if not dtype.is_floating_point or is_fp8(dtype):
+            return None
+        return skip_list_hint(key, self.checkpoint_root, self.modules_to_not_convert)
 
     def get_quantize_ops(self) -> Fp8QuantizeOp:
         return Fp8QuantizeOp(self)

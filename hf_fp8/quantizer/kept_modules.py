@@ -1,0 +1,51 @@
+"""A pre-quantized checkpoint's high-precision layer that its config does not skip.
+
+When ``config.json``'s ``modules_to_not_convert`` lost a layer the checkpoint kept in high
+precision (``lm_head`` most often), the quantizer builds an ``Fp8Linear`` for it and the
+stored float weight is refused as "not fp8". This names the actual fix: the layer has no
+``weight_scale`` in the checkpoint, so it was kept on purpose; put it back in the list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from hf_fp8.utils.safetensors_header import tensor_dtypes
+
+
+def stored_names(root: str) -> set[str] | None:
+    """The tensor names of the local checkpoint folder ``root`` (its index's weight map, or
+    ``model.safetensors``' header); ``None`` when they cannot be read (a Hub id …)."""
+    if not root or not os.path.isdir(root):
+        return None
+    index = os.path.join(root, "model.safetensors.index.json")
+    single = os.path.join(root, "model.safetensors")
+    if os.path.isfile(single):
+        dtypes = tensor_dtypes(single)
+        return None if dtypes is None else set(dtypes)
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return set(weight_map) if isinstance(weight_map, dict) else None
+
+
+def skip_list_hint(key: str, root: str, skip: Sequence[str] | None) -> str | None:
+    """For a high-precision ``<module>.weight`` found where FP8 codes were expected: the
+    message naming the missing ``modules_to_not_convert`` entry when the checkpoint stores no
+    ``<module>.weight_scale`` (the layer was kept in high precision), else ``None``."""
+    module = key.rpartition(".")[0]
+    names = stored_names(root)
+    if not module or names is None or f"{module}.weight_scale" in names:
+        return None
+    leaf = module.rpartition(".")[2]
+    config = os.path.join(root, "config.json")
+    return (
+        f"{key}: stored in high precision, with no {module}.weight_scale: the checkpoint kept "
+        f"{module} unquantized, but quantization_config.modules_to_not_convert "
+        f"({list(skip or [])}) in {config} does not list it. Put it back: add {leaf!r} to "
+        "that list (save_pretrained writes the layers it kept)"
+    )

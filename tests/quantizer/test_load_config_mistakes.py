@@ -1,0 +1,56 @@
+"""Config mistakes at load time get an error that says what to change (reviewer R2 minors).
+
+* ``Fp8Config(dequantize=True)`` with a high-precision checkpoint (on-the-fly) was silently
+  ignored: the model came back FP8.
+* A ``config.json`` whose ``modules_to_not_convert`` lost ``lm_head`` failed on
+  ``lm_head.weight`` not being fp8, without saying to put ``lm_head`` back in the list.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from hf_fp8 import Fp8Config
+from hf_fp8.numerics.checks import CheckpointTensorError
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic")
+    )
+    path = tmp_path_factory.mktemp("fp8_config_mistakes")
+    model.save_pretrained(path)
+    return path
+
+
+def test_on_the_fly_dequantize_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"dequantize=True.*FP8 checkpoint") as err:
+        AutoModelForCausalLM.from_pretrained(
+            tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic", dequantize=True)
+        )
+    assert "without quantization_config" in str(err.value)
+
+
+def _skip_list(fp8_dir: Path, dst: Path, skip: list[str]) -> Path:
+    shutil.copytree(fp8_dir, dst)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization_config"]["modules_to_not_convert"] == ["lm_head"]
+    config["quantization_config"]["modules_to_not_convert"] = skip
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("skip", [[], ["q_proj"]])
+def test_lm_head_dropped_from_the_skip_list_names_the_fix(fp8_dir, tmp_path, skip):
+    folder = _skip_list(fp8_dir, tmp_path / "ckpt", skip)
+    with pytest.raises(CheckpointTensorError, match=r"^lm_head\.weight: ") as err:
+        AutoModelForCausalLM.from_pretrained(folder)
+    message = str(err.value)
+    assert "no lm_head.weight_scale" in message
+    assert f"modules_to_not_convert ({skip})" in message and "add 'lm_head'" in message
