@@ -550,10 +550,12 @@ def fused_mm(
     same operands, products and epilogue; only the fp32 summation order differs. ``out``:
     an ``[m, n]`` bf16 tensor with contiguous rows (e.g. rows of a larger output) that the
     result is written into (eager callers only: it is not a custom op). ``quantize``: an
-    fp8 dtype for dynamic per-token activation scales (``a_scale`` must be ``None``): ``a``
-    is the raw activation, fake-quantized inside the kernel exactly as
+    fp8 dtype: ``a`` is the raw activation, fake-quantized inside the kernel, one C call and
+    one parallel region. With ``a_scale=None`` (dynamic, per token) exactly as
     :func:`quantize_activation` ``(a, None, quantize, "row", _, bf16, post=True)`` would,
-    its scales applied after the matmul; one C call and one parallel region."""
+    its scales applied after the matmul; with a one-value ``a_scale`` (static) exactly as
+    ``quantize_activation(a, a_scale, quantize, "tensor", _, bf16, post=True)``, ``a_scale``
+    applied after the matmul."""
     _check_weight(w, w_scale, w_gran, bn, bk)
     n, k = w.shape
     _check(
@@ -578,8 +580,11 @@ def fused_mm(
     )
     ws = w_scale if w_post else None
     _check(
-        quantize is None or (quantize in FORMATS and a_scale is None),
-        lambda: f"in-kernel quantization takes an fp8 dtype and no given scale, got {quantize}",
+        quantize is None or (quantize in FORMATS and (a_scale is None or a_scale.numel() == 1)),
+        lambda: (
+            f"in-kernel quantization takes an fp8 dtype and no scale (dynamic) or one (static), "
+            f"got {quantize} and {None if a_scale is None else tuple(a_scale.shape)}"
+        ),
     )
     _check(
         a_scale is None

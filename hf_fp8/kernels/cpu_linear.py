@@ -10,8 +10,8 @@ lengths never recompile), then
 * above: the weight decoded tile by tile into the compute dtype (bf16 / fp32, bit-identical
   to the emulation's decode) and torch's matmul, then the emulation's epilogue; with bf16
   on the ``avx512bf16`` path, the fused decode + GEMM instead (``cpu_kernel.fused_mm``),
-  which also fake-quantizes dynamic per-token activations itself (same bits as
-  ``quantize_activation``, one C call).
+  which also fake-quantizes dynamic per-token and static per-tensor activations itself
+  (same bits as ``quantize_activation``, one C call).
 
 :func:`linear` returns ``None`` where it does not apply (fp16 compute above the GEMV
 limit, kernels off or unavailable); the caller runs the compiled emulation then.
@@ -95,6 +95,22 @@ def linear(
         b = None if bias is None else bias.detach().contiguous()
         return cpu_kernel.fused_mm(
             x.detach().contiguous(), w_fp8, w_scale, None, b, w_gran, bn, bk, w_post, path,
+            quantize=act_dtype,
+        )  # fmt: skip
+    if (
+        act_dtype is not None
+        and a_gran == "tensor"
+        and input_scale is not None
+        and input_scale.numel() == 1
+        and dtype == torch.bfloat16
+        and x.shape[1] % 2 == 0
+        and _eager(x, w_fp8)
+        and cpu_kernel.fused_mm_enabled(path)
+    ):  # a static scale: the same, quantized with the given scale inside the kernel
+        b = None if bias is None else bias.detach().contiguous()
+        s = input_scale.detach().float().reshape(1).contiguous()
+        return cpu_kernel.fused_mm(
+            x.detach().contiguous(), w_fp8, w_scale, s, b, w_gran, bn, bk, w_post, path,
             quantize=act_dtype,
         )  # fmt: skip
     a, a_scale, a_post = x.detach().contiguous(), None, False

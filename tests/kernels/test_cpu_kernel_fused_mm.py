@@ -292,3 +292,63 @@ def test_dynamic_linear_quantizes_inside_the_fused_kernel(fused, monkeypatch):
     _, kwargs = _activation(x, "dynamic_token", torch.float8_e4m3fn)
     out = _run(x, w8, ws, None, "row", kwargs, monkeypatch, True)
     assert len(fused) == 1 and out.shape == (33, 40)
+
+
+@pytest.mark.parametrize("act", sorted(FORMATS))
+@pytest.mark.parametrize("gran", ["row", "block"])
+@pytest.mark.parametrize(("m", "k", "n"), [(300, 2050, 61), (250, 2050, 230), (17, 96, 40)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_kernel_static_quantization_is_the_two_step_path(act, gran, m, k, n, threads):
+    """A static (given, per-tensor) activation scale applied inside the fused kernel: the
+    bits of ``quantize_activation`` with that scale followed by the fused matmul with it as
+    the post scale, for NaN, inf, values that saturate and values below the fp8 subnormals,
+    two token blocks or one, a partial last 16 tokens, at 1 and 2 threads."""
+    w8 = _all_codes_weight(n, k, torch.float8_e4m3fn)
+    ws = _weight_scale(n, k, gran)
+    x = torch.randn(m, k) * torch.logspace(-6, 3, k)
+    x[2, 3], x[3, 5], x[4, 0], x[5, :7] = float("nan"), float("inf"), 1e30, 1e-30
+    x = x.to(torch.bfloat16)
+    scale = torch.tensor([0.5 / torch.finfo(FORMATS[act]).max])  # |x| > 0.5 saturates
+    post = gran == "row"
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        args = (w8, ws, scale, None, gran, *BLOCK, post, PATH)
+        got = cpu_kernel.fused_mm(x, *args, quantize=FORMATS[act])
+        a, s = cpu_kernel.quantize_activation(
+            x, scale, FORMATS[act], "tensor", 1, torch.bfloat16, True, PATH
+        )
+        want = cpu_kernel.fused_mm(a, w8, ws, s.reshape(-1), None, gran, *BLOCK, post, PATH)
+    finally:
+        torch.set_num_threads(saved)
+    assert got.isnan().any(), "the NaN token should reach the output"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_static_linear_quantizes_inside_the_fused_kernel(fused, monkeypatch):
+    """A bf16 static linear above the GEMV limit is one fused_mm call with in-kernel
+    quantization (no separate quantize_activation pass), within the float64 bound."""
+    monkeypatch.setattr(
+        cpu_kernel, "quantize_activation", lambda *a, **k: pytest.fail("separate quantization")
+    )
+    w8 = _all_codes_weight(40, 96, torch.float8_e4m3fn)
+    ws = _weight_scale(40, 96, "row")
+    x = torch.randn(33, 96).to(torch.bfloat16)
+    a64, kwargs = _activation(x, "static", torch.float8_e4m3fn)
+    out = _run(x, w8, ws, None, "row", kwargs, monkeypatch, True)
+    assert len(fused) == 1 and out.shape == (33, 40)
+    w64 = w8.double() * ws.double().reshape(-1, 1)
+    ref = a64 @ w64.T
+    assert bool(((out.double() - ref).abs() <= _bound(a64, w64, ref, 2**-7, 2**-7)).all())
+
+
+def test_fused_mm_refuses_two_static_scales(monkeypatch):
+    """In-kernel quantization takes no scale (dynamic) or one (static), never per token."""
+    w8 = _all_codes_weight(30, 64, torch.float8_e4m3fn)
+    ws = _weight_scale(30, 64, "row")
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"no scale \(dynamic\) or one \(static\)"):
+        cpu_kernel.fused_mm(
+            x, w8, ws, torch.ones(20), None, "row", *BLOCK, True, PATH,
+            quantize=torch.float8_e4m3fn,
+        )  # fmt: skip

@@ -1129,7 +1129,8 @@ typedef struct {
     int64_t kc;           /* K block: at most MM_KC, a multiple of 64 (the last one shorter) */
     int64_t mc0, mc, mcp, ldx; /* the token block mm_pack_x packs (pair stride ldx) */
     int fmt, wgran;
-    int qfmt;             /* >= 0: quantize x per token to this fp8 format first (dynamic) */
+    int qfmt;             /* >= 0: quantize x to this fp8 format first: per token (dynamic) */
+    const float *qscale;  /*   or with this given scale [1] (static; then also the post scale) */
     float qfloor;         /* its scale floor */
     struct mm_share *sh;  /* one token block: the packing shared by the threads, or NULL */
 } mm_t;
@@ -1200,13 +1201,19 @@ static void mm_pack_rows(const mm_t *g, const uint16_t *src, int64_t m0, int64_t
 }
 
 /* The token block [mc0, mc0 + mc) into xp (tokens mc .. mcp, a multiple of 16: zeros), 16
- * tokens at a time; with qfmt >= 0 each 16 first go through fp8_quant_act's per-token code
- * (scales into sc[token], values into tmp: 16 x K bf16), so they are the same bits. */
+ * tokens at a time; with qfmt >= 0 each 16 first go through fp8_quant_act's code (per token:
+ * scales into sc[token]; or with the given static scale; values into tmp: 16 x K bf16), so
+ * they are the same bits. */
 static void mm_pack_group(const mm_t *g, int64_t m0, int64_t b0, int64_t b1, uint32_t *xp,
                           uint16_t *tmp, float *sc) {
     int64_t rows = g->mc - m0 < 16 ? g->mc - m0 : 16;
     const uint16_t *src = g->x + (g->mc0 + m0) * g->K;
-    if (g->qfmt >= 0) {
+    if (g->qfmt >= 0 && g->qscale) { /* fp8_quant_act(gran tensor, given): phase 1 only */
+        quant_t q = {src, (float *)g->qscale, tmp, rows, g->K, g->K, 0, rows, 1, GRAN_TENSOR,
+                     g->qfmt, OUT_BF16, 1, 1, 1, g->qfloor};
+        quant_worker(&q);
+        src = tmp;
+    } else if (g->qfmt >= 0) {
         quant_t q = {src, sc + g->mc0 + m0, tmp, rows, g->K, g->K, 0, rows, 1, GRAN_ROW,
                      g->qfmt, OUT_BF16, 1, 2, 0, g->qfloor};
         quant_worker(&q);
@@ -1496,7 +1503,9 @@ __attribute__((optimize("no-split-loops"))) static void *mm_worker(void *arg) {
     uint16_t *wb = (uint16_t *)scratch;
     uint32_t *xp = sh ? sh->xp : (uint32_t *)(scratch + n_wb);
     float *c = multi ? (float *)(scratch + n_wb + n_xp) : NULL;
-    float *sc = gl.qfmt < 0 ? NULL : sh ? sh->sc : (float *)(scratch + n_wb + n_xp + n_c);
+    float *sc = gl.qfmt < 0 || gl.qscale ? NULL
+                : sh                       ? sh->sc
+                                           : (float *)(scratch + n_wb + n_xp + n_c);
     uint16_t *tmp = gl.qfmt >= 0 ? (uint16_t *)(scratch + n_wb + n_xp + n_c + n_sc) : NULL;
     if (sc) gl.as = sc, gl.as_n = g->M; /* the token scales (identical in every thread) */
     int ahead = 0; /* 1: the previous panel's last tile already decoded this one into wb */
@@ -1582,10 +1591,12 @@ static void mm_range(void *p, int64_t n0, int64_t n1) {
 
 #if IN_PART(1)
 /* out [M, N] bf16 = epilogue(bf16(x @ decode(w).T)): see above. ws: folded into the decode
- * (NULL: unscaled codes); as / ps: post scales. qfmt >= 0 (then as = NULL): x is first
- * fake-quantized per token to that format, exactly as fp8_quant_act(gran row, post, bf16
- * out, floor qfloor) does, inside the kernel (no second parallel region), and the token
- * scales are the activation post scales. Returns -3 where the path lacks the kernel. */
+ * (NULL: unscaled codes); as / ps: post scales. qfmt >= 0: x is first fake-quantized to
+ * that format inside the kernel (no second parallel region): with as = NULL per token,
+ * exactly as fp8_quant_act(gran row, post, bf16 out, floor qfloor) does, the token scales
+ * then being the activation post scales; with a given scale as ([1], static) exactly as
+ * fp8_quant_act(gran tensor, given, post, bf16 out), as staying the post scale. Returns -3
+ * where the path lacks the kernel. */
 int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                 const float *ws, int64_t wgran, int64_t bn, int64_t bk, const float *as,
                 int64_t as_n, const float *ps, int64_t ps_n, const uint16_t *bias,
@@ -1593,7 +1604,7 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
 #if FP8_PATH == 4
     if (M < 1 || K < 2 || (K & 1) || N < 1 || bn < 1 || bk < 1 || (fmt != 0 && fmt != 1) ||
         (as && as_n != 1 && as_n != M) || (ps && ps_n != 1 && ps_n != N) || qfmt < -1 ||
-        qfmt > 1 || (qfmt >= 0 && as))
+        qfmt > 1 || (qfmt >= 0 && as && as_n != 1))
         return -1;
     pthread_once(&LUT_ONCE, lut_init);
     int err = 0;
@@ -1602,7 +1613,7 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
     int64_t blocks = (K + MM_KC - 1) / MM_KC, kc = ((K + blocks - 1) / blocks + 63) & ~(int64_t)63;
     blocks = (K + kc - 1) / kc;
     mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, kc,
-              0, 0, 0, 0, (int)fmt, (int)wgran, (int)qfmt, qfloor, NULL};
+              0, 0, 0, 0, (int)fmt, (int)wgran, (int)qfmt, qfmt >= 0 ? as : NULL, qfloor, NULL};
     mm_share_t sh = {NULL, NULL, NULL, 0, 0, 0};
     if (M <= MM_MC) { /* one token block: packed once, by all threads together */
         int64_t mcp = (M + 15) & ~(int64_t)15;
