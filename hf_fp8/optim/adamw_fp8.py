@@ -199,9 +199,48 @@ class AdamWFp8(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self._check_step(index)  # refuses before any weight or state changes, like torch
         for group in self.param_groups:
             self._step_group(group, index)
         return loss
+
+    def _check_step(self, index: dict[torch.Tensor, int]) -> None:
+        """Raise now, before anything changes, if some parameter of this step would be refused
+        (a sparse gradient; ``implementation="cpu_kernel"`` and a tensor the kernel cannot
+        take): raising half-way left earlier parameters stepped."""
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"AdamWFp8 does not support sparse gradients (parameter {index[p]}, "
+                        f"param group {i}); nothing was updated. Use torch.optim.SparseAdam "
+                        "for sparse parameters (e.g. nn.Embedding(sparse=True))"
+                    )
+                if self.implementation == "cpu_kernel":
+                    self._check_kernel_takes(p, group)
+
+    def _check_kernel_takes(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """:meth:`_resolve`'s refusal of ``implementation="cpu_kernel"``, ahead of the step."""
+        state = self.state.get(p)  # .get: no empty entry for a parameter not stepped yet
+        if state:
+            if not is_quantized_state(state):
+                return
+            states = tuple(None if s is None else local(s) for s in quantized_states(state))
+            code = states[0].dtype
+        else:
+            if not (wants_quantized(p, group) and quantizable_placements(p)):
+                return
+            states = ()  # fresh states: contiguous, on the parameter's device
+            code = torch.int8 if resolved_format(group) == "log" else fp8_dtype(group["fp8_format"])
+        param = local(p)
+        if param.numel() == 0:
+            return
+        # the step runs on a contiguous copy: an empty stand-in of the same dtype and device
+        stand_in = param.new_empty(0)
+        expand = group["dynamic_range_expansion"]
+        self._resolve(stand_in, local(p.grad), states, code, expand, step_options(group))
 
     def _step_group(self, group: dict[str, Any], index: dict[torch.Tensor, int]) -> None:
         beta1, beta2 = group["betas"]
@@ -213,8 +252,6 @@ class AdamWFp8(Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise RuntimeError("AdamWFp8 does not support sparse gradients")
             state = self.state[p]
             if not state:
                 self._init_state(p, state, group)
@@ -277,7 +314,7 @@ class AdamWFp8(Optimizer):
         expand = group["dynamic_range_expansion"]
         options = step_options(group)
         work = param if param.is_contiguous() else param.contiguous()
-        impl = self._resolve(work, grad, states, expand, options)
+        impl = self._resolve(work, grad, states, states[0].dtype, expand, options)
         if impl == "cpu_kernel":  # queued: one kernel call per group and variant
             batch.add(work, grad, states, hp, cols, gs, expand, copy_to=param, keys=keys, **options)
             return
@@ -302,6 +339,7 @@ class AdamWFp8(Optimizer):
         param: torch.Tensor,
         grad: torch.Tensor,
         states: tuple,
+        code_dtype: torch.dtype,
         expand: bool,
         options: dict[str, bool],
     ) -> str:
@@ -315,7 +353,7 @@ class AdamWFp8(Optimizer):
                 )
             else:
                 variant = _cpu_kernel.variant(
-                    param.dtype, grad.dtype, states[0].dtype, expand, **options
+                    param.dtype, grad.dtype, code_dtype, expand, **options
                 )
                 if _cpu_kernel.load(variant):
                     return "cpu_kernel"
