@@ -87,9 +87,28 @@ def handler(expand: bool, ctx: Any) -> tuple[type, dict[str, Any]]:
         raise RuntimeError(
             f"transformers' OptimizerContext changed ({exc}); {_PUBLIC_ROUTE}"
         ) from exc
+    parsed = parse_optim_args(optim_args or {})
+    _check_format_fits_the_name(expand, parsed)
     kwargs["dynamic_range_expansion"] = expand
-    kwargs.update(parse_optim_args(optim_args or {}))
+    kwargs.update(parsed)
     return AdamWFp8, kwargs
+
+
+def _check_format_fits_the_name(expand: bool, parsed: dict[str, Any]) -> None:
+    """The plain-FP8 name sets ``dynamic_range_expansion=False`` itself: ``moment_format=log``
+    cannot run without expansion and ``auto`` would always mean the fp8 codes. Unless the user
+    set ``dynamic_range_expansion`` in ``optim_args`` too, name the optim that fits."""
+    fmt = parsed.get("moment_format")
+    if expand or fmt not in ("log", "auto") or "dynamic_range_expansion" in parsed:
+        return
+    plain = next(name for name, (_, on) in TRAINER_OPTIMIZERS.items() if not on)
+    coat = next(name for name, (_, on) in TRAINER_OPTIMIZERS.items() if on)
+    effect = "needs" if fmt == "log" else "picks the log codes only with"
+    raise ValueError(
+        f'optim="{plain}" is plain per-group FP8 (it sets dynamic_range_expansion=False), and '
+        f"moment_format={fmt} {effect} COAT's expansion: use "
+        f'optim="{coat}" with optim_args="moment_format={fmt}"'
+    )
 
 
 _handler = handler  # the name older callers used
