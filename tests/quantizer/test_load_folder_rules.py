@@ -99,3 +99,17 @@ def test_subfolder_weights_outside_the_folder_are_refused(fp8_dir, tmp_path):
     shutil.move(folder, root / "m")  # root/m/../../outside is tmp_path/outside
     with pytest.raises(UnsafePathError, match=r"outside the folder|leaves the folder"):
         AutoModelForCausalLM.from_pretrained(root, subfolder="m")
+
+
+def test_hub_cache_snapshot_links_into_blobs_still_load(fp8_dir, tmp_path):
+    """A Hub cache snapshot's files are links into the repo's ``blobs/``: the cache's layout,
+    allowed (as ``hf-fp8 inspect`` allows it)."""
+    from tests.hub.fake_hub import cache_folder, repo_folder
+
+    commit = cache_folder(tmp_path, "org/fp8", fp8_dir)
+    snapshot = repo_folder(tmp_path, "org/fp8") / "snapshots" / commit
+    assert (snapshot / "model.safetensors").is_symlink()
+    reference = AutoModelForCausalLM.from_pretrained(fp8_dir)
+    model = AutoModelForCausalLM.from_pretrained(snapshot)
+    q = "model.layers.0.self_attn.q_proj"
+    assert torch.equal(model.get_submodule(q).weight_scale, reference.get_submodule(q).weight_scale)
