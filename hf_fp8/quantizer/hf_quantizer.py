@@ -146,8 +146,8 @@ class Fp8HfQuantizer(HfQuantizer):
         if not self.pre_quantized and self.quantization_config.dequantize:
             raise ValueError(
                 "Fp8Config(dequantize=True) loads an FP8 checkpoint back in high precision, "
-                "but this checkpoint is not FP8 (it would be quantized on the fly and then "
-                "ignored the flag). To load it in high precision, call from_pretrained "
+                "but this checkpoint is not FP8: quantizing it on the fly would ignore the flag "
+                "and return an FP8 model. To load it in high precision, call from_pretrained "
                 "without quantization_config; to quantize it, leave dequantize=False"
             )
         # a layer offloaded to disk never reaches its module: its scales are read and checked
