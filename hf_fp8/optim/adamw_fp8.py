@@ -118,7 +118,10 @@ class AdamWFp8(Optimizer):
         # public Trainer route, independent of transformers' internals:
         Trainer(model, args, optimizer_cls_and_kwargs=(hf_fp8.AdamWFp8, {"lr": 3e-4}))
 
-    Non-finite gradients give non-finite parameters, as with ``torch.optim.AdamW``.
+    Non-finite gradients give non-finite parameters, as with ``torch.optim.AdamW``. Moments
+    and the update are fp32 for every parameter dtype; float64 weights are decayed and updated
+    in float64 (never rounded to fp32). A refused step (a sparse gradient, or a tensor
+    ``implementation="cpu_kernel"`` cannot take) raises before any weight or state changes.
     """
 
     def __init__(
@@ -445,8 +448,10 @@ class AdamWFp8(Optimizer):
         or ``dynamic_range_expansion``, and :class:`OptimizerStateError` (a ``ValueError``)
         when a tensor does not fit its parameter (shape, dtype, range) — before anything is
         changed. A ``torch.optim.AdamW`` state is accepted: its fp32 moments become FP8 for
-        the parameters this optimizer quantizes. Load-state-dict pre- and post-hooks run on
-        the real state, as in ``torch.optim.Optimizer``.
+        the parameters this optimizer quantizes. Saved param-group keys are kept, as in
+        ``torch.optim`` (a scheduler's ``initial_lr``), except torch's own flags
+        (:data:`TORCH_ONLY_KEYS`). Load-state-dict pre- and post-hooks run on the real state,
+        as in ``torch.optim.Optimizer``.
         """
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
