@@ -12,6 +12,7 @@ from hf_fp8.config import Fp8Config
 from hf_fp8.modules import (
     Fp8Experts,
     Fp8Linear,
+    check_activation_scales,
     convertible_modules,
     unconverted_linears,
     warn_unmatched,
@@ -159,7 +160,9 @@ def quantize_model(
             UserWarning,
             stacklevel=2,
         )
-    _refuse_changed_calls([*(t[:2] for t in targets), *(e[:2] for e in experts)])
+    converted = [*(t[:2] for t in targets), *(e[:2] for e in experts)]
+    check_activation_scales(model, config.activation_scales, converted=converted)
+    _refuse_changed_calls(converted)
     _swap_linears(config, targets)
     swapped: dict[int, Fp8Experts] = {}  # experts shared by two parents stay shared
     for name, module, parent, fp8_class in experts:

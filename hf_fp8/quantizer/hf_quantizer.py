@@ -15,6 +15,7 @@ from transformers.quantizers.base import HfQuantizer
 from hf_fp8.config import Fp8Config
 from hf_fp8.modules import (
     Fp8Linear,
+    check_activation_scales,
     convertible_modules,
     is_conv1d,
     matches_module,
@@ -240,6 +241,8 @@ class Fp8HfQuantizer(HfQuantizer):
                 for proj in experts.layout.projections
                 if getattr(experts, f"{proj}_bias", None) is not None
             )
+        if not self.pre_quantized:  # a key that names no converted layer: refused, named
+            check_activation_scales(model, config.activation_scales)
         model.config.quantization_config = config
 
     def update_parallel_plan(self, model, plan: dict[str, str]) -> None:

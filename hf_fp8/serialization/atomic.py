@@ -1,8 +1,9 @@
 """Safe paths and atomic folder writes: nothing outside its folder, no half-written checkpoint.
 
-* ``contained(root, relpath)`` resolves a path named by a file (a shard in an index, a file to
-  copy or upload) and refuses it unless it lies inside ``root``; symlinks are refused (except
-  links into ``links_within``, e.g. a Hub cache snapshot's links into its ``blobs/``).
+* ``contained(root, relpath)`` (from ``hf_fp8.utils.folders``) resolves a path named by a file
+  (a shard in an index, a file to copy or upload) and refuses it unless it lies inside
+  ``root``; symlinks are refused (except links into ``links_within``, e.g. a Hub cache
+  snapshot's links into its ``blobs/``).
 * ``atomic_folder(dest)`` yields an empty temporary folder to write into; on success its files
   land in ``dest``. Files of an existing ``dest`` that the writer did not write (LoRA
   adapters, README, sentence-transformers files …) are kept, unless named in ``drop``. On
@@ -49,68 +50,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from hf_fp8.utils.folders import UnsafePathError, contained, hub_cache_root  # noqa: F401 (re-export)
 from hf_fp8.utils.processes import pid_gone
 
 TMP_MARKER = ".hf_fp8-tmp-"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-
-
-class UnsafePathError(ValueError):
-    """A path escapes its folder, is absolute, or goes through a symlink."""
-
-
-def _is_link(path: Path) -> bool:
-    return path.is_symlink() or (hasattr(path, "is_junction") and path.is_junction())
-
-
-def contained(
-    root: str | os.PathLike,
-    relpath: str | os.PathLike,
-    *,
-    links_within: str | os.PathLike | None = None,
-) -> Path:
-    """``root / relpath`` resolved; raises ``UnsafePathError`` when ``relpath`` is absolute,
-    leaves ``root`` (``..``), or passes through a symlink. With ``links_within``, a symlink
-    whose target lies inside that folder is allowed (Hub cache snapshots link into ``blobs/``).
-    The path need not exist."""
-    base = Path(root).resolve()
-    rel = Path(relpath)
-    text = os.fspath(relpath)
-    if rel.is_absolute() or rel.drive or text.startswith(("/", "\\")):
-        raise UnsafePathError(
-            f"{text!r} is an absolute path; files of {base} must be named relative to it"
-        )
-    allowed = Path(links_within).resolve() if links_within is not None else None
-    current = base
-    for part in rel.parts:
-        if part in ("", "."):
-            continue
-        if part == "..":
-            raise UnsafePathError(f"{text!r} leaves the folder {base} ('..' is not allowed)")
-        current = current / part
-        if _is_link(current):
-            target = current.resolve()
-            if allowed is None or not target.is_relative_to(allowed):
-                raise UnsafePathError(
-                    f"{current} is a symlink: hf_fp8 does not follow links in a checkpoint "
-                    "folder; replace it with the file itself"
-                )
-            current = target
-    final = current.resolve()
-    if not (final.is_relative_to(base) or (allowed is not None and final.is_relative_to(allowed))):
-        raise UnsafePathError(f"{text!r} resolves outside the folder {base}")
-    return current
-
-
-def hub_cache_root(folder: str | os.PathLike) -> Path | None:
-    """The repo folder (``models--org--name``) when ``folder`` is a Hub cache snapshot, whose
-    files are symlinks into the repo's ``blobs/``; else ``None``."""
-    folder = Path(folder).resolve()
-    repo = folder.parent.parent
-    if folder.parent.name == "snapshots" and (repo / "blobs").is_dir():
-        return repo / "blobs"
-    return None
 
 
 # -- atomic folder writes --------------------------------------------------------------------
@@ -121,7 +66,13 @@ def _libc_exchange() -> ctypes._CFuncPtr | None:
     except (OSError, AttributeError):
         return None
     if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.argtypes = [
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_uint,
+        ]
         fn.restype = ctypes.c_int
     return fn
 
@@ -138,7 +89,13 @@ def _exchange(a: Path, b: Path) -> bool:
     if rc == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+    if err in (
+        errno.ENOSYS,
+        errno.EINVAL,
+        errno.ENOTSUP,
+        errno.EOPNOTSUPP,
+        errno.EXDEV,
+    ):
         return False
     raise OSError(err, os.strerror(err), str(b))
 
@@ -239,7 +196,9 @@ def _check_replaceable(dest: Path, rels: Iterable[str]) -> None:
             continue
         target = parent / name
         if not os.access(
-            parent, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids
+            parent,
+            os.W_OK | os.X_OK,
+            effective_ids=os.access in os.supports_effective_ids,
         ):
             raise PermissionError(
                 f"{target}: cannot be replaced, {parent} is not writable by this user; "

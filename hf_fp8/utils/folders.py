@@ -4,9 +4,9 @@
 (transformers' ``from_pretrained``) reads a folder: by the CLI's ``quantize`` / ``inspect`` /
 ``export`` and by the quantizer when ``from_pretrained`` loads a pre-quantized hf_fp8
 checkpoint. ``folder_files`` lists a folder's files and refuses symlinks (what ``push``
-uploads, what conversions copy). The path primitives (``contained``: inside the folder, no
-``..``, no absolute name, no symlink) live in :mod:`hf_fp8.serialization.atomic`, which has
-no dependency on torch or transformers.
+uploads, what conversions copy). ``contained(root, relpath)`` is the one path rule: inside
+the folder, no ``..``, no absolute name, no symlink (except a Hub cache snapshot's links into
+its own ``blobs/``). Standard library only.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from hf_fp8.serialization.atomic import UnsafePathError, contained, hub_cache_root
-
 # What transformers' from_pretrained reads from a local folder, first found wins (5.x).
 _LOAD_ORDER = (
     "model.safetensors",
@@ -25,6 +23,63 @@ _LOAD_ORDER = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+
+
+class UnsafePathError(ValueError):
+    """A path escapes its folder, is absolute, or goes through a symlink."""
+
+
+def _is_link(path: Path) -> bool:
+    return path.is_symlink() or (hasattr(path, "is_junction") and path.is_junction())
+
+
+def contained(
+    root: str | os.PathLike,
+    relpath: str | os.PathLike,
+    *,
+    links_within: str | os.PathLike | None = None,
+) -> Path:
+    """``root / relpath`` resolved; raises ``UnsafePathError`` when ``relpath`` is absolute,
+    leaves ``root`` (``..``), or passes through a symlink. With ``links_within``, a symlink
+    whose target lies inside that folder is allowed (Hub cache snapshots link into ``blobs/``).
+    The path need not exist."""
+    base = Path(root).resolve()
+    rel = Path(relpath)
+    text = os.fspath(relpath)
+    if rel.is_absolute() or rel.drive or text.startswith(("/", "\\")):
+        raise UnsafePathError(
+            f"{text!r} is an absolute path; files of {base} must be named relative to it"
+        )
+    allowed = Path(links_within).resolve() if links_within is not None else None
+    current = base
+    for part in rel.parts:
+        if part in ("", "."):
+            continue
+        if part == "..":
+            raise UnsafePathError(f"{text!r} leaves the folder {base} ('..' is not allowed)")
+        current = current / part
+        if _is_link(current):
+            target = current.resolve()
+            if allowed is None or not target.is_relative_to(allowed):
+                raise UnsafePathError(
+                    f"{current} is a symlink: hf_fp8 does not follow links in a checkpoint "
+                    "folder; replace it with the file itself"
+                )
+            current = target
+    final = current.resolve()
+    if not (final.is_relative_to(base) or (allowed is not None and final.is_relative_to(allowed))):
+        raise UnsafePathError(f"{text!r} resolves outside the folder {base}")
+    return current
+
+
+def hub_cache_root(folder: str | os.PathLike) -> Path | None:
+    """The repo folder (``models--org--name``) when ``folder`` is a Hub cache snapshot, whose
+    files are symlinks into the repo's ``blobs/``; else ``None``."""
+    folder = Path(folder).resolve()
+    repo = folder.parent.parent
+    if folder.parent.name == "snapshots" and (repo / "blobs").is_dir():
+        return repo / "blobs"
+    return None
 
 
 def _walk(root: Path) -> Iterator[str]:
