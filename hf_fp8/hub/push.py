@@ -16,9 +16,9 @@ from transformers.utils import hub as hf_hub
 
 from hf_fp8.hub.card import merge_card
 from hf_fp8.hub.card_info import info_from_summary
-from hf_fp8.serialization.atomic import UnsafePathError, contained, hub_cache_root
 from hf_fp8.serialization.checkpoint import CARD_NAME, Checkpoint
 from hf_fp8.serialization.summary import summarize
+from hf_fp8.utils.folders import folder_files as utils_folder_files
 
 
 def card_for_folder(
@@ -43,24 +43,11 @@ def card_for_folder(
 
 
 def folder_files(folder: str | os.PathLike) -> list[str]:
-    """Relative paths of the files ``push_folder`` uploads: hidden files and folders left out;
-    every path checked to lie inside ``folder`` (``hf_fp8.serialization.atomic.contained``), so
-    a symlink raises ``UnsafePathError`` (links into the blobs of a Hub cache snapshot are
-    allowed). ``README.md`` is left out: the card is uploaded from memory."""
-    root = Path(folder)
-    blobs = hub_cache_root(root)
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        here = Path(dirpath).relative_to(root)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in [*dirnames, *sorted(filenames)]:
-            rel = (here / name).as_posix()
-            path = contained(root, rel, links_within=blobs)  # refuses symlinks, escapes
-            if name in filenames and not name.startswith(".") and rel != CARD_NAME:
-                if not path.is_file():
-                    raise UnsafePathError(f"{root / rel} is not a regular file")
-                files.append(rel)
-    return files
+    """Relative paths of the files ``push_folder`` uploads: those of
+    :func:`hf_fp8.utils.folders.folder_files` (hidden files left out, a symlink other than a Hub
+    cache snapshot's raises ``UnsafePathError``) except ``README.md``: the card is uploaded from
+    memory."""
+    return utils_folder_files(folder, keep=lambda rel: rel != CARD_NAME)
 
 
 def push_folder(
