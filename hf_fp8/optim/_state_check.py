@@ -17,6 +17,7 @@ parameter. Errors name the parameter and the tensor, and say how to fix it.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -98,18 +99,30 @@ def _check_range(t: torch.Tensor, pid: Any, key: str, lo: float, hi: float) -> N
 
 
 FLT_MAX = torch.finfo(torch.float32).max
-CHUNK = 1 << 22  # elements per piece of a code check (bounds the temporary fp32 copy)
+SIGN_BIT = 0x80
+
+
+@functools.cache
+def first_non_finite_magnitude(fp8: torch.dtype) -> int:
+    """The smallest 7-bit magnitude code of ``fp8`` that torch reads as NaN / inf (e4m3fn:
+    0x7F, e5m2: 0x7C); every larger one is non-finite too."""
+    values = torch.arange(SIGN_BIT, dtype=torch.uint8).view(fp8).float()
+    bad = ~torch.isfinite(values)
+    first = int(bad.nonzero()[0])
+    assert bool(bad[first:].all())
+    return first
 
 
 def _check_codes(t: torch.Tensor, pid: Any, key: str, *, second_moment: bool) -> None:
-    """fp8 codes: no NaN / inf bit pattern; second-moment codes not negative (``v >= 0``)."""
-    flat = local(t).reshape(-1)
-    for start in range(0, flat.numel(), CHUNK):
-        x = flat[start : start + CHUNK].float()
-        if not bool(torch.isfinite(x).all()):
-            raise _fail(pid, key, "holds NaN or inf codes (a corrupt or hand-edited state)")
-        if second_moment and bool((x < 0).any()):
-            raise _fail(pid, key, "holds negative second-moment codes (v >= 0 always)")
+    """fp8 codes: no NaN / inf bit pattern; second-moment codes not negative (``v >= 0``;
+    -0, code 0x80, is zero). On the raw bytes: no fp32 copy of the codes."""
+    b = local(t).view(torch.uint8)
+    if not b.numel():
+        return
+    if int((b & (SIGN_BIT - 1)).max()) >= first_non_finite_magnitude(t.dtype):
+        raise _fail(pid, key, "holds NaN or inf codes (a corrupt or hand-edited state)")
+    if second_moment and int(b.max()) > SIGN_BIT:
+        raise _fail(pid, key, "holds negative second-moment codes (v >= 0 always)")
 
 
 def _check_top_decodes(top: torch.Tensor, pid: Any, key: str, what: str) -> None:
