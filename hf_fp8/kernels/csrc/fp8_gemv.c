@@ -1573,7 +1573,8 @@ __attribute__((optimize("no-split-loops"))) static void *mm_worker(void *arg) {
                     }
                     if (fuse) { /* the columns the last tile did not decode, zero rows */
                         int64_t done = mm_dec_done(&dec, kc / 2);
-                        mm_decode_panel_cols(g, q0, qn, qk, done, qkc, wb);
+                        if (done < qkc || qn < MM_MR) /* (usually nothing is left) */
+                            mm_decode_panel_cols(g, q0, qn, qk, done, qkc, wb);
                     }
                     ahead = fuse;
                 }
