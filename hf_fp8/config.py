@@ -97,7 +97,7 @@ class Fp8Config(QuantizationConfigMixin):
         self.__dict__.update(
             quant_method=QUANT_METHOD,
             **recipe.to_strings(),
-            modules_to_not_convert=_module_names(modules_to_not_convert),
+            modules_to_not_convert=module_names(modules_to_not_convert),
             **scales,
             dequantize=_bool(dequantize, "dequantize"),
             _recipe=recipe,
@@ -199,14 +199,15 @@ def _bool(value: Any, field: str) -> bool:
     return value
 
 
-def _module_names(names: Any) -> list[str] | None:
-    """``modules_to_not_convert``: ``None`` or a list / tuple of non-empty module names."""
+def module_names(names: Any, option: str = "modules_to_not_convert") -> list[str] | None:
+    """``None`` or a list / tuple of non-empty module names (``modules_to_not_convert``,
+    ``quantize_model``'s ``skip``); ``option`` names the argument in the errors."""
     if names is None:
         return None
     if not isinstance(names, (list, tuple)):
         hint = f"; for one name write [{names!r}]" if isinstance(names, str) else ""
         raise ValueError(
-            "modules_to_not_convert must be a list of module names (str), e.g. ['lm_head'], "
+            f"{option} must be a list of module names (str), e.g. ['lm_head'], "
             f"or None; got {names!r} ({type(names).__name__}){hint}"
         )
     for i, name in enumerate(names):
@@ -215,7 +216,7 @@ def _module_names(names: Any) -> list[str] | None:
                 "an empty name, which matches no module" if isinstance(name, str) else "not a str"
             )
             raise ValueError(
-                f"modules_to_not_convert[{i}]={name!r} is {what}: the list holds module names "
+                f"{option}[{i}]={name!r} is {what}: the list holds module names "
                 "(str), e.g. ['lm_head', 'model.layers.0.mlp']; remove or fix that entry"
             )
     return list(names)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from torch import nn
 from transformers import PreTrainedModel
 
-from hf_fp8.config import Fp8Config
+from hf_fp8.config import Fp8Config, module_names
 from hf_fp8.modules import (
     Fp8Experts,
     Fp8Linear,
@@ -141,7 +141,7 @@ def quantize_model(
     load, so ``save_pretrained`` writes an hf_fp8 checkpoint that reloads pre-quantized.
     """
     _check_existing_fp8(model, config)
-    patterns = [*(config.modules_to_not_convert or []), *(skip or [])]
+    patterns = [*(config.modules_to_not_convert or []), *(module_names(skip, "skip") or [])]
     warn_unmatched(model, patterns, "modules_to_not_convert / skip")
     if default_skips:
         patterns += default_skipped_modules(model)
