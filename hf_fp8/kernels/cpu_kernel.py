@@ -15,9 +15,9 @@ hardened loader; cached per machine):
 * ``fp8_mm_bf16`` (``avx512bf16`` path): decode and matmul fused for many bf16 tokens: a
   register-blocked bf16 GEMM (``vdpbf16ps``) in which the weight is the broadcast operand, so
   a panel of 14 rows is only decoded into L1 (never transposed or packed) while the far
-  smaller activation is packed once per call (by all threads together; dynamic per-token
-  activations are fake-quantized there too, bit-identical to ``fp8_quant_act``); then the same
-  epilogue. It replaces decode + ``F.linear`` per tile where oneDNN has no AMX to beat it
+  smaller activation is packed once per call (by all threads together; dynamic per-token and
+  static per-tensor activations are fake-quantized there too, bit-identical to
+  ``fp8_quant_act``); then the same epilogue. It replaces decode + ``F.linear`` per tile where oneDNN has no AMX to beat it
   (:func:`fused_mm_enabled`).
 
 Work is spread over ``torch.get_num_threads()`` threads of torch's own OpenMP team.
