@@ -79,7 +79,7 @@ FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 GRANULARITIES = {"tensor": 0, "row": 1, "block": 2}
 _ASCALE = {None: 0, "tensor": 1, "token": 2}
 _OUT = {torch.float32: 0, torch.bfloat16: 1}
-# bytes of decoded weight per matmul tile: about a core's L2 (2 MiB here); smaller tiles make
+# bytes of decoded weight per matmul tile: twice a core's L2 (1 MiB here); smaller tiles make
 # oneDNN's per-call overhead dominate (bench: 1 MiB 1.13x, 2 MiB 1.08x bf16 at M=256)
 TILE_BYTES = 2 << 20
 
