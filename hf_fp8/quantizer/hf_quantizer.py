@@ -44,7 +44,7 @@ from hf_fp8.quantizer.validation import (
     stored_dtype,
     validate_loaded_model,
 )
-from hf_fp8.utils.folders import check_files_inside, check_source_folder
+from hf_fp8.utils.folders import check_loaded_files
 
 _FP8_PARAMS = ("weight", "weight_scale")
 
@@ -137,7 +137,8 @@ class Fp8HfQuantizer(HfQuantizer):
         self.experts_tensor_names: set[str] = set()
         # checkpoint keys of the biases of FP8 layers: refused as fp8 / integers while loading
         self.bias_names: set[str] = set()
-        self.checkpoint_root = ""  # config.name_or_path: the folder errors name files in
+        self.checkpoint_root = ""  # the folder read (root/subfolder): errors name files in it
+        self.checkpoint_files: list[str] = []  # what transformers resolved and reads
 
     @property
     def quantized_element_size(self) -> float:
@@ -191,11 +192,12 @@ class Fp8HfQuantizer(HfQuantizer):
             self.quantization_config = config
         self.modules_to_not_convert = skip
         self.checkpoint_root = str(getattr(model.config, "_name_or_path", "") or "")
+        self.checkpoint_files = [os.fspath(f) for f in kwargs.get("checkpoint_files") or ()]
         if self.pre_quantized and os.path.isdir(self.checkpoint_root):
-            # transformers follows ``..`` / absolute shard names and symlinks: only the
-            # folder's own files are read (DESIGN §8), as ``hf-fp8 inspect`` requires
-            check_source_folder(self.checkpoint_root)
-            check_files_inside(self.checkpoint_root, kwargs.get("checkpoint_files"))
+            # transformers follows ``..`` / absolute shard names and symlinks: the index it
+            # reads and the files it names must be the folder's own (DESIGN §8). The folder
+            # read is ``root/subfolder``: errors name files there.
+            self.checkpoint_root = check_loaded_files(self.checkpoint_root, self.checkpoint_files)
         static_pre_quantized = self.pre_quantized and config.activation_scheme == "static"
         swapped: dict[int, Fp8Linear] = {}  # a linear shared by two parents stays shared
         for name, module, parent in convertible_modules(model, skip=skip):

@@ -1,9 +1,9 @@
 """What a loader may read from a local model folder (DESIGN §8): only the folder's own files.
 
-``check_source_folder(root)`` is run before a loader that does not check paths itself
-(transformers' ``from_pretrained``) reads a folder: by the CLI's ``quantize`` / ``inspect`` /
-``export`` and by the quantizer when ``from_pretrained`` loads a pre-quantized hf_fp8
-checkpoint. ``folder_files`` lists a folder's files and refuses symlinks (what ``push``
+``check_source_folder(root)`` is the CLI's whole-folder rule, run before ``quantize`` /
+``inspect`` / ``export`` read (and copy) a folder. ``check_loaded_files(root, files)`` is the
+narrower rule of a pre-quantized ``from_pretrained`` (transformers checks no paths): only the
+index it reads and the checkpoint files it will read. ``folder_files`` lists a folder's files and refuses symlinks (what ``push``
 uploads, what conversions copy). ``contained(root, relpath)`` is the one path rule: inside
 the folder, no ``..``, no absolute name, no symlink (except a Hub cache snapshot's links into
 its own ``blobs/``). Standard library only.
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 # What transformers' from_pretrained reads from a local folder, first found wins (5.x).
 _LOAD_ORDER = (
@@ -23,6 +25,12 @@ _LOAD_ORDER = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+
+# A weight index larger than this is not one save_pretrained wrote (DeepSeek-V3's, ~91k
+# tensors, is 9 MB): refused unread when it is the index transformers reads, else ignored.
+MAX_INDEX_BYTES = 64 * 2**20
+# an unsharded weights file (a variant name included), as transformers names it
+_SINGLE = re.compile(r"(model|pytorch_model)(\.[^./]+)?\.(safetensors|bin)")
 
 
 class UnsafePathError(ValueError):
@@ -118,14 +126,37 @@ def read_index(root: Path) -> str | None:
     return first if first is not None and first.endswith(".index.json") else None
 
 
+def read_index_json(path: str | os.PathLike) -> Any:
+    """The parsed JSON of the weight index ``path``, at most :data:`MAX_INDEX_BYTES` long.
+    Raises ``ValueError`` naming the file when it is larger, not UTF-8, not JSON, or nested
+    too deep (``RecursionError``) / too large (``MemoryError``) to parse."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_INDEX_BYTES:
+        raise ValueError(
+            f"{path} is {size} bytes, more than a weight index may have ({MAX_INDEX_BYTES}); "
+            "it is not an index written by save_pretrained: remove or replace it"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.loads(f.read(MAX_INDEX_BYTES + 1))
+    except (ValueError, RecursionError, MemoryError) as err:  # JSON and UTF-8 errors too
+        raise ValueError(
+            f"{path} is not a readable weight index ({type(err).__name__}: {str(err)[:120]}); "
+            "download or save the checkpoint again"
+        ) from err
+
+
 def check_source_folder(root: str | os.PathLike) -> None:
-    """Check a local model folder before a loader that does not check paths (transformers'
-    ``from_pretrained``) reads it: no symlink among its files (:func:`folder_files`), every
-    file named by a weight index (``*.index.json``) inside it (no ``..`` or absolute names),
-    and the files of the index transformers reads (:func:`read_index`) all there. Other
-    indexes (a ``pytorch_model.bin.index.json`` whose ``.bin`` shards were not downloaded, an
-    index next to ``model.safetensors``) are ignored, as transformers does. Raises
-    ``UnsafePathError`` / ``FileNotFoundError`` naming the file."""
+    """The CLI's rule (``hf-fp8 quantize`` / ``inspect`` / ``export``, which read and copy the
+    whole folder): no symlink among its files (:func:`folder_files`), every file named by a
+    weight index (``*.index.json``) inside it (no ``..`` or absolute names), and the files of
+    the index transformers reads (:func:`read_index`) all there. Other indexes (a
+    ``pytorch_model.bin.index.json`` whose ``.bin`` shards were not downloaded, an index next
+    to ``model.safetensors``) are ignored when they do not parse or name missing files, as
+    transformers ignores them. Raises ``UnsafePathError`` / ``FileNotFoundError`` /
+    ``ValueError`` naming the file. A pre-quantized ``from_pretrained`` checks less:
+    :func:`check_loaded_files`."""
     root = Path(root).expanduser().resolve()
     links_within = hub_cache_root(root)
     folder_files(root)
@@ -133,11 +164,11 @@ def check_source_folder(root: str | os.PathLike) -> None:
     for index_path in sorted(root.glob("*.index.json")):
         contained(root, index_path.name, links_within=links_within)
         try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            index = read_index_json(index_path)
+        except ValueError:
             if index_path.name != read:
                 continue
-            raise ValueError(f"{index_path.name} is not valid JSON ({err})") from err
+            raise
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             continue
@@ -148,6 +179,70 @@ def check_source_folder(root: str | os.PathLike) -> None:
                     f"{index_path.name} names {file}, which is not in {root}: the checkpoint "
                     "is incomplete; download or save it again"
                 )
+
+
+def _is_single_file(files: Sequence[str]) -> bool:
+    """``files`` is one unsharded weights file (``model.safetensors``, ``pytorch_model.bin``,
+    a variant such as ``model.fp16.safetensors``), not the shards of an index."""
+    return len(files) == 1 and _SINGLE.fullmatch(os.path.basename(files[0])) is not None
+
+
+def check_loaded_files(root: str | os.PathLike, files: Sequence[str] | None) -> str:
+    """The rule of a pre-quantized ``from_pretrained`` of the local folder ``root``
+    (``config.name_or_path`` as the user spelled it): only what transformers reads is checked.
+
+    ``files`` are the checkpoint files transformers resolved, each
+    ``os.path.join(root, subfolder, name)`` with ``name`` from the index it read: each must lie
+    in ``root`` by a relative name (no ``..``, not absolute), reach it through no symlink
+    (except a Hub cache snapshot's links into its ``blobs/``) and exist. The index itself, in
+    the folder it was read from, must not be a symlink either. Other files of the tree
+    (another index, ``logs/``, linked tokenizer files) are not looked at. Returns the folder
+    transformers reads (``root/subfolder``, as spelled). Raises ``UnsafePathError`` /
+    ``FileNotFoundError`` naming the file."""
+    spelled = os.fspath(root)
+    real = Path(spelled).expanduser().resolve()
+    links_within = hub_cache_root(real)
+    prefix = spelled.rstrip("/" + os.sep) + os.sep if spelled.rstrip("/" + os.sep) else spelled
+    rels = []
+    for file in files or ():
+        file = os.fspath(file)
+        if not file.startswith(prefix) or os.path.isabs(file[len(prefix) :]):
+            raise UnsafePathError(
+                f"{file!r} is not inside the folder {real}: the checkpoint's index names it by "
+                "an absolute path; files of a checkpoint must be named relative to its folder"
+            )
+        rel = file[len(prefix) :]
+        if not contained(real, rel, links_within=links_within).is_file():
+            raise FileNotFoundError(
+                f"{file} is named by the checkpoint's index but is not in {real}: the "
+                "checkpoint is incomplete; download or save it again"
+            )
+        rels.append(rel)
+    if not rels:
+        return spelled
+    folder = os.path.commonpath([os.path.dirname(rel) or "." for rel in rels])
+    if not _is_single_file(rels):
+        kind = "bin" if rels[0].endswith(".bin") else "safetensors"
+        _check_read_index(real, folder, kind, links_within)
+    return os.path.normpath(os.path.join(spelled, folder))
+
+
+def _check_read_index(real: Path, folder: str, kind: str, links_within: Path | None) -> None:
+    """The ``*{kind}.index*.json`` of the nearest folder at or above ``folder`` (relative to
+    ``real``) that has one: not a symlink. Only the name is looked at; nothing is parsed."""
+    parts = Path(folder).parts if folder not in ("", ".") else ()
+    for depth in range(len(parts), -1, -1):
+        here = Path(*parts[:depth]) if depth else Path()
+        try:
+            names = sorted(
+                n for n in os.listdir(real / here) if n.endswith(".json") and f"{kind}.index" in n
+            )
+        except OSError:
+            continue
+        for name in names:
+            contained(real, here / name, links_within=links_within)
+        if names:
+            return
 
 
 def check_files_inside(root: str | os.PathLike, files: list[str] | None) -> None:
@@ -165,11 +260,14 @@ def check_files_inside(root: str | os.PathLike, files: list[str] | None) -> None
 
 
 __all__ = [
+    "MAX_INDEX_BYTES",
     "UnsafePathError",
     "check_files_inside",
+    "check_loaded_files",
     "check_source_folder",
     "contained",
     "folder_files",
     "hub_cache_root",
     "read_index",
+    "read_index_json",
 ]
