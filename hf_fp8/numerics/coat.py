@@ -13,8 +13,17 @@ With COAT's dynamic range expansion each group is raised to a power ``k`` that s
 its range ``amax / amin`` (``amin``: smallest non-zero magnitude) onto ``F² / 2``::
 
     k = floor(16 · log2(F² / 2) / log2(amax / amin)) / 16        (k = 1: constant or zero group)
-    q = cast(sign(x) · F · (|x| / amax)^k)
+    q ≈ sign(x) · F · (|x| / amax)^k
     x ≈ sign(q) · amax · (|q| / F)^(1/k)
+
+The code is chosen in the DECODED domain (:func:`round_to_decoded_codes`): of the two codes
+whose decoded values bracket ``|x|``, the nearer (round-to-nearest) or, stochastically, the
+upper one with probability ``(|x| - dec(c)) / (dec(c+1) - dec(c))``, so that
+``E[dec(q)] = |x|``. The paper rounds ``F·(|x|/amax)^k`` itself; because the decode is the
+power ``1/k`` of the code, rounding that is unbiased in the code is biased in the value
+(Jensen: ``(1/k)(1/k - 1)/2 · (δ/y)² · t(1-t)`` relative, 2.5e-4 .. 4e-2 per rounding for
+k = 4 .. 1/8), and β2 = 0.999 amplifies a per-step bias of v about 1000-fold. The search
+needs no log2 / exp2: seven compares against the group's decode tables.
 
 The paper writes the same map with a centre ``c = sqrt(amax·amin)`` and a scale
 ``s = (amax/c)^k / F``: ``q = sign(x)·(|x|/c)^k / s`` and ``x = sign(q)·(|q|·s)^(1/k)·c``.
@@ -32,14 +41,18 @@ Conventions and guards:
   keeps ``1/k`` finite when a group's range exceeds the fp8 range, the upper bound keeps
   nearly constant groups (k → ∞) away from rounding blow-up.
 * Values are clamped to ``±F`` before the cast (E4M3 has no inf: inf → NaN).
+* An infinite ``amax`` (a moment that overflowed fp32: ``g² > FLT_MAX`` for ``|g| > 1.8e19``)
+  saturates to ``FLT_MAX``: the scale stays finite (a saved state stays loadable), the
+  element takes F's code and decodes to about ``FLT_MAX``; the group keeps working.
 * ``log2`` / ``exp2`` are :func:`fast_log2` / :func:`fast_exp2`: fixed polynomial
   approximations (relative error < 3e-6, far below the fp8 step of 6%) written with plain
   fp32 operations only, so that a fused CPU kernel reproduces this module bit for bit.
 
-Stochastic rounding (optional, ``stochastic_bits=``): the value about to be cast is first
-rounded to a neighbouring fp8 value with probability proportional to its distance, so that
-small, steady changes of a moment (β2 = 0.999 moves ``v`` by 0.1 % a step, one E4M3 step is
-6–12 %) are kept in expectation instead of being rounded away every step. The random bits of
+Stochastic rounding (optional, ``stochastic_bits=``): the value is rounded to one of its two
+neighbouring representable values with probability proportional to the distance (in the
+decoded domain with expansion, on the fp8 grid without), so that small, steady changes of a
+moment (β2 = 0.999 moves ``v`` by 0.1 % a step, one E4M3 step is 6–12 %) are kept in
+expectation instead of being rounded away every step. The random bits of
 element ``e`` are the top bits of ``((key + e) · SR_WEYL) mod 2^32``: ``key`` is a lowbias32
 hash (:func:`hash32_int`, Wellons) of (seed, step, parameter, moment), so an element draws
 independent uniform thresholds from step to step, while the elements of one step form a
@@ -63,6 +76,7 @@ EXPONENT_MIN = 1.0 / 16.0
 EXPONENT_MAX = 1024.0
 EXPONENT_STEPS = 16.0  # k is a multiple of 1 / EXPONENT_STEPS
 FLT_MIN = 2.0**-126  # smallest normal float32; smaller magnitudes count as zero
+FLT_MAX = 3.4028234663852886e38  # largest float32: an infinite group maximum saturates to it
 
 # log2(1 + t) ≈ t·(c0 + t·(c1 + …)) on t ∈ [0, 1), max abs error 2.5e-6.
 LOG2_COEFFS = (
@@ -214,6 +228,7 @@ def quantize_groups(
     xf = x.float()
     ax = xf.abs()
     amax = ax.amax(dim=-1)
+    amax = torch.where(amax == math.inf, FLT_MAX, amax)  # an overflowed moment saturates
     scale = amax / fmax
     valid = (amax >= FLT_MIN).unsqueeze(-1)
     zero = torch.zeros_like(xf)
@@ -226,21 +241,70 @@ def quantize_groups(
     nonzero = ax >= FLT_MIN
     amin = torch.where(nonzero, ax, torch.full_like(ax, math.inf)).amin(dim=-1)
     k = expansion_exponent(amax, amin, fp8_dtype)
-    log_amax = fast_log2(torch.where(amax >= FLT_MIN, amax, torch.ones_like(amax)))
-    # log2(F · (|x| / amax)^k) = (log2|x| - log2 amax) · k + log2 F
-    y = (fast_log2(torch.where(nonzero, ax, torch.ones_like(ax))) - log_amax.unsqueeze(-1)) * (
-        k.unsqueeze(-1)
-    ) + math.log2(fmax)
-    mag = torch.where(nonzero, fast_exp2(y), zero).clamp(max=fmax)
-    if stochastic_bits is not None:
-        mag = stochastic_round_magnitude(mag, stochastic_bits, fp8_dtype)
-    return torch.copysign(mag, xf).to(fp8_dtype), scale, k
+    table_a, table_b = decode_tables(scale, k, fp8_dtype)
+    code = round_to_decoded_codes(ax, table_a, table_b, fp8_dtype, stochastic_bits)
+    code = torch.where(nonzero, code, torch.zeros_like(code))
+    sign = torch.where(xf.view(torch.int32) < 0, 0x80, 0)
+    return (code | sign).to(torch.uint8).view(fp8_dtype), scale, k
+
+
+def round_to_decoded_codes(
+    ax: torch.Tensor,
+    table_a: torch.Tensor,
+    table_b: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    stochastic_bits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int64 magnitude codes of ``ax`` (``|x|``, ``[..., n]``) rounded in the DECODED domain.
+
+    ``dec(c) = A[E]·B[i]`` is what :func:`dequantize_groups` returns for code ``c`` (tables of
+    :func:`decode_tables`). The bracket ``dec(c) ≤ |x| < dec(c + 1)`` is found by a
+    bitwise binary search over the 7 magnitude bits (no log2 / exp2): exponent bits against
+    ``A[E]·B[0]`` (the first code of each binade), then mantissa bits against
+    ``A[E]·B[i]``; the last accepted candidate is ``dec(c)``, the last refused one is
+    ``dec(c + 1)``. Round-to-nearest takes the nearer of the two (ties down); stochastic
+    rounding goes up iff ``u·(dec(c+1) - dec(c)) < |x| - dec(c)``, ``u`` the top 24 bits of
+    ``stochastic_bits`` over ``2^24``, so ``E[dec(code)] = |x|``: unbiased in the value, not in
+    the fp8 code (a power of the value). At or above the largest finite code: that code.
+    """
+    mb = CODE_MANTISSA_BITS[fp8_dtype]
+    top = CODE_MAX[fp8_dtype]
+    first = table_a * table_b[..., :1]  # dec(E << mb), E >= 1
+    code = torch.zeros(ax.shape, dtype=torch.int64, device=ax.device)
+    lo = torch.zeros_like(ax)
+    hi = torch.full_like(ax, math.inf)
+    a = sub = None
+    for bit in range(6, -1, -1):
+        cand = code | (1 << bit)
+        if bit >= mb:  # the exponent field against A[E]·B[0]
+            val = torch.gather(first, -1, cand >> mb)
+        else:  # the mantissa field against A[E]·B[i]
+            if a is None:
+                e = code >> mb
+                a = torch.gather(table_a, -1, e)
+                sub = torch.where(e == 0, 1 << mb, 0)
+            val = a * torch.gather(table_b, -1, (cand & ((1 << mb) - 1)) | sub)
+        ok = val <= ax
+        code = torch.where(ok, cand, code)
+        lo = torch.where(ok, val, lo)
+        hi = torch.where(ok, hi, val)
+    below = ax - lo
+    if stochastic_bits is None:
+        up = below > hi - ax
+    else:
+        u = (stochastic_bits >> DECODED_SR_SHIFT).to(torch.float32) * (
+            2.0 ** -(32 - DECODED_SR_SHIFT)
+        )
+        up = u * (hi - lo) < below
+    return torch.where(code >= top, top, code + up.to(torch.int64))
 
 
 # fp8 code layout: mantissa bits, exponent bias and the mantissa field of the largest value F.
 CODE_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 CODE_EXPONENT_BIAS = {torch.float8_e4m3fn: 7, torch.float8_e5m2: 15}
 CODE_TOP_MANTISSA = {torch.float8_e4m3fn: 6, torch.float8_e5m2: 3}
+DECODED_SR_SHIFT = 8  # the top 24 random bits are the threshold u of decoded-domain rounding
+CODE_MAX = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # the code of F
 DECODE_Y_MAX = 127.99999237060547  # largest fp32 below 128: fast_exp2 stays finite
 
 
@@ -267,6 +331,24 @@ def decode_log2_tables(fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tens
     return ea, db
 
 
+def decode_tables(
+    scale: torch.Tensor, exponent: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-group decode tables ``A`` (``[..., 2^(7-mb)]``) and ``B`` (``[..., 2^(mb+1)]``)
+    of :func:`dequantize_groups` from the stored ``scale`` and ``exponent`` (``[...]``)."""
+    fmax = fp8_max(fp8_dtype)
+    amax = scale * fmax
+    inv_k = exponent.reciprocal()
+    bias = fast_log2(torch.where(amax >= FLT_MIN, amax, torch.ones_like(amax))) - inv_k * (
+        math.log2(fmax)
+    )
+    ea, db = (t.to(scale.device) for t in decode_log2_tables(fp8_dtype))
+    ik = inv_k.unsqueeze(-1)
+    table_a = fast_exp2((ea * ik + bias.unsqueeze(-1)).clamp(max=DECODE_Y_MAX))
+    table_b = fast_exp2(db * ik)
+    return table_a, table_b
+
+
 def dequantize_groups(
     q: torch.Tensor,
     scale: torch.Tensor,
@@ -289,17 +371,8 @@ def dequantize_groups(
     qf = q.float()
     if exponent is None:
         return (qf * scale.unsqueeze(-1)).to(dtype)
-    fmax = fp8_max(q.dtype)
     mb = CODE_MANTISSA_BITS[q.dtype]
-    amax = scale * fmax
-    inv_k = exponent.reciprocal()
-    bias = fast_log2(torch.where(amax >= FLT_MIN, amax, torch.ones_like(amax))) - inv_k * (
-        math.log2(fmax)
-    )
-    ea, db = (t.to(q.device) for t in decode_log2_tables(q.dtype))
-    ik = inv_k.unsqueeze(-1)
-    table_a = fast_exp2((ea * ik + bias.unsqueeze(-1)).clamp(max=DECODE_Y_MAX))
-    table_b = fast_exp2(db * ik)
+    table_a, table_b = decode_tables(scale, exponent, q.dtype)
     a = q.view(torch.uint8).to(torch.int64) & 0x7F
     e = a >> mb
     j = a & ((1 << mb) - 1)

@@ -38,6 +38,8 @@ few %, so it is rounded against nearly the same threshold position many steps ru
 thresholds spread evenly over those steps make its rounding errors cancel instead of adding
 up as a random walk (oracle: ``benchmarks/results/optim_oracle_ld.json``).
 
+An infinite ``v`` (``g²`` overflowed fp32) saturates the group's ``amax`` to FLT_MAX (the
+element takes code 255): the stored state stays finite.
 Groups whose ``amax`` is below ``FLT_MIN`` (``v``) or :data:`M_MIN` (``m'``) store zeros.
 """
 
@@ -117,6 +119,7 @@ def quantize_v(
     """``v >= 0`` (fp32 ``[G, group_size]``) to ``(codes uint8, amax fp32 [G], k fp32 [G])``."""
     b = _bits(v.float()) & 0x7FFFFFFF
     vmax = b.amax(dim=-1)
+    vmax = torch.where(vmax == 0x7F800000, 0x7F7FFFFF, vmax)  # an overflowed v: FLT_MAX
     inf = torch.full_like(b, 0x7F800000)
     vmin = torch.where(b >= FLT_MIN_BITS, b, inf).amin(dim=-1)
     k = v_exponent(vmax, vmin)

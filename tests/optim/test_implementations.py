@@ -35,7 +35,8 @@ def count_launches(monkeypatch):
 
 
 def adversarial_grads(params: list[torch.Tensor], step: int, grad_dtype: torch.dtype) -> None:
-    """Magnitudes over 33 decades, zero rows and columns, fp32 denormals, huge values."""
+    """Magnitudes over 33 decades, zero rows and columns, fp32 denormals, huge values, and
+    once a gradient whose square overflows fp32."""
     g = torch.Generator().manual_seed(step)
     for p in params:
         mag = 10 ** torch.empty(p.shape).uniform_(-30, 3, generator=g)
@@ -45,6 +46,8 @@ def adversarial_grads(params: list[torch.Tensor], step: int, grad_dtype: torch.d
         if p.dim() >= 2 and p.shape[0] > 1:
             grad[0] = 0.0  # an all-zero row: zero groups
         flat[3] = 1e15 if step % 2 else -1e-38  # g² stays finite; 1e-38 is a denormal
+        if step == 1 and flat.numel() > 300:
+            flat[300] = -3e21  # g² overflows fp32: v = inf, saturated to FLT_MAX when stored
         if p.shape == (1, 4096):
             grad *= 1e-36  # moments near FLT_MIN: the kernel's clamped exp2 path
         if grad_dtype != p.dtype and hasattr(p, "grad_dtype"):
