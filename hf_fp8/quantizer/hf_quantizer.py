@@ -35,12 +35,13 @@ from hf_fp8.quantizer.experts import (
     swap_experts,
 )
 from hf_fp8.quantizer.input_scales import StoredInputScales
-from hf_fp8.quantizer.kept_modules import skip_list_hint
+from hf_fp8.quantizer.kept_modules import file_tensor_names, skip_list_hint
 from hf_fp8.quantizer.validation import (
     FP8_LINEAR_TENSORS,
     check_bias,
     check_stored_tensor,
     checkpoint_file,
+    is_bias_dtype,
     stored_dtype,
     validate_loaded_model,
 )
@@ -294,8 +295,7 @@ class Fp8HfQuantizer(HfQuantizer):
         targets = [t for t in getattr(converter, "target_patterns", None) or () if t]
         for key in targets:
             if key in self.bias_names:  # fp8 bytes are kept as stored (below): refuse them
-                source = checkpoint_file(self.checkpoint_root, key)
-                check_bias(key, stored_dtype(key, param), source=source)
+                self._check_bias(key, stored_dtype(key, param))
         ours = [t for t in targets if t in self.fp8_tensor_names]
         for key in ours:  # before anything is read or offloaded to disk
             try:
@@ -313,6 +313,11 @@ class Fp8HfQuantizer(HfQuantizer):
         if ours or _is_fp8_on_disk(param) or any(t in self.experts_tensor_names for t in targets):
             return None  # Fp8Experts tensors: checked after loading (check_fp8_experts)
         return super().get_new_dtype(converter, param, dtype)
+
+    def _check_bias(self, key: str, dtype: torch.dtype) -> None:
+        """``check_bias``; the file named (an index parse) only when it fails."""
+        if not is_bias_dtype(dtype):
+            check_bias(key, dtype, source=checkpoint_file(self.checkpoint_root, key))
 
     def _skip_list_hint(self, key: str, param: Any) -> str | None:
         """A high-precision weight where FP8 codes were expected, in a pre-quantized load:
@@ -335,7 +340,9 @@ class Fp8HfQuantizer(HfQuantizer):
         if self.stored_scale_keys:
             raise _already_fp8(min(self.stored_scale_keys))
         missing = []
-        input_scales = StoredInputScales()
+        static = self.pre_quantized and self.quantization_config.activation_scheme == "static"
+        names = file_tensor_names(self.checkpoint_files) if static else None
+        input_scales = StoredInputScales(names)
         disk = [k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v == "disk"]
         for name, module in model.named_modules():
             if isinstance(module, Fp8Experts):
@@ -371,10 +378,7 @@ class Fp8HfQuantizer(HfQuantizer):
                 if p is not None:
                     p.requires_grad_(False)
             if module.bias is not None:  # never an fp8 compute dtype
-                key = f"{name}.bias"
-                check_bias(
-                    key, module.bias.dtype, source=checkpoint_file(self.checkpoint_root, key)
-                )
+                self._check_bias(f"{name}.bias", module.bias.dtype)
                 module.compute_dtype = module.bias.dtype
         if missing:
             shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")

@@ -8,10 +8,10 @@ stored float weight is refused as "not fp8". This names the actual fix: the laye
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 
+from hf_fp8.utils.folders import read_index_json
 from hf_fp8.utils.safetensors_header import tensor_dtypes
 
 
@@ -26,11 +26,25 @@ def stored_names(root: str) -> set[str] | None:
         dtypes = tensor_dtypes(single)
         return None if dtypes is None else set(dtypes)
     try:
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-    except (OSError, ValueError, AttributeError):
+        index_json = read_index_json(index)  # size-capped; ValueError names the file
+    except (OSError, ValueError):
         return None
+    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
     return set(weight_map) if isinstance(weight_map, dict) else None
+
+
+def file_tensor_names(files: Sequence[str]) -> set[str] | None:
+    """The tensor names stored in the checkpoint ``files`` transformers reads (the headers of
+    its ``.safetensors`` shards): what the checkpoint holds, wherever its layers are placed
+    (a disk-offloaded layer's tensors never reach its module). ``None`` when there are none
+    or a file is not a readable safetensors file (``.bin``)."""
+    names: set[str] = set()
+    for file in files:
+        dtypes = tensor_dtypes(file) if str(file).endswith(".safetensors") else None
+        if dtypes is None:
+            return None
+        names.update(dtypes)
+    return names if files else None
 
 
 def skip_list_hint(key: str, root: str, skip: Sequence[str] | None) -> str | None:

@@ -86,3 +86,62 @@ def test_complete_static_checkpoint_reloads_its_scales(calibrated_dir):
     assert torch.equal(
         model.get_submodule(LAYER).input_scale.detach().reshape(-1), stored.reshape(-1)
     )
+
+
+# -- disk offload (reviewer R3 finding 4) ------------------------------------------------------
+# Which scales the checkpoint stores is read from its tensor names, not from where a layer
+# went: an offloaded layer's tensors stay on disk, and its input_scale is read at forward time.
+OFFLOAD = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "cpu",
+}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_offloaded_layers_without_any_stored_input_scale_name_the_fix(calibrated_dir, tmp_path):
+    """Saved before calibration (no input_scale at all) and loaded with layers on disk: the
+    offloaded layers cannot take the fallback (accelerate reads every tensor from the
+    checkpoint: KeyError at forward before); refused at load with the fix, not with the
+    false "lacks 7 ... while it stores 7 others"."""
+    folder = _copy(calibrated_dir, tmp_path / "ckpt")
+    assert _drop(folder, keep=lambda k: False)
+    with pytest.raises(
+        CheckpointTensorError, match=r"model\.layers\.1\..*offloaded to disk"
+    ) as err:
+        AutoModelForCausalLM.from_pretrained(
+            folder, device_map=OFFLOAD, offload_folder=tmp_path / "off"
+        )
+    assert "stores" not in str(err.value).split("offloaded")[0]
+    assert "hf_fp8.calibrate" in str(err.value) and "'cpu'" in str(err.value)
+
+
+def test_offloaded_layer_missing_its_calibrated_scale_is_refused(calibrated_dir, tmp_path):
+    """An offloaded layer that lost its scale counted as stored: the load passed and the
+    forward failed with KeyError."""
+    folder = _copy(calibrated_dir, tmp_path / "ckpt")
+    key = "model.layers.1.mlp.down_proj.input_scale"
+    _drop(folder, keep=lambda k: k != key)
+    with pytest.raises(CheckpointTensorError, match=re.escape(key)):
+        AutoModelForCausalLM.from_pretrained(
+            folder, device_map=OFFLOAD, offload_folder=tmp_path / "off"
+        )
+
+
+def test_offloaded_calibrated_checkpoint_matches_the_full_load(calibrated_dir, tmp_path):
+    reference = AutoModelForCausalLM.from_pretrained(calibrated_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        calibrated_dir, device_map=OFFLOAD, offload_folder=tmp_path / "off"
+    )
+    inputs = model_inputs("llama")
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
