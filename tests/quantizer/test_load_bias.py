@@ -106,3 +106,17 @@ def test_valid_biases_load_and_compute_in_a_float_dtype(llama_fp8, gpt_oss_fp8, 
         ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             assert model(ids).logits.dtype == dtype
+
+
+def test_stale_nested_index_does_not_break_the_bias_checks(llama_fp8, tmp_path):
+    """The bias checks named the file of each bias eagerly, parsing a
+    ``model.safetensors.index.json`` left next to ``model.safetensors`` (transformers does not
+    read it): a deeply nested one raised ``RecursionError`` (reviewer R3 3b). The file is only
+    looked up for an error now."""
+    folder = tmp_path / "m"
+    shutil.copytree(llama_fp8, folder)
+    (folder / "model.safetensors.index.json").write_text("[" * 100_000)
+    reference = tf.AutoModelForCausalLM.from_pretrained(llama_fp8)
+    model = tf.AutoModelForCausalLM.from_pretrained(folder)
+    layer = model.get_submodule(LLAMA_BIAS.rpartition(".")[0])
+    assert torch.equal(layer.bias, reference.get_submodule(LLAMA_BIAS.rpartition(".")[0]).bias)
