@@ -137,9 +137,18 @@ def quantize_model(
     (``AlreadyQuantizedError``): load the high-precision checkpoint, or dequantize first
     (``model.dequantize()`` on a transformers model). With nothing left to convert, it warns.
 
+    ``Fp8Config(dequantize=True)`` is refused (``ValueError``): it is a load option.
+
     A transformers ``PreTrainedModel`` is then marked quantized like a ``from_pretrained``
     load, so ``save_pretrained`` writes an hf_fp8 checkpoint that reloads pre-quantized.
     """
+    if config.dequantize:
+        raise ValueError(
+            "hf_fp8.quantize_model: Fp8Config(dequantize=True) is for loading an FP8 checkpoint "
+            "back in high precision (from_pretrained); quantize_model would return an FP8 model "
+            "and save dequantize: true into config.json, so every reload would silently come "
+            "back in high precision. Quantize with dequantize=False (the default)"
+        )
     _check_existing_fp8(model, config)
     patterns = [*(config.modules_to_not_convert or []), *(module_names(skip, "skip") or [])]
     warn_unmatched(model, patterns, "modules_to_not_convert / skip")

@@ -149,9 +149,13 @@ class Fp8HfQuantizer(HfQuantizer):
         if not self.pre_quantized and self.quantization_config.dequantize:
             raise ValueError(
                 "Fp8Config(dequantize=True) loads an FP8 checkpoint back in high precision, "
-                "but this checkpoint is not FP8: quantizing it on the fly would ignore the flag "
-                "and return an FP8 model. To load it in high precision, call from_pretrained "
-                "without quantization_config; to quantize it, leave dequantize=False"
+                "but this checkpoint's config.json has no quantization_config, so it would be "
+                "quantized on the fly: the flag would be ignored and an FP8 model returned. If "
+                "the folder holds hf_fp8 FP8 weights (its config.json lost the "
+                "quantization_config save_pretrained wrote), restore that quantization_config "
+                "and pass Fp8Config(dequantize=True) again. A high-precision checkpoint: call "
+                "from_pretrained without quantization_config to load it as it is, or leave "
+                "dequantize=False to quantize it"
             )
         # a layer offloaded to disk never reaches its module: its scales are read and checked
         # while loading (get_new_dtype); otherwise only after loading, where all are in memory

@@ -37,6 +37,24 @@ def test_on_the_fly_dequantize_is_refused(tiny_model_dir):
     assert "without quantization_config" in str(err.value)
 
 
+def test_dequantize_of_an_fp8_folder_that_lost_its_config_says_to_restore_it(fp8_dir, tmp_path):
+    """The folder may be FP8 whose config.json lost its quantization_config (reviewer R3 9):
+    the refusal said "this checkpoint is not FP8"."""
+    folder = tmp_path / "m"
+    shutil.copytree(fp8_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"dequantize=True") as err:
+        AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=Fp8Config("dynamic", dequantize=True)
+        )
+    message = str(err.value)
+    assert "is not FP8" not in message
+    assert "config.json has no quantization_config" in message
+    assert "restore" in message
+
+
 def _skip_list(fp8_dir: Path, dst: Path, skip: list[str]) -> Path:
     shutil.copytree(fp8_dir, dst)
     config = json.loads((dst / "config.json").read_text())
