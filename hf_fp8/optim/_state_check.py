@@ -96,6 +96,33 @@ def _check_range(t: torch.Tensor, pid: Any, key: str, lo: float, hi: float) -> N
     v = local(t)
     if v.numel() and not (torch.isfinite(v).all() and (v >= lo).all() and (v <= hi).all()):
         raise _fail(pid, key, f"holds values outside [{lo}, {hi:.7g}] or non-finite values")
+    if lo == 0.0 and v.numel() and bool(torch.signbit(v).any()):
+        # -0.0 passes ``>= 0``, but the decoders read the scale's bits (0x80000000 wraps)
+        raise _fail(pid, key, "holds -0.0 (the sign bit set; scales are never negative)")
+
+
+def _check_zero_groups(
+    codes: torch.Tensor, scale: torch.Tensor, floor: float, pid: Any, key: str
+) -> None:
+    """Quantization writes zero codes for a group whose ``amax`` is below ``floor`` (the
+    format's zero threshold, ``amax = scale · F``): such a group with non-zero codes is not a
+    state the optimizer writes, and would decode as if its scale were another (R4 finding 6).
+    ``floor`` is halved: a legit subnormal ``scale = amax / F`` rounds by far less."""
+    s = local(scale)
+    small = s < floor / 2
+    if not bool(small.any()):
+        return
+    c = local(codes)
+    b = c.view(torch.uint8).reshape(*s.shape, -1)
+    if c.is_floating_point():  # fp8: -0 (0x80) is a zero code too
+        b = b & (SIGN_BIT - 1)
+    if bool((b != 0)[small].any()):
+        raise _fail(
+            pid,
+            key,
+            f"is below {floor / 2:.3g} (a group quantized to zero codes) in a group whose "
+            "codes are not zero (a corrupt or hand-edited state)",
+        )
 
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -171,6 +198,17 @@ def _check_log(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], pi
         _check(state[key], pid, key, shape, (dtype,))
         if bounds is not None:
             _check_range(state[key], pid, key, *bounds)
+    # below these amax (scale·127 for m', scale itself for v) quantization writes zero codes
+    _check_zero_groups(
+        state["exp_avg_fp8"],
+        state["exp_avg_scale"],
+        log_moments.M_MIN / log_moments.M_CODE_MAX,
+        pid,
+        "exp_avg_scale",
+    )
+    _check_zero_groups(
+        state["exp_avg_sq_fp8"], state["exp_avg_sq_scale"], coat.FLT_MIN, pid, "exp_avg_sq_scale"
+    )
     # m̂ = (q·scale)·2^e, 2^e <= that of v's largest code (255): the group's largest |m̂|.
     v_scale, v_exp = local(state["exp_avg_sq_scale"]), local(state["exp_avg_sq_exponent"])
     top_v = torch.full((*v_scale.shape, 1), log_moments.V_CODE_MAX, dtype=torch.uint8)
@@ -235,6 +273,10 @@ def _check_quantized(
             _check(t, pid, key, (rows, gc), (torch.float32,))
             _check_range(t, pid, key, coat.EXPONENT_MIN, coat.EXPONENT_MAX)
     for name in ("exp_avg", "exp_avg_sq"):  # the largest code F of each group, decoded
+        floor = coat.FLT_MIN / torch.finfo(want).max  # amax = F·scale below FLT_MIN: zeros
+        _check_zero_groups(
+            state[f"{name}_fp8"], state[f"{name}_scale"], floor, pid, f"{name}_scale"
+        )
         scale = local(state[f"{name}_scale"])
         exp = local(state[f"{name}_exponent"]) if expand else None
         top_q = torch.full((*scale.shape, 1), torch.finfo(want).max, device=scale.device)
