@@ -1,40 +1,47 @@
-"""Tensor dtypes from a ``.safetensors`` header, without reading (or mapping) tensor data.
+"""Tensor dtypes from a ``.safetensors`` header, without reading tensor data.
 
 The format: 8 bytes little-endian header length ``n``, then ``n`` bytes of JSON
 ``{name: {"dtype": "F8_E4M3", "shape": [...], "data_offsets": [...]}, "__metadata__": {...}}``.
-Only standard library; a file that is not a readable safetensors file gives ``None`` (the
-loader that reads it next reports that in its own words).
+The header is parsed by safetensors itself (``safe_open``: its length limit, its JSON nesting
+limit, its validation, no tensor data read), so what is read here is exactly what the loader
+will accept. A file it refuses (not a regular file, a header longer than the file or than
+100 MB, deep nesting, lists where a tensor entry belongs …) gives ``None``: not checkable, and
+the loader that reads it next reports that in its own words. No Python object is built from a
+header (a hostile one cost a RecursionError or +532 MB before); safetensors' parse costs what
+the load that follows costs. A symlink is read like the loader reads it (its target).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 import struct
+
+from safetensors import SafetensorError, safe_open
 
 # safetensors itself refuses headers over 100 MB
 MAX_HEADER_BYTES = 100_000_000
 
 
+def _header_fits(path: str | os.PathLike) -> bool:
+    """A regular file whose 8-byte header length fits in it and in ``MAX_HEADER_BYTES``
+    (checked before safetensors maps the file)."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode) or info.st_size < 8:
+        return False
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+    return size <= min(MAX_HEADER_BYTES, info.st_size - 8)
+
+
 def tensor_dtypes(path: str | os.PathLike) -> dict[str, str] | None:
-    """``{tensor name: safetensors dtype name}`` of the file at ``path``; ``None`` when it
-    cannot be read as a safetensors header."""
+    """``{tensor name: safetensors dtype name}`` of the file at ``path``; ``None`` when
+    safetensors would not read it (see the module docstring)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                return None
-            (size,) = struct.unpack("<Q", head)
-            if size > MAX_HEADER_BYTES:
-                return None
-            raw = f.read(size)
-        header = json.loads(raw)
-    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if not _header_fits(path):
+            return None
+        handle = safe_open(os.fspath(path), "pt")
+    except (OSError, SafetensorError):
         return None
-    if not isinstance(header, dict):
-        return None
-    return {
-        name: info["dtype"]
-        for name, info in header.items()
-        if name != "__metadata__" and isinstance(info, dict) and isinstance(info.get("dtype"), str)
-    }
+    with handle as f:
+        return {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118
