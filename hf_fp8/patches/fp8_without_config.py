@@ -1,12 +1,16 @@
 """Patch: ``PreTrainedModel._load_pretrained_model`` refuses FP8 weights loaded as plain ones.
 
-With no quantizer (the checkpoint's ``config.json`` lost its ``quantization_config``, or
-``config=`` passed the base model's), transformers reads fp8 codes into ``nn.Linear`` and
-drops their scales: a silently wrong model. The wrapper runs
-:func:`hf_fp8.quantizer.lost_config.check_fp8_has_config` first (safetensors headers of a
-local folder only) when the load has no quantizer; every other load goes straight to
-transformers' method. An unexpected failure of the check itself switches the check off with
-one ``PatchWarning`` and loads as before (DESIGN §8: a patch fails alone).
+With no quantizer (the checkpoint's ``config.json`` lost its ``quantization_config``,
+``config=`` passed the base model's, ``quantization_config=None``, or an unknown
+``quant_method``), transformers reads fp8 codes into ``nn.Linear`` and drops their scales: a
+silently wrong model. transformers' own ``fp8`` quantizer does the same with a per-tensor
+vLLM export's ``weight_scale``. The wrapper runs the matching check of
+:mod:`hf_fp8.quantizer.lost_config` first (safetensors headers of the files transformers is
+about to read: a local folder, a Hub cache snapshot, a Hub id resolved from the cache); every
+other load goes straight to transformers' method. A file that cannot be read leaves that one
+load unchecked (transformers reports the file). An unexpected failure of the check itself (an
+internal or API mismatch) switches the check off with one ``PatchWarning`` and loads as before
+(DESIGN §8: a patch fails alone).
 """
 
 from __future__ import annotations
@@ -21,22 +25,34 @@ _ORIGINAL: dict[str, Callable] = {}
 _FAILED: list[str] = []  # the check failed once: off for this process
 
 
+def _is_finegrained_fp8(hf_quantizer: Any) -> bool:
+    """transformers' own ``fp8`` quantizer (FineGrainedFP8) loading a pre-quantized checkpoint."""
+    method = getattr(getattr(hf_quantizer, "quantization_config", None), "quant_method", None)
+    return getattr(method, "value", method) == "fp8" and bool(
+        getattr(hf_quantizer, "pre_quantized", False)
+    )
+
+
 def _check(bound: inspect.BoundArguments) -> None:
     from hf_fp8.numerics.checks import CheckpointTensorError
-    from hf_fp8.quantizer.lost_config import check_fp8_has_config
+    from hf_fp8.quantizer import lost_config
 
     args = bound.arguments
     load_config, model = args.get("load_config"), args.get("model")
-    if args.get("state_dict") is not None or getattr(load_config, "hf_quantizer", 1) is not None:
-        return  # quantized loads are their quantizer's; a state dict has no files
+    if args.get("state_dict") is not None:
+        return  # a state dict has no files
+    hf_quantizer = getattr(load_config, "hf_quantizer", 1)
+    name = str(getattr(load_config, "pretrained_model_name_or_path", "") or "")
+    files = args.get("checkpoint_files")
     try:
-        check_fp8_has_config(
-            str(getattr(load_config, "pretrained_model_name_or_path", "") or ""),
-            args.get("checkpoint_files"),
-            getattr(model, "config", None),
-        )
+        if hf_quantizer is None:
+            lost_config.check_fp8_has_config(name, files, getattr(model, "config", None))
+        elif _is_finegrained_fp8(hf_quantizer):
+            lost_config.check_fp8_scales_for_finegrained(name, files)
     except CheckpointTensorError:
         raise
+    except (OSError, RecursionError, MemoryError):
+        return  # a file of this checkpoint cannot be read: transformers reports it next
     except Exception as exc:  # the check's own failure: off, the load goes on
         from hf_fp8.patches import disable
 

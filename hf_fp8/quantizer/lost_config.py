@@ -1,14 +1,20 @@
-"""An FP8 checkpoint loaded without any ``quantization_config`` is refused (reviewer R2 F8).
+"""FP8 checkpoints that transformers would load as plain weights are refused (R2 F8, R3).
 
-When ``config.json`` lost its ``quantization_config`` (or ``from_pretrained(fp8_dir,
-config=AutoConfig.from_pretrained(base))`` passes the base model's config), transformers
-builds plain ``nn.Linear`` layers, reads the fp8 codes into them as plain values and drops
-every ``weight_scale`` as UNEXPECTED: the model loads and its outputs are garbage (measured:
-logits off by 1.43 relative). This check runs on that load path (``hf_fp8.patches``
-``fp8_without_config``): it reads the safetensors headers of a local folder's weight files
-(no tensor data) and raises when an fp8 tensor has a ``*weight_scale`` (or
-``*weight_scale_inv``) sibling. Checkpoints that carry their own ``quantization_config``
-(hf_fp8, compressed-tensors, transformers' FineGrainedFP8 …) are not looked at.
+* No quantizer: ``config.json`` lost its ``quantization_config``, ``from_pretrained`` got the
+  base model's ``config=`` or ``quantization_config=None``, or the config names a
+  ``quant_method`` transformers does not know (it then skips quantization but keeps the
+  config). transformers builds plain ``nn.Linear`` layers, reads the fp8 codes into them as
+  plain values and drops every ``weight_scale`` as UNEXPECTED: the model loads and its outputs
+  are garbage (logits off by 1.43 relative). :func:`check_fp8_has_config` raises when an fp8
+  tensor has a ``*weight_scale`` (or ``*weight_scale_inv``) sibling.
+* transformers' own ``fp8`` quantizer (FineGrainedFP8) on a per-tensor vLLM ``fp8`` export:
+  it reads ``weight_scale_inv`` only, so the export's ``weight_scale`` is dropped the same way.
+  :func:`check_fp8_scales_for_finegrained` raises when an fp8 tensor has a ``weight_scale``
+  sibling and no ``weight_scale_inv`` one.
+
+Both read the safetensors headers (no tensor data) of exactly the files transformers is about
+to read: a local folder's, a Hub cache snapshot's (links into ``blobs/``) and a Hub id's,
+resolved from the cache. A file safetensors would refuse is skipped (transformers reports it).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from hf_fp8.numerics.checks import CheckpointTensorError
@@ -23,85 +30,124 @@ from hf_fp8.utils.safetensors_header import tensor_dtypes
 
 FP8_DTYPE_NAMES = ("F8_E4M3", "F8_E5M2")
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
+# scale names transformers' FineGrainedFP8 reads (it renames .scale / .qscale_weight)
+_FINEGRAINED_SCALES = ("weight_scale_inv", "qscale_weight", "scale")
+_FIX_PER_TENSOR = (
+    "convert it to an hf_fp8 checkpoint (`hf-fp8 import SRC DST` or "
+    "hf_fp8.import_checkpoint(src, dst), then `import hf_fp8` and load DST), or serve it with vLLM"
+)
 
 
-def has_quantization_config(config: Any) -> bool:
-    """The config (or its text sub-config, as transformers reads it) has one."""
-    if getattr(config, "quantization_config", None) is not None:
-        return True
+@dataclass
+class _Headers:
+    """What the checkpoint's safetensors headers hold."""
+
+    fp8: list[tuple[str, str, str]] = field(default_factory=list)  # (tensor, dtype, file)
+    scales: dict[str, dict[str, str]] = field(default_factory=dict)  # prefix -> {leaf: name}
+
+
+def _read_headers(files: Iterable[str]) -> _Headers:
+    found = _Headers()
+    for file in files:
+        if not str(file).endswith(".safetensors"):
+            continue
+        for name, dtype in (tensor_dtypes(file) or {}).items():
+            prefix, _, leaf = name.rpartition(".")
+            if leaf.endswith(_SCALE_SUFFIXES) or leaf in _FINEGRAINED_SCALES:
+                found.scales.setdefault(prefix, {}).setdefault(leaf, name)
+            elif dtype in FP8_DTYPE_NAMES:
+                found.fp8.append((name, dtype, str(file)))
+    found.fp8.sort()
+    return found
+
+
+def _quantization_config(config: Any) -> Any:
+    """The config's (or its text sub-config's, as transformers reads it) quantization_config."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        return qc
     get_text = getattr(config, "get_text_config", None)
     text = get_text(decoder=True) if callable(get_text) else None
-    return getattr(text, "quantization_config", None) is not None
+    return getattr(text, "quantization_config", None)
 
 
-def _local_files(root: str, files: Iterable[str]) -> list[str]:
-    """The ``.safetensors`` files of ``files`` that lie inside the folder ``root``."""
-    real_root = os.path.realpath(root)
-    inside = []
-    for file in files:
-        real = os.path.realpath(file)
-        if file.endswith(".safetensors") and real.startswith(real_root + os.sep):
-            inside.append(file)
-    return inside
+def _quant_method(qc: Any) -> str:
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return str(getattr(method, "value", method))
 
 
-def _scaled_fp8_tensor(files: list[str]) -> tuple[str, str, str, str] | None:
-    """``(tensor, dtype, its scale, file)`` of the first fp8 tensor with a scale sibling."""
-    scales: dict[str, str] = {}  # module prefix -> a scale name in it
-    fp8: list[tuple[str, str, str]] = []
-    for file in files:
-        dtypes = tensor_dtypes(file)
-        for name, dtype in (dtypes or {}).items():
-            prefix, _, leaf = name.rpartition(".")
-            if leaf.endswith(_SCALE_SUFFIXES):
-                scales.setdefault(prefix, name)
-            elif dtype in FP8_DTYPE_NAMES:
-                fp8.append((name, dtype, file))
-    for name, dtype, file in sorted(fp8):
-        scale = scales.get(name.rpartition(".")[0])
-        if scale is not None:
-            return name, dtype, scale, file
-    return None
-
-
-def _saved_quant_method(root: str) -> str | None:
-    """``quant_method`` of ``root/config.json``'s ``quantization_config`` (``None``: none)."""
+def _saved_quant_method(folder: str) -> str | None:
+    """``quant_method`` of ``folder/config.json``'s ``quantization_config`` (``None``: none)."""
     try:
-        with open(os.path.join(root, "config.json"), encoding="utf-8") as f:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             qc = json.load(f).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return qc.get("quant_method", "?") if isinstance(qc, dict) else None
 
 
-def check_fp8_has_config(root: str, files: Iterable[str] | None, config: Any) -> None:
-    """Raise ``CheckpointTensorError`` when the local folder ``root`` holds fp8 weights with
-    scales and ``config`` (the one the model is built from) has no ``quantization_config``.
-    Reads safetensors headers only; a Hub id, a state dict or a quantized config is left
-    alone."""
-    if not files or not root or not os.path.isdir(root) or has_quantization_config(config):
+def _source(name_or_path: str, file: str) -> str:
+    """How the message names the checkpoint: the folder, and the Hub id when it was one."""
+    folder = os.path.dirname(file)
+    if name_or_path and not os.path.isdir(name_or_path):
+        return f"{name_or_path!r} ({folder})"
+    return folder
+
+
+def check_fp8_has_config(name_or_path: str, files: Iterable[str] | None, config: Any) -> None:
+    """For a load that transformers runs without a quantizer: raise ``CheckpointTensorError``
+    when the checkpoint files hold fp8 weights with scales. ``config`` (the one the model is
+    built from) only shapes the message: with no quantizer, a ``quantization_config`` on it is
+    one transformers did not act on (an unknown ``quant_method``)."""
+    found = _read_headers(files or ())
+    hit = next(((n, d, f) for n, d, f in found.fp8 if n.rpartition(".")[0] in found.scales), None)
+    if hit is None:
         return
-    found = _scaled_fp8_tensor(_local_files(root, files))
-    if found is None:
-        return
-    name, dtype, scale, file = found
-    saved = _saved_quant_method(root)
-    if saved is not None:
+    name, dtype, file = hit
+    scale = next(iter(found.scales[name.rpartition(".")[0]].values()))
+    source = _source(name_or_path, file)
+    config_json = os.path.join(os.path.dirname(file), "config.json")
+    qc = _quantization_config(config)
+    saved = _saved_quant_method(os.path.dirname(file))
+    if qc is not None:
         fix = (
-            f"{os.path.join(root, 'config.json')} has a quantization_config "
-            f"(quant_method={saved!r}) but the config passed to from_pretrained has none: "
-            "do not pass the base model's config (config=...); load this folder's own "
-            "(AutoConfig.from_pretrained(folder)), or drop config="
+            f"Its quantization_config names quant_method={_quant_method(qc)!r}, which "
+            "transformers does not know, so it skipped quantization: load the checkpoint with "
+            "the library that wrote it, or (an FP8 compressed-tensors or vLLM fp8 checkpoint) "
+            "convert it with `hf-fp8 import` and load the result after `import hf_fp8`"
+        )
+    elif saved is not None:
+        fix = (
+            f"{config_json} has a quantization_config (quant_method={saved!r}) but the config "
+            "the model is built from has none: do not pass the base model's config (config=...) "
+            "or quantization_config=None; load the checkpoint's own "
+            "(AutoConfig.from_pretrained(checkpoint)), or drop those arguments"
         )
     else:
         fix = (
-            f"{os.path.join(root, 'config.json')} has no quantization_config: restore the one "
-            "the checkpoint was saved with (an hf_fp8 checkpoint: save it again with "
-            "save_pretrained after `import hf_fp8`), and do not pass the base model's config "
-            "(config=...)"
+            f"{config_json} has no quantization_config: restore the one the checkpoint was "
+            "saved with (an hf_fp8 checkpoint: save it again with save_pretrained after "
+            "`import hf_fp8`), and do not pass the base model's config (config=...)"
         )
     raise CheckpointTensorError(
-        f"{name} in {file} is FP8 ({dtype}) with its scale {scale}, but the model is loading "
-        "without a quantization_config: transformers would read the fp8 codes as plain values "
-        f"and drop every scale (silently wrong outputs). {fix}"
+        f"{name} in {file} is FP8 ({dtype}) with its scale {scale}, but {source} is loading "
+        "with no quantizer (no quantization_config that transformers acts on): it would read "
+        f"the fp8 codes as plain values and drop every scale (silently wrong outputs). {fix}"
     )
+
+
+def check_fp8_scales_for_finegrained(name_or_path: str, files: Iterable[str] | None) -> None:
+    """For a pre-quantized load by transformers' ``fp8`` quantizer (FineGrainedFP8), which
+    reads ``weight_scale_inv`` only: raise ``CheckpointTensorError`` when an fp8 tensor has a
+    ``weight_scale`` sibling and no ``weight_scale_inv`` (a per-tensor vLLM fp8 export)."""
+    found = _read_headers(files or ())
+    for name, dtype, file in found.fp8:
+        leaves = found.scales.get(name.rpartition(".")[0], {})
+        if "weight_scale" in leaves and not any(s in leaves for s in _FINEGRAINED_SCALES):
+            raise CheckpointTensorError(
+                f"{leaves['weight_scale']} in {file} is the per-tensor scale of the FP8 "
+                f"({dtype}) {name}, but transformers' fp8 quantizer (FineGrainedFP8, "
+                "quant_method='fp8') reads only weight_scale_inv (block scales): it would drop "
+                f"every weight_scale and load {_source(name_or_path, file)} as garbage. "
+                f"This is a per-tensor vLLM fp8 checkpoint: {_FIX_PER_TENSOR}"
+            )

@@ -111,12 +111,53 @@ def test_a_failing_check_disables_itself_and_the_load_goes_on(fp8_dir, tmp_path,
     from hf_fp8.quantizer import lost_config
 
     def broken(*args, **kwargs):
-        raise OSError("disk on fire")
+        raise AttributeError("safe_open has no get_slice")  # an API mismatch
 
     monkeypatch.setattr(lost_config, "check_fp8_has_config", broken)
     monkeypatch.setattr(fp8_without_config, "_FAILED", [])
     monkeypatch.setattr(patches, "_STATUS", {})
     folder = _without_config(fp8_dir, tmp_path / "ckpt")
-    with pytest.warns(patches.PatchWarning, match="disk on fire"):
+    with pytest.warns(patches.PatchWarning, match="no get_slice"):
         AutoModelForCausalLM.from_pretrained(folder)  # loads, as transformers alone would
     assert patches.status()["fp8_without_config"].startswith("off")
+
+
+@pytest.mark.parametrize("error", [OSError("disk on fire"), RecursionError("deep")])
+def test_an_unreadable_file_leaves_the_check_on(fp8_dir, tmp_path, monkeypatch, error):
+    """R3 finding 3: a file the check cannot read skips that load's check only."""
+    from hf_fp8.patches import fp8_without_config
+    from hf_fp8.quantizer import lost_config
+
+    real = lost_config.check_fp8_has_config
+
+    def unreadable(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(fp8_without_config, "_FAILED", [])
+    monkeypatch.setattr(patches, "_STATUS", {})
+    folder = _without_config(fp8_dir, tmp_path / "ckpt")
+    monkeypatch.setattr(lost_config, "check_fp8_has_config", unreadable)
+    AutoModelForCausalLM.from_pretrained(folder)  # unchecked, as transformers alone
+    assert patches.status()["fp8_without_config"] == "on"
+    monkeypatch.setattr(lost_config, "check_fp8_has_config", real)
+    with pytest.raises(CheckpointTensorError):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_a_quant_method_transformers_does_not_know_is_checked(fp8_dir, tmp_path):
+    """R3 finding 6: with an unknown ``quant_method`` transformers skips quantization but
+    keeps ``config.quantization_config``; the check took that for "has a config"."""
+    folder = tmp_path / "modelopt"
+    shutil.copytree(fp8_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointTensorError, match=r"quant_method='modelopt'") as err:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert "does not know" in str(err.value)
+
+
+def test_quantization_config_none_is_named_in_the_refusal(fp8_dir):
+    """R3 finding 6: ``quantization_config=None`` is refused; the message named only config=."""
+    with pytest.raises(CheckpointTensorError, match=r"quantization_config=None"):
+        AutoModelForCausalLM.from_pretrained(fp8_dir, quantization_config=None)
