@@ -10,11 +10,14 @@ high-precision model; ``hf_fp8.quantize_model(merged, config)`` turns it back in
 ``unmerge`` restores the original FP8 layer bit for bit.
 
 Like peft's own ``nn.Linear`` dispatch, it forces ``fan_in_fan_out=False`` (an ``Fp8Linear``
-stores ``[out, in]``, also where it replaced a GPT-2 ``Conv1D``). DoRA and MiCA read the
-dequantized weight (DoRA's magnitude and weight norm equal DoRA's on the dequantized model,
-MiCA's ``lora_B`` comes from its singular vectors). LoRA inits and
-variants that rewrite the base weight (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, KaSA) are refused:
-the FP8 base is frozen fp8 codes.
+stores ``[out, in]``, also where it replaced a GPT-2 ``Conv1D``). Every LoRA variant and
+every init other than the plain ones (``True``/``False``/``'gaussian'``/``'eva'``) is set up
+on a dequantized copy of the base: peft's inits read the base weight's values (DoRA's magnitude,
+MiCA's singular vectors) or build adapter tensors in its dtype (BD-LoRA's block-diagonal
+factors, VeLoRA's projection, the orthogonal init), and fp8 has no random kernels and must not
+round an adapter. DoRA's weight norm also reads the dequantized weight in forward. LoRA inits and
+variants that rewrite the base weight (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, KaSA, and any other
+init seen changing the dequantized copy) are refused: the FP8 base is frozen fp8 codes.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from hf_fp8.modules import Fp8Linear
 
 # ``init_lora_weights`` values (prefixes) whose init subtracts the adapter from the base weight
 REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
-# ... and those that only read it (they get the dequantized weight)
-READING_INITS = ("mica",)
+# ... and those that touch neither its values nor its dtype (set up on the FP8 base itself; every
+# other init and every LoRA variant gets the dequantized weight)
+PLAIN_INITS = ("gaussian", "eva")
 
 
 def _dense_copy(layer: Fp8Linear) -> nn.Linear:
@@ -76,8 +80,8 @@ class Fp8DoraLinearVariant(DoraLinearVariant):
 
     @staticmethod
     def init(module: Fp8LoraLinear, adapter_name: str, **kwargs: Any) -> None:
-        with module._dequantized_base():
-            DoraLinearVariant.init(module, adapter_name, **kwargs)
+        # ``Fp8LoraLinear.update_layer`` runs variant inits on the dequantized base
+        DoraLinearVariant.init(module, adapter_name, **kwargs)
         dora = module.lora_magnitude_vector[adapter_name]
         fp8_dora = Fp8DoraLinearLayer(fan_in_fan_out=dora.fan_in_fan_out)
         fp8_dora.weight = dora.weight
@@ -88,11 +92,27 @@ def _check_config(config: Any, target_name: str) -> None:
     """Refuse what would rewrite the frozen FP8 base weight, naming the way that works."""
     init = config.init_lora_weights
     if isinstance(init, str) and init.lower().startswith(REWRITING_INITS):
-        what = f"init_lora_weights={init!r}"
+        _refuse_rewrite(f"init_lora_weights={init!r}", target_name)
     elif getattr(config, "kasa_config", None):
-        what = "KaSA (kasa_config)"
-    else:
-        return
+        _refuse_rewrite("KaSA (kasa_config)", target_name)
+
+
+def _is_plain_init(config: Any) -> bool:
+    init = config.init_lora_weights
+    return isinstance(init, bool) or (isinstance(init, str) and init.lower() in PLAIN_INITS)
+
+
+def _changed(dense: nn.Linear, original: Fp8Linear) -> bool:
+    """Whether peft wrote into the dequantized copy ``dense`` of ``original`` (values compared:
+    writes through ``.data`` leave no version count)."""
+    if not torch.equal(dense.weight, original.dequantize_weight()):
+        return True
+    if original.bias is None:
+        return dense.bias is not None
+    return dense.bias is None or not torch.equal(dense.bias, original.bias.to(dense.bias.dtype))
+
+
+def _refuse_rewrite(what: str, target_name: str) -> None:
     raise ValueError(
         f"{what} rewrites the base weight of {target_name or 'the target'}, an FP8 layer "
         "(Fp8Linear) whose fp8 codes are frozen. Load the model in high precision for it "
@@ -124,13 +144,22 @@ class Fp8LoraLinear(LoraLinear):
         return {**super().lora_variants, ("use_dora",): Fp8DoraLinearVariant}
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: Any, **kwargs):
-        """peft's ``update_layer``; refuses the inits that rewrite the base weight and shows those
-        that read it the dequantized weight."""
-        _check_config(config, kwargs.get("target_name", ""))
-        init = config.init_lora_weights
-        reads_base = isinstance(init, str) and init.lower().startswith(READING_INITS)
-        with self._dequantized_base() if reads_base else contextlib.nullcontext():
+        """peft's ``update_layer``; refuses the inits that rewrite the base weight and runs the
+        others, and every variant, on the dequantized base (plain inits on the FP8 base)."""
+        target_name = kwargs.get("target_name", "")
+        _check_config(config, target_name)
+        if _is_plain_init(config) and self.resolve_lora_variant(config=config) is None:
             super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+            return
+        base = self.get_base_layer()
+        with self._dequantized_base() as dense:
+            super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+        if dense is not None and _changed(dense, base):
+            variant = self.lora_variant.get(adapter_name)
+            variant = type(variant).__name__ if variant is not None else "none"
+            self.delete_adapter(adapter_name)  # where add_adapter called this on a live layer
+            what = f"init_lora_weights={config.init_lora_weights!r} (LoRA variant: {variant})"
+            _refuse_rewrite(f"this LoRA config, {what},", target_name)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Merge into a dequantized copy of the FP8 base (which is kept for ``unmerge``)."""
@@ -167,16 +196,17 @@ class Fp8LoraLinear(LoraLinear):
             del self.__dict__["_fp8_base"]
 
     @contextlib.contextmanager
-    def _dequantized_base(self) -> Iterator[None]:
-        """For peft code that reads the base weight once (DoRA's and MiCA's init): a frozen
-        dense copy in its place."""
+    def _dequantized_base(self) -> Iterator[nn.Linear | None]:
+        """For peft code that reads the base weight once (variant and init setup): a frozen
+        dense copy in its place, yielded (None where the base is not an ``Fp8Linear``)."""
         base = self.get_base_layer()
         if not isinstance(base, Fp8Linear):
-            yield
+            yield None
             return
-        self._set_base(_dense_copy(base))
+        dense = _dense_copy(base)
+        self._set_base(dense)
         try:
-            yield
+            yield dense
         finally:
             self._set_base(base)
 
