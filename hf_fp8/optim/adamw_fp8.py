@@ -203,8 +203,25 @@ class AdamWFp8(Optimizer):
                 loss = closure()
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self._check_step(index)  # refuses before any weight or state changes, like torch
-        for group in self.param_groups:
-            self._step_group(group, index)
+        # Every kernel launch of the step (all groups, one batch) runs before any eager update:
+        # a launch the kernel refuses (out of memory) then leaves everything as it was.
+        batch = _cpu_kernel.Batch()
+        stepped: list[dict[str, Any]] = []  # states whose step count this call advanced
+        fresh: list[torch.Tensor] = []  # parameters whose state this call created
+        try:
+            plans = [self._plan_group(g, index, batch, stepped, fresh) for g in self.param_groups]
+            batch.run()
+        except Exception as err:
+            if not getattr(err, "applied", False):  # nothing touched: the step can be retaken
+                for state in stepped:
+                    state["step"] -= 1
+                for p in fresh:
+                    del self.state[p]
+            raise
+        for group, eager, fp32 in plans:
+            for run in eager:
+                run()
+            self._fp32_steps(group, fp32)
         return loss
 
     def _check_step(self, index: dict[torch.Tensor, int]) -> None:
@@ -245,18 +262,27 @@ class AdamWFp8(Optimizer):
         expand = group["dynamic_range_expansion"]
         self._resolve(stand_in, local(p.grad), states, code, expand, step_options(group))
 
-    def _step_group(self, group: dict[str, Any], index: dict[torch.Tensor, int]) -> None:
-        beta1, beta2 = group["betas"]
+    def _plan_group(
+        self,
+        group: dict[str, Any],
+        index: dict[torch.Tensor, int],
+        batch: _cpu_kernel.Batch,
+        stepped: list[dict[str, Any]],
+        fresh: list[torch.Tensor],
+    ) -> tuple[dict[str, Any], list[Callable[[], None]], dict]:
+        """Advance the step counts of ``group``, queue its kernel steps on ``batch``; returns
+        ``(group, eager quantized steps, fp32 lists)`` to run after the batch. Changes no
+        weight or moment."""
         # per device and dtype, as torch's foreach groups (float64 weights step in float64)
         fp32: dict[tuple[torch.device, torch.dtype], dict[str, list]] = {}
-        batch = _cpu_kernel.Batch()
+        eager: list[Callable[[], None]] = []
         hp_cache: dict[tuple[float, torch.device, torch.dtype], torch.Tensor] = {}
-        stepped: list[dict[str, Any]] = []  # states whose step count this call advanced
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             if not state:
+                fresh.append(p)
                 self._init_state(p, state, group)
             state["step"] += 1
             stepped.append(state)
@@ -278,14 +304,13 @@ class AdamWFp8(Optimizer):
             if key not in hp_cache:
                 hp_cache[key] = _step.hyperparams(group, *key)
             keys = _stream_keys(group, int(step), index[p], p, states[0].shape[1])
-            self._quantized_step(param, grad, states, hp_cache[key], group, batch, keys)
-        try:
-            batch.run()
-        except _cpu_kernel.KernelStepError as err:
-            if not err.applied:  # nothing touched: the step can be taken again
-                for state in stepped:
-                    state["step"] -= 1
-            raise
+            run = self._quantized_step(param, grad, states, hp_cache[key], group, batch, keys)
+            if run is not None:
+                eager.append(run)
+        return group, eager, fp32
+
+    def _fp32_steps(self, group: dict[str, Any], fp32: dict) -> None:
+        beta1, beta2 = group["betas"]
         lr = group["lr"]
         for lists in fp32.values():
             _step.fp32_step(
@@ -310,7 +335,9 @@ class AdamWFp8(Optimizer):
         group: dict[str, Any],
         batch: _cpu_kernel.Batch,
         keys: tuple[int, int],
-    ) -> None:
+    ) -> Callable[[], None] | None:
+        """Queue the kernel step of ``param`` on ``batch``, or return the eager step to run
+        after the batch (reference / compile)."""
         rows = param.shape[0]
         cols = param.numel() // rows
         gs = group["group_size"]
@@ -320,22 +347,28 @@ class AdamWFp8(Optimizer):
         impl = self._resolve(work, grad, states, states[0].dtype, expand, options)
         if impl == "cpu_kernel":  # queued: one kernel call per group and variant
             batch.add(work, grad, states, hp, cols, gs, expand, copy_to=param, keys=keys, **options)
-            return
-        p2d, g2d = work.view(rows, cols), grad.reshape(rows, cols)
+            return None
         if options["sr_m"] or options["sr_v"]:
             options["keys"] = torch.tensor(keys, dtype=torch.int64, device=param.device)
-        done = False
-        if impl == "compile":
-            try:
-                _step.run_grouped(self._compiled_fn(), p2d, g2d, states, hp, gs, True, **options)
-                done = True
-            except Exception as exc:  # compilation failed: reference from now on
-                self._warn_once("compile", f"torch.compile failed ({exc!r}); using the reference")
-                self.implementation = "reference"
-        if not done:
-            _step.run_grouped(_step.grouped_step, p2d, g2d, states, hp, gs, **options)
-        if work is not param:
-            param.copy_(work)
+
+        def run() -> None:
+            p2d, g2d = work.view(rows, cols), grad.reshape(rows, cols)
+            done = False
+            if impl == "compile" and self.implementation != "reference":
+                try:
+                    fn = self._compiled_fn()
+                    _step.run_grouped(fn, p2d, g2d, states, hp, gs, True, **options)
+                    done = True
+                except Exception as exc:  # compilation failed: reference from now on
+                    why = f"torch.compile failed ({exc!r}); using the reference"
+                    self._warn_once("compile", why)
+                    self.implementation = "reference"
+            if not done:
+                _step.run_grouped(_step.grouped_step, p2d, g2d, states, hp, gs, **options)
+            if work is not param:
+                param.copy_(work)
+
+        return run
 
     def _resolve(
         self,
