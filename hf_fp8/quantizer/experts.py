@@ -21,7 +21,7 @@ from torch import nn
 from hf_fp8.modules.experts_kinds import convertible_outside_experts
 from hf_fp8.modules.fp8_experts import Fp8Experts, convertible_experts
 from hf_fp8.numerics import is_fp8
-from hf_fp8.quantizer.validation import check_bias, checkpoint_file
+from hf_fp8.quantizer.validation import check_bias, checkpoint_file, is_bias_dtype
 
 EXPERTS_SCALE_SUFFIXES = ("_weight_scale", "_input_scale")
 
@@ -134,7 +134,8 @@ def finish_experts(
         bias = getattr(module, f"{proj}_bias")
         if bias is not None:  # never an fp8 compute dtype
             key = f"{name}.{proj}_bias"
-            check_bias(key, bias.dtype, source=checkpoint_file(checkpoint_root, key))
+            if not is_bias_dtype(bias.dtype):  # the file is looked up only for the error
+                check_bias(key, bias.dtype, source=checkpoint_file(checkpoint_root, key))
             module.compute_dtype = bias.dtype
     return missing
 

@@ -9,7 +9,6 @@ stored on disk (the loader would otherwise cast them to the meta dtype, hiding a
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Iterable
@@ -29,6 +28,7 @@ from hf_fp8.numerics.checks import (
     check_scale_tensor,
     max_scale,
 )
+from hf_fp8.utils.folders import read_index_json
 
 # Tensors of an Fp8Linear that a checkpoint stores in fp8 / fp32 and that must arrive uncast.
 FP8_LINEAR_TENSORS = ("weight", "weight_scale", "input_scale")
@@ -94,21 +94,20 @@ def check_stored_tensor(
 
 def checkpoint_file(root: str, key: str) -> str:
     """The file of checkpoint ``root`` (``config.name_or_path``) that holds ``key``, for
-    errors: the shard its index names, ``model.safetensors``, or ``root`` itself (a Hub id,
-    a key the loader renamed). Only names a file; reads nothing but the index."""
+    errors: ``model.safetensors`` (transformers reads it before any index), the shard its
+    index names, or ``root`` itself (a Hub id, a key the loader renamed, an index that does
+    not parse). Only names a file; reads nothing but the index."""
     if not root or not os.path.isdir(root):
         return root or "the checkpoint"
-    index = os.path.join(root, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                shard = json.load(f).get("weight_map", {}).get(key)
-        except (OSError, ValueError, AttributeError):
-            shard = None
-        if isinstance(shard, str):
-            return os.path.join(root, os.path.basename(shard))
     single = os.path.join(root, "model.safetensors")
-    return single if os.path.isfile(single) else root
+    if os.path.isfile(single):
+        return single
+    index = os.path.join(root, "model.safetensors.index.json")
+    try:
+        shard = read_index_json(index).get("weight_map", {}).get(key)
+    except (OSError, ValueError, AttributeError):
+        shard = None
+    return os.path.join(root, os.path.basename(shard)) if isinstance(shard, str) else root
 
 
 def is_bias_dtype(dtype: torch.dtype) -> bool:

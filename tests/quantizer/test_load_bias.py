@@ -120,3 +120,23 @@ def test_stale_nested_index_does_not_break_the_bias_checks(llama_fp8, tmp_path):
     model = tf.AutoModelForCausalLM.from_pretrained(folder)
     layer = model.get_submodule(LLAMA_BIAS.rpartition(".")[0])
     assert torch.equal(layer.bias, reference.get_submodule(LLAMA_BIAS.rpartition(".")[0]).bias)
+
+
+def test_the_file_named_in_bias_errors_survives_a_hostile_stale_index(tmp_path):
+    """``checkpoint_file`` (the file a bias error names, also called for every MoE expert
+    bias) read a ``model.safetensors.index.json`` with plain ``json.load`` even when
+    ``model.safetensors`` is there (transformers reads that one): a deeply nested index raised
+    ``RecursionError`` out of the load."""
+    from hf_fp8.quantizer.validation import checkpoint_file
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors.index.json").write_text("[" * 100_000)
+    assert checkpoint_file(str(tmp_path), "a.bias") == str(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    assert checkpoint_file(str(tmp_path), "a.bias") == str(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a.bias": "model-00002-of-00002.safetensors"}}'
+    )
+    assert checkpoint_file(str(tmp_path), "a.bias") == str(
+        tmp_path / "model-00002-of-00002.safetensors"
+    )
