@@ -79,7 +79,8 @@ class AdamWFp8(Optimizer):
     Args:
         params: parameters or param groups (each group may override every option below
             except ``implementation``).
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``lr`` may be a tensor).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``lr`` may be a tensor; 0-d
+            tensor betas are read as floats).
         dynamic_range_expansion: COAT's per-group power transform (``False``: plain
             per-group absmax FP8).
         group_size: consecutive elements of a row sharing one scale.
@@ -120,7 +121,8 @@ class AdamWFp8(Optimizer):
 
     Non-finite gradients give non-finite parameters, as with ``torch.optim.AdamW``. Moments
     and the update are fp32 for every parameter dtype; float64 weights are decayed and updated
-    in float64 (never rounded to fp32). A refused step (a sparse gradient, or a tensor
+    in float64 (never rounded to fp32), but float64 gradients beyond the fp32 range
+    (``|g| > 3.4e38``) overflow the fp32 moments: NaN weights. A refused step (a sparse gradient, or a tensor
     ``implementation="cpu_kernel"`` cannot take) raises before any weight or state changes.
     """
 
@@ -619,15 +621,20 @@ def _stream_keys(
 
 
 def _validate_group(group: dict[str, Any]) -> None:
+    """Check ``group``'s options (raises ``ValueError``); 0-d tensor betas become floats (the
+    step's arithmetic takes Python numbers), a tensor ``lr`` stays a tensor."""
     lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError("a tensor lr must have exactly one element")
-    elif not lr >= 0.0:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("a tensor lr must have exactly one element")
+    if not float(lr) >= 0.0:  # a tensor lr too (NaN / negative), as torch.optim.AdamW
         raise ValueError(f"invalid learning rate: {lr}")
     if not group["eps"] >= 0.0:
         raise ValueError(f"invalid eps: {group['eps']}")
     betas = group["betas"]
+    if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
+        if not all(not isinstance(b, torch.Tensor) or b.numel() == 1 for b in betas):
+            raise ValueError(f"invalid betas: {betas} (tensor betas must have one element)")
+        betas = group["betas"] = tuple(float(b) for b in betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"invalid betas: {betas} (each must be in [0, 1))")
     if not group["weight_decay"] >= 0.0:

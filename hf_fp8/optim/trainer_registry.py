@@ -96,17 +96,17 @@ def handler(expand: bool, ctx: Any) -> tuple[type, dict[str, Any]]:
 
 def _check_format_fits_the_name(expand: bool, parsed: dict[str, Any]) -> None:
     """The plain-FP8 name sets ``dynamic_range_expansion=False`` itself: ``moment_format=log``
-    cannot run without expansion and ``auto`` would always mean the fp8 codes. Unless the user
-    set ``dynamic_range_expansion`` in ``optim_args`` too, name the optim that fits."""
+    cannot run without expansion (``auto`` is fine: it means the fp8 codes then, as in the
+    class). Unless the user set ``dynamic_range_expansion`` in ``optim_args`` too, name the
+    optim that fits."""
     fmt = parsed.get("moment_format")
-    if expand or fmt not in ("log", "auto") or "dynamic_range_expansion" in parsed:
+    if expand or fmt != "log" or "dynamic_range_expansion" in parsed:
         return
     plain = next(name for name, (_, on) in TRAINER_OPTIMIZERS.items() if not on)
     coat = next(name for name, (_, on) in TRAINER_OPTIMIZERS.items() if on)
-    effect = "needs" if fmt == "log" else "picks the log codes only with"
     raise ValueError(
         f'optim="{plain}" is plain per-group FP8 (it sets dynamic_range_expansion=False), and '
-        f"moment_format={fmt} {effect} COAT's expansion: use "
+        f"moment_format={fmt} needs COAT's expansion: use "
         f'optim="{coat}" with optim_args="moment_format={fmt}"'
     )
 
