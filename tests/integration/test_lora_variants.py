@@ -145,3 +145,73 @@ def test_an_init_that_writes_the_dequantized_copy_is_refused(tiny_model_dir, mon
         get_peft_model(model, LoraConfig(r=4, target_modules=TARGETS, init_lora_weights="olora"))
     layer = model.model.layers[0].self_attn.q_proj
     assert isinstance(layer, Fp8Linear)  # left as it was
+
+
+def test_eva_init_matches_the_dequantized_model(tiny_model_dir):
+    """EVA's ``lora_A`` comes from an SVD of the layer inputs (forward hooks on the FP8 model)."""
+    from peft import EvaConfig, initialize_lora_eva_weights
+
+    batches = [model_inputs("llama", batch=4, seq=12, seed=seed) for seed in range(4)]
+    states = []
+    for kind in ("fp8", "dequantized"):
+        model = _llama(tiny_model_dir, kind)
+        torch.manual_seed(0)
+        config = LoraConfig(
+            r=4, target_modules=TARGETS, init_lora_weights="eva", eva_config=EvaConfig(rho=1.0)
+        )
+        model = get_peft_model(model, config)
+        initialize_lora_eva_weights(model, batches, show_progress_bar=False)
+        states.append(_adapter_state(model))
+    assert states[0].keys() == states[1].keys() and states[0]
+    assert any("lora_A" in k and v.any() for k, v in states[1].items())
+    for key, value in states[1].items():
+        # singular vectors up to sign, from inputs equal up to summation order
+        sign = torch.sign((states[0][key] * value).sum(dim=-1, keepdim=True)).clamp(min=0) * 2 - 1
+        torch.testing.assert_close(states[0][key] * sign, value, rtol=1e-3, atol=1e-4, msg=key)
+
+
+def test_arrow_routing_matches_the_dequantized_model(tiny_model_dir, tmp_path):
+    """Arrow routes each token among task adapters (prototypes: a seeded power iteration on
+    their lora_A/B; unseeded, two runs on the same model differ)."""
+    from peft import ArrowConfig, create_arrow_model
+
+    paths = []
+    for task in range(2):
+        model = get_peft_model(
+            _llama(tiny_model_dir, "plain"), LoraConfig(r=4, target_modules=TARGETS)
+        )
+        torch.manual_seed(10 + task)
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                if "lora_B" in key:
+                    param.normal_(0, 0.05)
+        model.save_pretrained(tmp_path / f"task{task}")
+        paths.append(str(tmp_path / f"task{task}"))
+    batch = model_inputs("llama")
+    logits = []
+    for kind in ("fp8", "dequantized"):
+        model = create_arrow_model(
+            _llama(tiny_model_dir, kind),
+            paths,
+            ArrowConfig(top_k=1, router_temperature=1.0, rng_seed=0),
+        ).eval()
+        with torch.no_grad():
+            logits.append(model(**batch).logits)
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        assert "arrow_router" in layer.lora_arrow
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_refused_add_adapter_leaves_the_first_adapter(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("hf_fp8.lora.REWRITING_INITS", ("pissa",))
+    model = get_peft_model(_llama(tiny_model_dir, "fp8"), LoraConfig(r=4, target_modules=TARGETS))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    base = layer.get_base_layer()
+    codes = base.weight.clone()
+    with pytest.raises(ValueError, match=r"rewrites the base weight of .*q_proj"):
+        model.add_adapter(
+            "other", LoraConfig(r=4, target_modules=TARGETS, init_lora_weights="olora")
+        )
+    assert set(layer.lora_A) == {"default"} and layer.get_base_layer() is base
+    assert torch.equal(base.weight.view(torch.uint8), codes.view(torch.uint8))
+    model(**model_inputs("llama"))  # still runs with the first adapter
