@@ -227,42 +227,17 @@ class AdamWFp8(Optimizer):
         return loss
 
     def _check_step(self, index: dict[torch.Tensor, int]) -> None:
-        """Raise now, before anything changes, if some parameter of this step would be refused
-        (a sparse gradient; ``implementation="cpu_kernel"`` and a tensor the kernel cannot
-        take): raising half-way left earlier parameters stepped."""
+        """Raise now, before anything changes, on a sparse gradient. (A tensor
+        ``implementation="cpu_kernel"`` cannot take is refused while the step is planned, which
+        changes nothing either: see :meth:`step`.)"""
         for i, group in enumerate(self.param_groups):
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
+                if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(
                         f"AdamWFp8 does not support sparse gradients (parameter {index[p]}, "
                         f"param group {i}); nothing was updated. Use torch.optim.SparseAdam "
                         "for sparse parameters (e.g. nn.Embedding(sparse=True))"
                     )
-                if self.implementation == "cpu_kernel":
-                    self._check_kernel_takes(p, group)
-
-    def _check_kernel_takes(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        """:meth:`_resolve`'s refusal of ``implementation="cpu_kernel"``, ahead of the step."""
-        state = self.state.get(p)  # .get: no empty entry for a parameter not stepped yet
-        if state:
-            if not is_quantized_state(state):
-                return
-            states = tuple(None if s is None else local(s) for s in quantized_states(state))
-            code = states[0].dtype
-        else:
-            if not (wants_quantized(p, group) and quantizable_placements(p)):
-                return
-            states = ()  # fresh states: contiguous, on the parameter's device
-            code = torch.int8 if resolved_format(group) == "log" else fp8_dtype(group["fp8_format"])
-        param = local(p)
-        if param.numel() == 0:
-            return
-        # the step runs on a contiguous copy: an empty stand-in of the same dtype and device
-        stand_in = param.new_empty(0)
-        expand = group["dynamic_range_expansion"]
-        self._resolve(stand_in, local(p.grad), states, code, expand, step_options(group))
 
     def _plan_group(
         self,
@@ -401,7 +376,8 @@ class AdamWFp8(Optimizer):
             if impl == "cpu_kernel":  # asked for explicitly: never fall back silently
                 raise RuntimeError(
                     f"AdamWFp8(implementation='cpu_kernel'): the C kernel cannot run ({why}); "
-                    "use implementation='auto' to fall back to torch.compile / the reference"
+                    "nothing was updated. Use implementation='auto' to fall back to "
+                    "torch.compile / the reference"
                 )
         if impl == "reference":
             return "reference"

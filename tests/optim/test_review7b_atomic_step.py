@@ -77,3 +77,19 @@ def test_a_refused_kernel_step_changes_nothing(failing_kernel, make) -> None:  #
     twin_params, twin, twin_failures = _train(make)  # allocations succeed from now on
     assert twin_failures == 0
     assert _same(_snapshot(opt, params), _snapshot(twin, twin_params))
+
+
+def test_a_kernel_refusal_in_a_later_group_changes_nothing() -> None:
+    """implementation="cpu_kernel" refuses group 1's float64 gradient (refused while the step
+    is planned, no longer by a separate pre-check): group 0 and every counter stay as they were."""
+    params, opt = _two_groups()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    params[0].grad = torch.randn_like(params[0])
+    params[1].grad_dtype = None  # torch allows a float64 gradient on an fp32 weight then
+    params[1].grad = torch.randn_like(params[1], dtype=torch.float64)
+    before = _snapshot(opt, params)
+    with pytest.raises(RuntimeError, match="nothing was updated"):
+        opt.step()
+    assert _same(_snapshot(opt, params), before)
