@@ -95,3 +95,30 @@ def tiny_model_dir(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+# Llama with its second decoder layer offloaded to disk (accelerate device_map).
+LLAMA_LAYER_1_ON_DISK = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "cpu",
+}
+
+
+@pytest.fixture(scope="session")
+def llama_fp8_dir(tiny_model_dir, tmp_path_factory):
+    """Folder of the tiny Llama loaded with ``Fp8Config("dynamic")`` and saved (pre-quantized).
+    Shared by the whole session: copy it before changing anything in it."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_fp8 import Fp8Config
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic")
+    )
+    path = tmp_path_factory.mktemp("llama_fp8_dynamic")
+    model.save_pretrained(path)
+    return path

@@ -1,3 +1,3 @@
 """Shared fixtures."""
 
-from tests.tiny_models import tiny_model_dir  # noqa: F401
+from tests.tiny_models import llama_fp8_dir, tiny_model_dir  # noqa: F401

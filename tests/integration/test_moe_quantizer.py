@@ -13,6 +13,7 @@ from hf_fp8 import Fp8Config
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.numerics import quantize_weight
 from hf_fp8.numerics.checks import CheckpointTensorError
+from tests.tiny_models import LLAMA_LAYER_1_ON_DISK
 
 _COMMON = dict(
     vocab_size=128,
@@ -291,14 +292,7 @@ def test_fp8_experts_offloaded_to_disk_give_the_same_logits(bf16_dir, tmp_path):
     path, _ = bf16_dir
     model = tf.AutoModelForCausalLM.from_pretrained(path, quantization_config=Fp8Config())
     model.save_pretrained(tmp_path / "fp8")
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "cpu",
-    }
+    device_map = dict(LLAMA_LAYER_1_ON_DISK)
     back = tf.AutoModelForCausalLM.from_pretrained(
         tmp_path / "fp8", device_map=device_map, offload_folder=str(tmp_path / "offload")
     )

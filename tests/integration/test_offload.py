@@ -10,27 +10,15 @@ import torch
 from accelerate import disk_offload
 from transformers import AutoModelForCausalLM
 
-from hf_fp8 import Fp8Config, Fp8Linear
-from tests.tiny_models import model_inputs
+from hf_fp8 import Fp8Linear
+from tests.tiny_models import LLAMA_LAYER_1_ON_DISK, model_inputs
 
-LAYER_1_ON_DISK = {
-    "model.embed_tokens": "cpu",
-    "model.layers.0": "cpu",
-    "model.layers.1": "disk",
-    "model.norm": "cpu",
-    "model.rotary_emb": "cpu",
-    "lm_head": "cpu",
-}
+LAYER_1_ON_DISK = dict(LLAMA_LAYER_1_ON_DISK)
 
 
 @pytest.fixture(scope="module")
-def fp8_checkpoint(tiny_model_dir, tmp_path_factory) -> str:
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic")
-    )
-    path = tmp_path_factory.mktemp("llama_fp8")
-    model.save_pretrained(path)
-    return str(path)
+def fp8_checkpoint(llama_fp8_dir) -> str:
+    return str(llama_fp8_dir)
 
 
 @pytest.fixture(scope="module")

@@ -114,3 +114,19 @@ def test_top_zero_tiny_and_infinite_magnitudes():
         assert int(q.view(torch.uint8)[0, 0]) == coat.CODE_MAX[dtype]
         d = coat.dequantize_groups(q, s, k)
         assert torch.isfinite(d).all() and float(d[0, 0]) > 3e38
+
+
+@pytest.mark.slow
+def test_compiled_quantizer_gives_the_reference_codes_bit_for_bit():
+    """``torch.compile`` of the quantizer (the compiled step's path) returns the eager
+    reference's codes, scales and exponents exactly, nearest and stochastic."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 128, generator=g) * 10 ** torch.empty(64, 1).uniform_(-12, 2, generator=g)
+    x = x * torch.exp2(torch.rand(64, 128, generator=g) * 30 - 15)
+    bits = coat.random_bits(torch.tensor(99, dtype=torch.int64), x.shape)
+    compiled = torch.compile(coat.quantize_groups, fullgraph=True, dynamic=False)
+    for sb in (None, bits):
+        want = coat.quantize_groups(x, E4M3, stochastic_bits=sb)
+        got = compiled(x, E4M3, stochastic_bits=sb)
+        assert torch.equal(want[0].view(torch.uint8), got[0].view(torch.uint8))
+        assert torch.equal(want[1], got[1]) and torch.equal(want[2], got[2])

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_fp8 import Fp8Config, patches
+from hf_fp8 import patches
 from hf_fp8.numerics.checks import CheckpointTensorError
 from tests.tiny_models import model_inputs, model_output
 
@@ -27,13 +27,8 @@ LAYER = "model.layers.0.self_attn.q_proj"
 
 
 @pytest.fixture(scope="module")
-def fp8_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic")
-    )
-    path = tmp_path_factory.mktemp("fp8_dynamic")
-    model.save_pretrained(path)
-    return path
+def fp8_dir(llama_fp8_dir) -> Path:
+    return llama_fp8_dir
 
 
 def _without_config(fp8_dir: Path, dst: Path) -> Path:

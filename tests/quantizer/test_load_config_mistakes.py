@@ -20,13 +20,8 @@ from hf_fp8.numerics.checks import CheckpointTensorError
 
 
 @pytest.fixture(scope="module")
-def fp8_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic")
-    )
-    path = tmp_path_factory.mktemp("fp8_config_mistakes")
-    model.save_pretrained(path)
-    return path
+def fp8_dir(llama_fp8_dir) -> Path:
+    return llama_fp8_dir
 
 
 def test_on_the_fly_dequantize_is_refused(tiny_model_dir):

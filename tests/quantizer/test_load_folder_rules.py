@@ -15,18 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hf_fp8 import Fp8Config
 from hf_fp8.serialization.atomic import UnsafePathError
 
 
 @pytest.fixture(scope="module")
-def fp8_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic")
-    )
-    path = tmp_path_factory.mktemp("fp8_folder_rules")
-    model.save_pretrained(path)
-    return path
+def fp8_dir(llama_fp8_dir) -> Path:
+    return llama_fp8_dir
 
 
 def _split_outside(fp8_dir: Path, tmp_path: Path, target: str | None) -> Path:

@@ -17,7 +17,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_fp8 import Fp8Config
 from hf_fp8.utils import folders
 from hf_fp8.utils.folders import UnsafePathError, check_source_folder
 
@@ -25,13 +24,8 @@ Q = "model.layers.0.self_attn.q_proj"
 
 
 @pytest.fixture(scope="module")
-def fp8_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic")
-    )
-    path = tmp_path_factory.mktemp("fp8_folder_scope")
-    model.save_pretrained(path)
-    return path
+def fp8_dir(llama_fp8_dir) -> Path:
+    return llama_fp8_dir
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from hf_fp8 import Fp8Config
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.numerics.checks import CheckpointTensorError
 from tests.serialization.moe_fixtures import tiny_qwen3_moe
-from tests.tiny_models import model_inputs
+from tests.tiny_models import LLAMA_LAYER_1_ON_DISK, model_inputs
 
 LAYER = "model.layers.0.mlp.down_proj"
 
@@ -91,14 +91,7 @@ def test_complete_static_checkpoint_reloads_its_scales(calibrated_dir):
 # -- disk offload (reviewer R3 finding 4) ------------------------------------------------------
 # Which scales the checkpoint stores is read from its tensor names, not from where a layer
 # went: an offloaded layer's tensors stay on disk, and its input_scale is read at forward time.
-OFFLOAD = {
-    "model.embed_tokens": "cpu",
-    "model.layers.0": "cpu",
-    "model.layers.1": "disk",
-    "model.norm": "cpu",
-    "model.rotary_emb": "cpu",
-    "lm_head": "cpu",
-}
+OFFLOAD = dict(LLAMA_LAYER_1_ON_DISK)
 
 
 def _copy(src: Path, dst: Path) -> Path:

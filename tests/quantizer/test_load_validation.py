@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_fp8 import Fp8Config, Fp8Linear
 from hf_fp8.numerics.checks import CheckpointTensorError
-from tests.tiny_models import TINY, model_inputs, model_output
+from tests.tiny_models import LLAMA_LAYER_1_ON_DISK, TINY, model_inputs, model_output
 
 LAYER = "model.layers.0.self_attn.q_proj"
 
@@ -233,14 +233,7 @@ def test_disk_offloaded_layers_are_checked_too(tensor, fn, pattern, fp8_dirs, tm
     # offloaded tensors never reach the module (they stay on meta until a forward reads them)
     layer = "model.layers.1.self_attn.q_proj"
     path = _corrupt(fp8_dirs["dynamic"], tmp_path / "ckpt", _set(f"{layer}.{tensor}", fn))
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.norm": "cpu",
-        "model.rotary_emb": "cpu",
-        "lm_head": "cpu",
-    }
+    device_map = dict(LLAMA_LAYER_1_ON_DISK)
     err = _expect_error(
         path,
         f"{layer}.{tensor}",
