@@ -255,7 +255,7 @@ def round_to_decoded_codes(
     fp8_dtype: torch.dtype,
     stochastic_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """int64 magnitude codes of ``ax`` (``|x|``, ``[..., n]``) rounded in the DECODED domain.
+    """int32 magnitude codes of ``ax`` (``|x|``, ``[..., n]``) rounded in the DECODED domain.
 
     ``dec(c) = A[E]·B[i]`` is what :func:`dequantize_groups` returns for code ``c`` (tables of
     :func:`decode_tables`). The bracket ``dec(c) ≤ |x| < dec(c + 1)`` is found by a
@@ -267,27 +267,18 @@ def round_to_decoded_codes(
     ``stochastic_bits`` over ``2^24``, so ``E[dec(code)] = |x|``: unbiased in the value, not in
     the fp8 code (a power of the value). At or above the largest finite code: that code.
     """
-    mb = CODE_MANTISSA_BITS[fp8_dtype]
     top = CODE_MAX[fp8_dtype]
-    first = table_a * table_b[..., :1]  # dec(E << mb), E >= 1
-    code = torch.zeros(ax.shape, dtype=torch.int64, device=ax.device)
-    lo = torch.zeros_like(ax)
-    hi = torch.full_like(ax, math.inf)
-    a = sub = None
+    dec = decoded_code_table(table_a, table_b, fp8_dtype)
+    # The search tracks the code only: the last accepted candidate is c itself and the last
+    # refused one is c + 1 (the lowest refused bit, all lower bits accepted after it), so
+    # dec(c) and dec(c + 1) are two reads of the row afterwards (row[0] = 0, row[128] = inf
+    # stand for "none accepted" / "none refused"). int32 indices: half the index traffic.
+    code = torch.zeros(ax.shape, dtype=torch.int32, device=ax.device)
     for bit in range(6, -1, -1):
         cand = code | (1 << bit)
-        if bit >= mb:  # the exponent field against A[E]·B[0]
-            val = torch.gather(first, -1, cand >> mb)
-        else:  # the mantissa field against A[E]·B[i]
-            if a is None:
-                e = code >> mb
-                a = torch.gather(table_a, -1, e)
-                sub = torch.where(e == 0, 1 << mb, 0)
-            val = a * torch.gather(table_b, -1, (cand & ((1 << mb) - 1)) | sub)
-        ok = val <= ax
-        code = torch.where(ok, cand, code)
-        lo = torch.where(ok, val, lo)
-        hi = torch.where(ok, hi, val)
+        code = torch.where(torch.gather(dec, -1, cand) <= ax, cand, code)
+    lo = torch.gather(dec, -1, code)
+    hi = torch.gather(dec, -1, code + 1)
     below = ax - lo
     if stochastic_bits is None:
         up = below > hi - ax
@@ -296,7 +287,24 @@ def round_to_decoded_codes(
             2.0 ** -(32 - DECODED_SR_SHIFT)
         )
         up = u * (hi - lo) < below
-    return torch.where(code >= top, top, code + up.to(torch.int64))
+    return torch.where(code >= top, top, code + up.to(torch.int32))
+
+
+def decoded_code_table(
+    table_a: torch.Tensor, table_b: torch.Tensor, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """``dec`` (``[..., 129]``): ``dec[c] = A[E]·B[i]`` for the magnitude codes ``c = 1..127``
+    (the fp32 product :func:`dequantize_groups` computes), ``dec[0] = 0``, ``dec[128] = inf``."""
+    mb = CODE_MANTISSA_BITS[fp8_dtype]
+    c = torch.arange(128, device=table_a.device)
+    e = c >> mb
+    j = c & ((1 << mb) - 1)
+    i = torch.where(e == 0, j + (1 << mb), j)
+    dec = table_a.index_select(-1, e) * table_b.index_select(-1, i)
+    lead = dec.shape[:-1]
+    return torch.cat(
+        [dec.new_zeros(*lead, 1), dec[..., 1:], dec.new_full((*lead, 1), math.inf)], dim=-1
+    )
 
 
 # fp8 code layout: mantissa bits, exponent bias and the mantissa field of the largest value F.
