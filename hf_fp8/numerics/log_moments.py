@@ -57,7 +57,9 @@ V_DEC = 2.0**23 / V_STEPS  # V_DEC / k: bit-pattern units per code (2^19 / k)
 M_CODE_MAX = 127  # int8 codes of m' = m·2^-e: -127..127
 M_MIN = 2.0**-100  # groups of m' with a smaller amax store zeros (keeps 127/amax finite)
 FLT_MIN_BITS = 0x00800000
-BITS_FLOOR = -(2**30)  # decoded offsets are clamped here (int32-safe; far below FLT_MIN)
+# Decoded offsets used to be clamped here: 128 octaves below amax, below FLT_MIN only for
+# amax <= 4 (R5 finding 1). Unused since; they are clamped at -bits(amax) (offset_floor).
+BITS_FLOOR = -(2**30)
 SR_SHIFT = 8  # stochastic rounding uses the top 24 bits of the hash: u = (h >> 8)·2^-24
 WEYL = 0x9E3779B1  # 2^32 / golden ratio: Fibonacci hashing of the element counter
 TIME_STRIDE = 0x6A09E667  # 2^32 · (√2 - 1): one element's threshold advances this per step
@@ -131,12 +133,23 @@ def quantize_v(
     return c.to(torch.uint8), _float(amax), k
 
 
+def offset_floor(amax_bits: torch.Tensor) -> torch.Tensor:
+    """fp32 ``-bits(amax)`` per group (``[G, 1]``), where the decoded offsets are clamped: an
+    offset below it gives ``|b| = |bits(amax) + round(offset)| <= 64 < FLT_MIN_BITS`` (the
+    int32 to fp32 rounding of ``bits(amax) < 2^31`` moves it by 64 units at most), so the
+    element decodes to 0 (the old fixed floor, 128 octaves below ``amax``, decoded such codes
+    to ``amax·2^-128``: ~1.0 next to a saturated FLT_MAX), and ``|round(offset)| < 2^31``
+    stays an int32 for any ``k``. Offsets above it are unchanged: bit-identical decodes."""
+    return -(amax_bits.to(torch.float32).unsqueeze(-1))
+
+
 def dequantize_v_bits(codes: torch.Tensor, amax: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Bit patterns (int32) of ``v̂``; 0 where the code is 0 or ``v̂`` would be below FLT_MIN."""
     c = codes.to(torch.int32)
     step = _rdiv(V_DEC, k.float())
-    off = ((c - V_CODE_MAX).to(torch.float32) * step.unsqueeze(-1)).clamp(min=float(BITS_FLOOR))
-    b = _bits(amax.float()).unsqueeze(-1) + torch.round(off).to(torch.int32)
+    a = _bits(amax.float())
+    off = torch.maximum((c - V_CODE_MAX).to(torch.float32) * step.unsqueeze(-1), offset_floor(a))
+    b = a.unsqueeze(-1) + torch.round(off).to(torch.int32)
     keep = (c != 0) & (b >= FLT_MIN_BITS)
     return torch.where(keep, b, torch.zeros_like(b))
 

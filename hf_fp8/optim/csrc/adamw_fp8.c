@@ -678,10 +678,13 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
    power of two read from v̂'s exponent). No log2 / exp2: int32 and fp32 operations only. */
 
 /* v̂ bit pattern of code c (0 when c == 0 or below FLT_MIN), from amax bits and 2^19/k.
-   c is passed as an (integer-valued) float: (float)(c - 255) == c - 255.0f exactly. */
+   c is passed as an (integer-valued) float: (float)(c - 255) == c - 255.0f exactly.
+   The offset is clamped at -(float)amax_bits (log_moments.offset_floor): below it the sum is
+   within 64 units of 0, under FLT_MIN_BITS, and the element decodes to 0. */
 AI int32_t log_v_bits(float c, int32_t amax_bits, float dv) {
+    const float floor_ = -(float)amax_bits;
     float off = (c - (float)LOG_V_MAX) * dv;
-    off = (off > LOG_BITS_FLOOR) ? off : LOG_BITS_FLOOR;
+    off = (off > floor_) ? off : floor_;
     int32_t b = amax_bits + (int32_t)rintf(off);
     return ((c != 0.0f) & (b >= (int32_t)FLT_MIN_BITS)) ? b : 0;
 }
@@ -735,7 +738,7 @@ AI void update_group_log_v(char* p_, const char* g_, const int8_t* restrict qm,
     const __m512 inv_bc2s = _mm512_set1_ps(hp[HP_INV_BC2]);
     const __m512 smv = _mm512_set1_ps(sm), dvv = _mm512_set1_ps(dv);
     const __m512 slv = _mm512_set1_ps(slope), ofv = _mm512_set1_ps(offset);
-    const __m512 vmaxc = _mm512_set1_ps((float)LOG_V_MAX), floor_ = _mm512_set1_ps(LOG_BITS_FLOOR);
+    const __m512 vmaxc = _mm512_set1_ps((float)LOG_V_MAX), floor_ = _mm512_set1_ps(-(float)av);
     const __m512i avv = _mm512_set1_epi32(av), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
     const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF);
     float* restrict p32 = (float*)p_;
