@@ -5,7 +5,8 @@ is installed, every tensor is checked against the parameter it belongs to: the l
 from the parameter's shape and the group's ``group_size`` (see :mod:`hf_fp8.optim._layout`),
 codes are fp8 of the configured format, scales and exponents are fp32, finite and in range.
 Values are checked too, with limits that follow from the formats: every code is finite (no
-NaN / inf bit pattern), second-moment codes are not negative, fp32 moments are finite, and
+NaN / inf bit pattern), second-moment codes are not negative, fp32 moments are finite (but
+for a +inf ``exp_avg_sq``: a gradient whose square overflowed, as torch writes it), and
 no scale lets the group's largest code decode to inf (``F · scale`` for fp8 codes,
 ``127 · scale · 2^e`` for the log format's first moment): every moment a state that passes
 decodes to is finite. (Finite but inconsistent moments, a huge ``m`` over a tiny ``v``, still
@@ -363,8 +364,11 @@ def validated_state(
     m, v = (_to_device(saved[k], p).to(torch.float32) for k in FP32_KEYS)
     if not bool(torch.isfinite(local(m)).all()):
         raise _fail(pid, "exp_avg", "holds non-finite values")
-    if not bool(torch.isfinite(local(v)).all()) or bool((local(v) < 0).any()):
-        raise _fail(pid, "exp_avg_sq", "holds negative or non-finite values")
+    # +inf is a state torch writes (g² overflowed fp32) and reloads: kept in fp32 it stays inf
+    # (that element's update is 0, as in torch); quantized, its group saturates to FLT_MAX
+    # like a step's. NaN and negative values are no state AdamW writes.
+    if bool(torch.isnan(local(v)).any()) or bool((local(v) < 0).any()):
+        raise _fail(pid, "exp_avg_sq", "holds negative or NaN values")
     if wants_quantized(p, group) and not is_dtensor(p) and not is_dtensor(m):
         out.update(_to_fp8(m, v, p, group))
         return out, True
