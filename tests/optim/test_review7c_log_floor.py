@@ -143,6 +143,16 @@ def test_neighbours_of_a_spike_keep_moving_like_fp32_adamw(implementation, group
 def test_kernel_decodes_a_saturated_group_like_the_reference(group_size, stochastic_rounding):
     """The C kernel (AVX-512 loops for 128 / 48, scalar ones for 48's tail and 7) gives the
     reference's bits after a spike, gradients over 40 decades around it."""
+    _fast_path_matches_reference("cpu_kernel", group_size, stochastic_rounding)
+
+
+@pytest.mark.slow
+def test_compiled_step_decodes_a_saturated_group_like_the_reference():
+    """torch.compile of the reference functions: the same bits."""
+    _fast_path_matches_reference("compile", 128, False)
+
+
+def _fast_path_matches_reference(implementation, group_size, stochastic_rounding):
     shape = (3, 200)
     g = torch.Generator().manual_seed(2)
     grads = []
@@ -167,7 +177,7 @@ def test_kernel_decodes_a_saturated_group_like_the_reference(group_size, stochas
         )
 
     a = train(make("reference"), p0, grads)
-    b = train(make("cpu_kernel"), p0, grads)
+    b = train(make(implementation), p0, grads)
     assert_bit_identical(([a[0]], a[1]), ([b[0]], b[1]))
     v = a[1].moments(next(iter(a[1].state)))[1]
     assert torch.isfinite(v).all() and float(v[0, 3]) > 1e38
