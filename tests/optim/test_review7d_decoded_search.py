@@ -99,3 +99,35 @@ def test_sweep_reaches_both_exponent_clamps_and_subnormal_and_top_codes(fp8: tor
     sub = 1 << coat.CODE_MANTISSA_BITS[fp8]
     assert bool(((c_all > 0) & (c_all < sub)).any()), "no subnormal code exercised"
     assert bool((c_all == coat.CODE_MAX[fp8]).any()), "top code not exercised"
+
+
+@pytest.mark.slow
+def test_fast_exp2_is_monotone_over_every_fp32_fraction() -> None:
+    """fast_exp2(y) = poly(frac)·2^floor(y): monotone iff poly's fp32 result is non-decreasing
+    over every fp32 frac in [0, 1] and poly(1) <= 2. The compiled search counts the binade
+    starts ``A[E]·B[0]`` instead of searching them bitwise, which relies on this."""
+    prev = None
+    for start in [0] + [(e + 127) << 23 for e in range(-126, 0)]:  # subnormals, then binades
+        f = torch.arange(start, start + (1 << 23), dtype=torch.int32).view(torch.float32)
+        p = (coat._horner(f, coat.EXP2_COEFFS) + 1.0).view(torch.int32)
+        assert bool((p[1:] >= p[:-1]).all()), start
+        assert prev is None or int(p[0]) >= prev, start
+        prev = int(p[-1])
+    at_one = float(coat._horner(torch.ones(1), coat.EXP2_COEFFS)[0]) + 1.0
+    assert float(coat._horner(torch.zeros(1), coat.EXP2_COEFFS)[0]) + 1.0 == 1.0
+    assert at_one <= 2.0 and int(torch.tensor([at_one]).view(torch.int32)) >= prev
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_compiled_codes_equal_the_eager_search_on_the_sweep(fp8: torch.dtype) -> None:
+    """The compiled quantizer (exponent field by counting) picks the eager search's codes."""
+    compiled = torch.compile(
+        lambda x, b: coat.quantize_groups(x, fp8, stochastic_bits=b), dynamic=True
+    )
+    for i, x in enumerate(_sweep(seed=5)):
+        for bits in (None, coat.random_bits(torch.tensor(i), x.shape)):
+            q, s, k = coat.quantize_groups(x, fp8, stochastic_bits=bits)
+            q2, s2, k2 = compiled(x, bits)
+            assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)), (fp8, i)
+            assert torch.equal(s, s2) and torch.equal(k, k2)
