@@ -57,9 +57,6 @@ V_DEC = 2.0**23 / V_STEPS  # V_DEC / k: bit-pattern units per code (2^19 / k)
 M_CODE_MAX = 127  # int8 codes of m' = m·2^-e: -127..127
 M_MIN = 2.0**-100  # groups of m' with a smaller amax store zeros (keeps 127/amax finite)
 FLT_MIN_BITS = 0x00800000
-# Decoded offsets used to be clamped here: 128 octaves below amax, below FLT_MIN only for
-# amax <= 4 (R5 finding 1). Unused since; they are clamped at -bits(amax) (offset_floor).
-BITS_FLOOR = -(2**30)
 SR_SHIFT = 8  # stochastic rounding uses the top 24 bits of the hash: u = (h >> 8)·2^-24
 WEYL = 0x9E3779B1  # 2^32 / golden ratio: Fibonacci hashing of the element counter
 TIME_STRIDE = 0x6A09E667  # 2^32 · (√2 - 1): one element's threshold advances this per step

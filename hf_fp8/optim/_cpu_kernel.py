@@ -136,7 +136,6 @@ def kernel_defines(variant: int) -> dict[str, object]:
     d["LOG_V_ENC"] = lm.V_ENC
     d["LOG_V_DEC"] = lm.V_DEC
     d["LOG_M_MIN"] = lm.M_MIN
-    d["LOG_BITS_FLOOR"] = float(lm.BITS_FLOOR)
     d["LOG_INV_2_23"] = 2.0**-23
     d["LOG_SR_SHIFT"] = lm.SR_SHIFT
     d["LOG_SR_UNIT"] = 2.0**-24
