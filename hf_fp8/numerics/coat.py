@@ -13,17 +13,8 @@ With COAT's dynamic range expansion each group is raised to a power ``k`` that s
 its range ``amax / amin`` (``amin``: smallest non-zero magnitude) onto ``F² / 2``::
 
     k = floor(16 · log2(F² / 2) / log2(amax / amin)) / 16        (k = 1: constant or zero group)
-    q ≈ sign(x) · F · (|x| / amax)^k
+    q = cast(sign(x) · F · (|x| / amax)^k)
     x ≈ sign(q) · amax · (|q| / F)^(1/k)
-
-The code is chosen in the DECODED domain (:func:`round_to_decoded_codes`): of the two codes
-whose decoded values bracket ``|x|``, the nearer (round-to-nearest) or, stochastically, the
-upper one with probability ``(|x| - dec(c)) / (dec(c+1) - dec(c))``, so that
-``E[dec(q)] = |x|``. The paper rounds ``F·(|x|/amax)^k`` itself; because the decode is the
-power ``1/k`` of the code, rounding that is unbiased in the code is biased in the value
-(Jensen: ``(1/k)(1/k - 1)/2 · (δ/y)² · t(1-t)`` relative, 2.5e-4 .. 4e-2 per rounding for
-k = 4 .. 1/8), and β2 = 0.999 amplifies a per-step bias of v about 1000-fold. The search
-needs no log2 / exp2: seven compares against the group's decode tables.
 
 The paper writes the same map with a centre ``c = sqrt(amax·amin)`` and a scale
 ``s = (amax/c)^k / F``: ``q = sign(x)·(|x|/c)^k / s`` and ``x = sign(q)·(|q|·s)^(1/k)·c``.
@@ -48,11 +39,10 @@ Conventions and guards:
   approximations (relative error < 3e-6, far below the fp8 step of 6%) written with plain
   fp32 operations only, so that a fused CPU kernel reproduces this module bit for bit.
 
-Stochastic rounding (optional, ``stochastic_bits=``): the value is rounded to one of its two
-neighbouring representable values with probability proportional to the distance (in the
-decoded domain with expansion, on the fp8 grid without), so that small, steady changes of a
-moment (β2 = 0.999 moves ``v`` by 0.1 % a step, one E4M3 step is 6–12 %) are kept in
-expectation instead of being rounded away every step. The random bits of
+Stochastic rounding (optional, ``stochastic_bits=``): the value about to be cast is first
+rounded to a neighbouring fp8 value with probability proportional to its distance, so that
+small, steady changes of a moment (β2 = 0.999 moves ``v`` by 0.1 % a step, one E4M3 step is
+6–12 %) are kept in expectation instead of being rounded away every step. The random bits of
 element ``e`` are the top bits of ``((key + e) · SR_WEYL) mod 2^32``: ``key`` is a lowbias32
 hash (:func:`hash32_int`, Wellons) of (seed, step, parameter, moment), so an element draws
 independent uniform thresholds from step to step, while the elements of one step form a
@@ -241,91 +231,21 @@ def quantize_groups(
     nonzero = ax >= FLT_MIN
     amin = torch.where(nonzero, ax, torch.full_like(ax, math.inf)).amin(dim=-1)
     k = expansion_exponent(amax, amin, fp8_dtype)
-    table_a, table_b = decode_tables(scale, k, fp8_dtype)
-    code = round_to_decoded_codes(ax, table_a, table_b, fp8_dtype, stochastic_bits)
-    code = torch.where(nonzero, code, torch.zeros_like(code))
-    sign = torch.where(xf.view(torch.int32) < 0, 0x80, 0)
-    return (code | sign).to(torch.uint8).view(fp8_dtype), scale, k
-
-
-def round_to_decoded_codes(
-    ax: torch.Tensor,
-    table_a: torch.Tensor,
-    table_b: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    stochastic_bits: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """int32 magnitude codes of ``ax`` (``|x|``, ``[..., n]``) rounded in the DECODED domain.
-
-    ``dec(c) = A[E]·B[i]`` is what :func:`dequantize_groups` returns for code ``c`` (tables of
-    :func:`decode_tables`). The bracket ``dec(c) ≤ |x| < dec(c + 1)`` is found by a
-    bitwise binary search over the 7 magnitude bits (no log2 / exp2): exponent bits against
-    ``A[E]·B[0]`` (the first code of each binade), then mantissa bits against
-    ``A[E]·B[i]``; the last accepted candidate is ``dec(c)``, the last refused one is
-    ``dec(c + 1)``. Round-to-nearest takes the nearer of the two (ties down); stochastic
-    rounding goes up iff ``u·(dec(c+1) - dec(c)) < |x| - dec(c)``, ``u`` the top 24 bits of
-    ``stochastic_bits`` over ``2^24``, so ``E[dec(code)] = |x|``: unbiased in the value, not in
-    the fp8 code (a power of the value). At or above the largest finite code: that code.
-    """
-    top = CODE_MAX[fp8_dtype]
-    dec = decoded_code_table(table_a, table_b, fp8_dtype)
-    # The search tracks the code only: the last accepted candidate is c itself and the last
-    # refused one is c + 1 (the lowest refused bit, all lower bits accepted after it), so
-    # dec(c) and dec(c + 1) are two reads of the row afterwards (row[0] = 0, row[128] = inf
-    # stand for "none accepted" / "none refused"). int32 indices: half the index traffic.
-    mb = CODE_MANTISSA_BITS[fp8_dtype]
-    code = torch.zeros(ax.shape, dtype=torch.int32, device=ax.device)
-    if torch.compiler.is_compiling():
-        # The exponent field as a count of the binade starts dec[E << mb] <= |x| (E >= 1):
-        # per-group broadcasts instead of dependent gathers, which vectorize in a fused kernel.
-        # Equal to the bitwise search because dec[E << mb] = A[E]·B[0] is non-decreasing in E:
-        # ea[E]·(1/k) + b is (fp32 rounding is monotone) and fast_exp2 is (checked over every
-        # fp32 fraction in tests/optim/test_review7d_decoded_search.py).
-        for e in range(1, 1 << (7 - mb)):
-            code = code + (dec[..., e << mb : (e << mb) + 1] <= ax).to(torch.int32)
-        code = code << mb
-        bits = range(mb - 1, -1, -1)
-    else:
-        bits = range(6, -1, -1)
-    for bit in bits:
-        cand = code | (1 << bit)
-        code = torch.where(torch.gather(dec, -1, cand) <= ax, cand, code)
-    lo = torch.gather(dec, -1, code)
-    hi = torch.gather(dec, -1, code + 1)
-    below = ax - lo
-    if stochastic_bits is None:
-        up = below > hi - ax
-    else:
-        u = (stochastic_bits >> DECODED_SR_SHIFT).to(torch.float32) * (
-            2.0 ** -(32 - DECODED_SR_SHIFT)
-        )
-        up = u * (hi - lo) < below
-    return torch.where(code >= top, top, code + up.to(torch.int32))
-
-
-def decoded_code_table(
-    table_a: torch.Tensor, table_b: torch.Tensor, fp8_dtype: torch.dtype
-) -> torch.Tensor:
-    """``dec`` (``[..., 129]``): ``dec[c] = A[E]·B[i]`` for the magnitude codes ``c = 1..127``
-    (the fp32 product :func:`dequantize_groups` computes), ``dec[0] = 0``, ``dec[128] = inf``."""
-    mb = CODE_MANTISSA_BITS[fp8_dtype]
-    c = torch.arange(128, device=table_a.device)
-    e = c >> mb
-    j = c & ((1 << mb) - 1)
-    i = torch.where(e == 0, j + (1 << mb), j)
-    dec = table_a.index_select(-1, e) * table_b.index_select(-1, i)
-    lead = dec.shape[:-1]
-    return torch.cat(
-        [dec.new_zeros(*lead, 1), dec[..., 1:], dec.new_full((*lead, 1), math.inf)], dim=-1
-    )
+    log_amax = fast_log2(torch.where(amax >= FLT_MIN, amax, torch.ones_like(amax)))
+    # log2(F · (|x| / amax)^k) = (log2|x| - log2 amax) · k + log2 F
+    y = (fast_log2(torch.where(nonzero, ax, torch.ones_like(ax))) - log_amax.unsqueeze(-1)) * (
+        k.unsqueeze(-1)
+    ) + math.log2(fmax)
+    mag = torch.where(nonzero, fast_exp2(y), zero).clamp(max=fmax)
+    if stochastic_bits is not None:
+        mag = stochastic_round_magnitude(mag, stochastic_bits, fp8_dtype)
+    return torch.copysign(mag, xf).to(fp8_dtype), scale, k
 
 
 # fp8 code layout: mantissa bits, exponent bias and the mantissa field of the largest value F.
 CODE_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 CODE_EXPONENT_BIAS = {torch.float8_e4m3fn: 7, torch.float8_e5m2: 15}
 CODE_TOP_MANTISSA = {torch.float8_e4m3fn: 6, torch.float8_e5m2: 3}
-DECODED_SR_SHIFT = 8  # the top 24 random bits are the threshold u of decoded-domain rounding
-CODE_MAX = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # the code of F
 DECODE_Y_MAX = 127.99999237060547  # largest fp32 below 128: fast_exp2 stays finite
 
 

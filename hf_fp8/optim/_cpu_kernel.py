@@ -128,8 +128,6 @@ def kernel_defines(variant: int) -> dict[str, object]:
     d["K_MIN"] = float(coat.EXPONENT_MIN)
     d["K_MAX"] = float(coat.EXPONENT_MAX)
     d["DEC_Y_MAX"] = coat.DECODE_Y_MAX
-    d["DEC_SR_SHIFT"] = coat.DECODED_SR_SHIFT
-    d["DEC_SR_UNIT"] = 2.0 ** -(32 - coat.DECODED_SR_SHIFT)
     d["LOG_V_MAX"] = lm.V_CODE_MAX
     d["LOG_M_MAX"] = lm.M_CODE_MAX
     d["LOG_V_RANGE_STEPS"] = float(lm.V_RANGE_STEPS)

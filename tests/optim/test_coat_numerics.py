@@ -50,9 +50,7 @@ def test_expansion_matches_paper_formula(dtype):
     ref_q = fp8_round(ref_values, dtype)
     codes, ref_codes = q.view(torch.uint8).int(), ref_q.view(torch.uint8).int()
     agree = (codes == ref_codes)[same_k]
-    # the paper rounds the code value F·(|x|/amax)^k to nearest, we round the decoded value
-    # (test_coat_decoded_rounding): the two midpoints differ, so a few % of codes differ
-    assert agree.float().mean() > 0.98
+    assert agree.float().mean() > 0.995
     assert ((codes - ref_codes).abs()[same_k] <= 1).all()  # at most one fp8 step apart
     assert torch.equal(scale, x.abs().amax(-1) / FMAX[dtype])
 

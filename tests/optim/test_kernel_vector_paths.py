@@ -1,7 +1,9 @@
-"""The C kernel's AVX-512 loops (groups whose length is a multiple of 16) and its scalar
-loops (other lengths) give the reference's bits, for the default group size and others: with
-48 the rows of 256, 4096 and 200 columns end in groups of 16 (vector) and 8 (scalar)
-elements; 7 is all scalar; 16, 32, 96 and 256 are other multiples of 16.
+"""The C kernel's AVX-512 loops (groups whose length is a multiple of 16; the fp8 COAT
+requantization interleaves 8 vectors when the length is a multiple of 128, else one) and its
+scalar loops (other lengths) give the reference's bits, for the default group size and
+others: with ``group_size=32`` every group takes the one-vector loops; with 48 the rows of
+256, 4096 and 200 columns end in groups of 16 (vector) and 8 (scalar) elements; 7 is all
+scalar; 16, 96 and 256 are other multiples of 16 (256: two 128-element interleaved blocks).
 
 Two kinds of gradients: the adversarial ones of ``test_implementations`` (33 decades per group:
 COAT's exponent k sits at its minimum, where the decoded log-format offsets are integers) and

@@ -87,4 +87,4 @@ def test_the_spiked_group_keeps_following_fp32_adamw(implementation, moment_form
     group_err = (du[0, :128][rest] - dr[0, :128][rest]).norm() / dr[0, :128][rest].norm()
     other_err = (du[1:] - dr[1:]).norm() / dr[1:].norm()
     assert other_err < 0.05
-    assert group_err < 0.4  # not frozen (a frozen group: 1.0); measured fp8 0.18, log 0.063
+    assert group_err < 0.4  # not frozen (a frozen group: 1.0); measured fp8 0.16, log 0.063
