@@ -48,7 +48,7 @@ def _check(bound: inspect.BoundArguments) -> None:
         if hf_quantizer is None:
             lost_config.check_fp8_has_config(name, files, getattr(model, "config", None))
         elif _is_finegrained_fp8(hf_quantizer):
-            lost_config.check_fp8_scales_for_finegrained(name, files)
+            lost_config.check_fp8_scales_for_finegrained(name, files, model)
     except CheckpointTensorError:
         raise
     except (OSError, RecursionError, MemoryError):

@@ -136,13 +136,21 @@ def check_fp8_has_config(name_or_path: str, files: Iterable[str] | None, config:
     )
 
 
-def check_fp8_scales_for_finegrained(name_or_path: str, files: Iterable[str] | None) -> None:
+def check_fp8_scales_for_finegrained(
+    name_or_path: str, files: Iterable[str] | None, model: Any = None
+) -> None:
     """For a pre-quantized load by transformers' ``fp8`` quantizer (FineGrainedFP8), which
-    reads ``weight_scale_inv`` only: raise ``CheckpointTensorError`` when an fp8 tensor has a
-    ``weight_scale`` sibling and no ``weight_scale_inv`` (a per-tensor vLLM fp8 export)."""
+    reads ``weight_scale_inv`` for its linears: raise ``CheckpointTensorError`` when an fp8
+    tensor has a ``weight_scale`` sibling and no ``weight_scale_inv`` (a per-tensor vLLM fp8
+    export), unless the module ``model`` built for it reads a ``weight_scale`` itself
+    (transformers' ``FP8Embedding`` of ``modules_to_convert``)."""
     found = _read_headers(files or ())
+    reads_scale = _modules_with_weight_scale(model)
     for name, dtype, file in found.fp8:
-        leaves = found.scales.get(name.rpartition(".")[0], {})
+        prefix = name.rpartition(".")[0]
+        leaves = found.scales.get(prefix, {})
+        if _matches_module(prefix, reads_scale):
+            continue
         if "weight_scale" in leaves and not any(s in leaves for s in _FINEGRAINED_SCALES):
             raise CheckpointTensorError(
                 f"{leaves['weight_scale']} in {file} is the per-tensor scale of the FP8 "
@@ -151,3 +159,20 @@ def check_fp8_scales_for_finegrained(name_or_path: str, files: Iterable[str] | N
                 f"every weight_scale and load {_source(name_or_path, file)} as garbage. "
                 f"This is a per-tensor vLLM fp8 checkpoint: {_FIX_PER_TENSOR}"
             )
+
+
+def _modules_with_weight_scale(model: Any) -> set[str]:
+    """Names of the modules of ``model`` that own a ``weight_scale`` parameter or buffer."""
+    if model is None or not hasattr(model, "named_modules"):
+        return set()
+    return {
+        name
+        for name, module in model.named_modules()
+        if "weight_scale" in module._parameters or "weight_scale" in module._buffers
+    }
+
+
+def _matches_module(prefix: str, names: set[str]) -> bool:
+    """Whether checkpoint prefix ``prefix`` is one of ``names``, allowing for the base-model
+    prefix (``model.``) that a checkpoint and the built model may differ by."""
+    return any(prefix == n or prefix.endswith("." + n) or n.endswith("." + prefix) for n in names)
