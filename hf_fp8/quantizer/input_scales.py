@@ -31,6 +31,7 @@ class StoredInputScales:
     def __init__(self, names: set[str] | None = None) -> None:
         self.names = names
         self._stripped: set[str] | None = None
+        self._layer_leaves: set[tuple[tuple[str, ...], tuple[str, ...]]] | None = None
         self.stored: list[str] = []
         self.unfilled: list[str] = []
         self.offloaded_unfilled: list[str] = []
@@ -42,7 +43,10 @@ class StoredInputScales:
             return
         loaded = not offloaded and getattr(param, "_is_hf_initialized", False)
         if self.names is not None:
-            stored = loaded or self._in_checkpoint(key)
+            # An offloaded layer may be stored under another module name (Mixtral saves its
+            # experts as ``block_sparse_moe``, the model calls them ``mlp``): matched by its
+            # layer index and its last two name parts.
+            stored = loaded or self._in_checkpoint(key) or (offloaded and self._renamed(key))
         else:
             stored = offloaded or loaded
         if stored:
@@ -59,6 +63,15 @@ class StoredInputScales:
             self._stripped = {n.split(".", 1)[1] for n in self.names or () if "." in n}
         names = self.names or set()
         return key in names or key in self._stripped or key.split(".", 1)[-1] in names
+
+    def _renamed(self, key: str) -> bool:
+        """``key`` is stored under a renamed module: a stored input scale with the same layer
+        (``layers.1``) and the same last two name parts (``experts.down_proj_input_scale``)."""
+        if self._layer_leaves is None:
+            self._layer_leaves = {
+                _layer_and_leaf(n) for n in self.names or () if n.endswith("input_scale")
+            }
+        return _layer_and_leaf(key) in self._layer_leaves
 
     def check(self, checkpoint_root: str, config: Any) -> None:
         """Raise ``CheckpointTensorError`` naming the missing scales when the checkpoint
@@ -106,3 +119,10 @@ class StoredInputScales:
 
 def _shown(keys: list[str]) -> str:
     return ", ".join(keys[:5]) + (" …" if len(keys) > 5 else "")
+
+
+def _layer_and_leaf(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the segment before the first numeric part and that part, the last two parts)."""
+    parts = name.split(".")
+    i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return (tuple(parts[i - 1 : i + 1]) if i else (), tuple(parts[-2:]))

@@ -138,3 +138,36 @@ def test_offloaded_calibrated_checkpoint_matches_the_full_load(calibrated_dir, t
     inputs = model_inputs("llama")
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
+
+
+def test_offloaded_static_mixtral_with_renamed_checkpoint_keys_loads(tmp_path):
+    """Mixtral's experts are saved under their original names (``block_sparse_moe``) while the
+    model calls them ``mlp``: an offloaded layer's stored scales were not found by name and a
+    calibrated checkpoint was refused as partial (reviewer R6 2). Reference: the same model
+    fully in memory."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.MixtralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        intermediate_size=32,
+        num_local_experts=4,
+    )
+    tf.MixtralForCausalLM(config).eval().save_pretrained(tmp_path / "hp")
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hp", quantization_config=Fp8Config("static", activation_scale=0.05)
+    )
+    model.save_pretrained(tmp_path / "fp8")
+    back = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8",
+        device_map=dict(LLAMA_LAYER_1_ON_DISK),
+        offload_folder=str(tmp_path / "offload"),
+    )
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
