@@ -39,12 +39,17 @@ def _load(params: list[torch.nn.Parameter], sd: dict, **options) -> AdamWFp8:
 
 
 def _refused(params, sd, pid: int, key: str, **options) -> str:
+    """The load's ``OptimizerStateError`` message (fails when the load is accepted)."""
     with pytest.raises(OptimizerStateError) as info:
         _load(params, sd, **options)
-    message = str(info.value)
-    assert f"parameter {pid}" in message and repr(key) in message
-    assert "restart its moments" in message  # the fix
-    return message
+    return str(info.value)
+
+
+def _names(message: str, pid: int, key: str) -> bool:
+    """The error names the parameter, the tensor and the fix."""
+    return (
+        f"parameter {pid}" in message and repr(key) in message and "restart its moments" in message
+    )
 
 
 @pytest.mark.parametrize(
@@ -86,7 +91,7 @@ def test_non_finite_fp8_codes_are_refused(options, code, key):
     codes = sd["state"][0][key]
     codes.view(torch.uint8)[3, 5] = code
     assert not torch.isfinite(codes.float()).all()  # torch itself reads it as inf / NaN
-    _refused(params, sd, 0, key, **options)
+    assert _names(_refused(params, sd, 0, key, **options), 0, key)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +106,7 @@ def test_non_finite_fp8_codes_are_refused(options, code, key):
 def test_non_finite_fp32_moments_are_refused(key, value):
     params, sd = _trained()
     sd["state"][1][key][3] = value
-    _refused(params, sd, 1, key)
+    assert _names(_refused(params, sd, 1, key), 1, key)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +127,7 @@ def test_scales_whose_largest_code_overflows_are_refused(options, key, code_max)
     params, sd = _trained(**options)
     limit = FLT_MAX / code_max
     sd["state"][0][key].fill_(limit * 4)
-    _refused(params, sd, 0, key, **options)
+    assert _names(_refused(params, sd, 0, key, **options), 0, key)
     if key == "exp_avg_sq_scale" or "moment_format" in options:
         return  # below: a huge v / log m also needs matching codes; covered by the decode test
     _, sd = _trained(**options)
@@ -138,11 +143,11 @@ def test_log_first_moment_overflowing_through_its_power_of_two_is_refused():
     st["exp_avg_sq_scale"].fill_(1e37)
     st["exp_avg_scale"].fill_(1e20)
     assert FLT_MAX / 127 > 1e20  # the scale alone is within its cap
-    _refused(params, sd, 0, "exp_avg_scale", moment_format="log")
+    assert _names(_refused(params, sd, 0, "exp_avg_scale", moment_format="log"), 0, "exp_avg_scale")
 
 
 def test_log_int8_code_outside_the_format_is_refused():
     """The log format's m codes are -127..127; -128 is not a code it writes."""
     params, sd = _trained(moment_format="log")
     sd["state"][0]["exp_avg_fp8"][0, 0] = -128
-    _refused(params, sd, 0, "exp_avg_fp8", moment_format="log")
+    assert _names(_refused(params, sd, 0, "exp_avg_fp8", moment_format="log"), 0, "exp_avg_fp8")

@@ -33,10 +33,12 @@ def reference(fp8_dir):
     return AutoModelForCausalLM.from_pretrained(fp8_dir).get_submodule(Q)
 
 
-def _same(model, reference) -> None:
+def _same(model, reference) -> bool:
+    """The loaded layer ``Q`` has the reference's fp8 bytes and scale."""
     layer = model.get_submodule(Q)
-    assert torch.equal(layer.weight.view(torch.uint8), reference.weight.view(torch.uint8))
-    assert torch.equal(layer.weight_scale, reference.weight_scale)
+    return torch.equal(
+        layer.weight.view(torch.uint8), reference.weight.view(torch.uint8)
+    ) and torch.equal(layer.weight_scale, reference.weight_scale)
 
 
 def test_subfolder_load_ignores_the_roots_incomplete_index(fp8_dir, reference, tmp_path):
@@ -47,7 +49,7 @@ def test_subfolder_load_ignores_the_roots_incomplete_index(fp8_dir, reference, t
     shutil.copy(fp8_dir / "config.json", root / "config.json")
     stale = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}
     (root / "model.safetensors.index.json").write_text(json.dumps(stale))
-    _same(AutoModelForCausalLM.from_pretrained(root, subfolder="fp8"), reference)
+    assert _same(AutoModelForCausalLM.from_pretrained(root, subfolder="fp8"), reference)
 
 
 def test_unrelated_symlinks_do_not_block_a_load(fp8_dir, reference, tmp_path):
@@ -58,7 +60,7 @@ def test_unrelated_symlinks_do_not_block_a_load(fp8_dir, reference, tmp_path):
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "tokenizer.json").write_text("{}")
     os.symlink(tmp_path / "base" / "tokenizer.json", folder / "tokenizer.json")
-    _same(AutoModelForCausalLM.from_pretrained(folder), reference)
+    assert _same(AutoModelForCausalLM.from_pretrained(folder), reference)
     with pytest.raises(UnsafePathError, match="is a symlink"):  # the CLI copies every file
         check_source_folder(folder)
 
@@ -104,7 +106,7 @@ def test_nested_stale_index_is_not_parsed(fp8_dir, reference, tmp_path):
     folder = tmp_path / "m"
     shutil.copytree(fp8_dir, folder)
     (folder / "pytorch_model.bin.index.json").write_text("[" * 100_000)
-    _same(AutoModelForCausalLM.from_pretrained(folder), reference)
+    assert _same(AutoModelForCausalLM.from_pretrained(folder), reference)
     check_source_folder(folder)
 
 
