@@ -122,3 +122,20 @@ def llama_fp8_dir(tiny_model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("llama_fp8_dynamic")
     model.save_pretrained(path)
     return path
+
+
+def tiny_mixtral():
+    """A 2-layer Mixtral (4 experts) in fp32 eval mode; seed the RNG before calling."""
+    import transformers as tf
+
+    config = tf.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        intermediate_size=32,
+        num_local_experts=4,
+    )
+    return tf.MixtralForCausalLM(config).eval()

@@ -13,7 +13,7 @@ from hf_fp8 import Fp8Config
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.numerics import quantize_weight
 from hf_fp8.numerics.checks import CheckpointTensorError
-from tests.tiny_models import LLAMA_LAYER_1_ON_DISK
+from tests.tiny_models import LLAMA_LAYER_1_ON_DISK, tiny_mixtral
 
 _COMMON = dict(
     vocab_size=128,
@@ -38,8 +38,7 @@ def _qwen3_moe() -> tf.PreTrainedModel:
 
 
 def _mixtral() -> tf.PreTrainedModel:
-    cfg = tf.MixtralConfig(**_COMMON, intermediate_size=32, num_local_experts=4)
-    return tf.MixtralForCausalLM(cfg).eval()
+    return tiny_mixtral()
 
 
 @pytest.fixture(scope="module")

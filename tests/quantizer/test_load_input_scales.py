@@ -18,7 +18,7 @@ from hf_fp8 import Fp8Config
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.numerics.checks import CheckpointTensorError
 from tests.serialization.moe_fixtures import tiny_qwen3_moe
-from tests.tiny_models import LLAMA_LAYER_1_ON_DISK, model_inputs
+from tests.tiny_models import LLAMA_LAYER_1_ON_DISK, model_inputs, tiny_mixtral
 
 LAYER = "model.layers.0.mlp.down_proj"
 
@@ -148,17 +148,7 @@ def test_offloaded_static_mixtral_with_renamed_checkpoint_keys_loads(tmp_path):
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.MixtralConfig(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        intermediate_size=32,
-        num_local_experts=4,
-    )
-    tf.MixtralForCausalLM(config).eval().save_pretrained(tmp_path / "hp")
+    tiny_mixtral().save_pretrained(tmp_path / "hp")
     model = tf.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hp", quantization_config=Fp8Config("static", activation_scale=0.05)
     )
