@@ -2,12 +2,15 @@
 
 With no quantizer (the checkpoint's ``config.json`` lost its ``quantization_config``,
 ``config=`` passed the base model's, ``quantization_config=None``, or an unknown
-``quant_method``), transformers reads fp8 codes into ``nn.Linear`` and drops their scales: a
-silently wrong model. transformers' own ``fp8`` quantizer does the same with a per-tensor
-vLLM export's ``weight_scale``. The wrapper runs the matching check of
-:mod:`hf_fp8.quantizer.lost_config` first (safetensors headers of the files transformers is
-about to read: a local folder, a Hub cache snapshot, a Hub id resolved from the cache); every
-other load goes straight to transformers' method. A file that cannot be read leaves that one
+``quant_method``), or with a third-party quantizer that quantizes on the fly (R7 1:
+``FineGrainedFP8Config(dequantize=True)``, ``TorchAoConfig`` … on such a folder), transformers
+reads fp8 codes as plain weights and drops their scales: a silently wrong model.
+transformers' own ``fp8`` quantizer does the same with a per-tensor vLLM export's
+``weight_scale``. The wrapper runs the matching check of :mod:`hf_fp8.quantizer.lost_config`
+first (the dtypes, no tensor data, of the files transformers is about to read — safetensors
+headers, ``pytorch_model*.bin`` pickles (R7 2) — of a local folder, a Hub cache snapshot, a Hub
+id resolved from the cache, or of the ``state_dict=`` passed); every other load goes straight
+to transformers' method. A file that cannot be read leaves that one
 load unchecked (transformers reports the file). An unexpected failure of the check itself (an
 internal or API mismatch) switches the check off with one ``PatchWarning`` and loads as before
 (DESIGN §8: a patch fails alone).
@@ -25,11 +28,25 @@ _ORIGINAL: dict[str, Callable] = {}
 _FAILED: list[str] = []  # the check failed once: off for this process
 
 
+def _quant_method(hf_quantizer: Any) -> str:
+    method = getattr(getattr(hf_quantizer, "quantization_config", None), "quant_method", None)
+    return str(getattr(method, "value", method))
+
+
 def _is_finegrained_fp8(hf_quantizer: Any) -> bool:
     """transformers' own ``fp8`` quantizer (FineGrainedFP8) loading a pre-quantized checkpoint."""
-    method = getattr(getattr(hf_quantizer, "quantization_config", None), "quant_method", None)
-    return getattr(method, "value", method) == "fp8" and bool(
+    return _quant_method(hf_quantizer) == "fp8" and bool(
         getattr(hf_quantizer, "pre_quantized", False)
+    )
+
+
+def _quantizes_on_the_fly(hf_quantizer: Any) -> bool:
+    """A third-party quantizer that reads the checkpoint as plain weights (R7 1). hf_fp8's own
+    refuses fp8 checkpoint tensors itself, per tensor, with its own message."""
+    from hf_fp8.config import QUANT_METHOD
+
+    return getattr(hf_quantizer, "pre_quantized", True) is False and (
+        _quant_method(hf_quantizer) != QUANT_METHOD
     )
 
 
@@ -39,15 +56,20 @@ def _check(bound: inspect.BoundArguments) -> None:
 
     args = bound.arguments
     load_config, model = args.get("load_config"), args.get("model")
-    if args.get("state_dict") is not None:
-        return  # a state dict has no files
+    state_dict = args.get("state_dict")
     hf_quantizer = getattr(load_config, "hf_quantizer", 1)
     name = str(getattr(load_config, "pretrained_model_name_or_path", "") or "")
-    files = args.get("checkpoint_files")
+    # transformers reads the state dict when there is one, else the files
+    files = None if state_dict is not None else args.get("checkpoint_files")
+    config = getattr(model, "config", None)
     try:
         if hf_quantizer is None:
-            lost_config.check_fp8_has_config(name, files, getattr(model, "config", None))
-        elif _is_finegrained_fp8(hf_quantizer):
+            lost_config.check_fp8_has_config(name, files, config, state_dict=state_dict)
+        elif _quantizes_on_the_fly(hf_quantizer):
+            lost_config.check_fp8_has_config(
+                name, files, config, quantizing=_quant_method(hf_quantizer), state_dict=state_dict
+            )
+        elif state_dict is None and _is_finegrained_fp8(hf_quantizer):
             lost_config.check_fp8_scales_for_finegrained(name, files, model)
     except CheckpointTensorError:
         raise

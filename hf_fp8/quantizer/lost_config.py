@@ -11,24 +11,36 @@
   it reads ``weight_scale_inv`` only, so the export's ``weight_scale`` is dropped the same way.
   :func:`check_fp8_scales_for_finegrained` raises when an fp8 tensor has a ``weight_scale``
   sibling and no ``weight_scale_inv`` one.
+* A quantizer that quantizes on the fly (``pre_quantized`` false: the checkpoint's config has
+  no ``quantization_config`` and ``from_pretrained`` got one, e.g. transformers'
+  ``FineGrainedFP8Config(dequantize=True)`` or a ``TorchAoConfig``) reads the checkpoint as
+  plain weights the same way (R7 1: 1.43 relative). :func:`check_fp8_has_config` with
+  ``quantizing=`` its ``quant_method``.
 
-Both read the safetensors headers (no tensor data) of exactly the files transformers is about
-to read: a local folder's, a Hub cache snapshot's (links into ``blobs/``) and a Hub id's,
-resolved from the cache. A file safetensors would refuse is skipped (transformers reports it).
+Both read the dtypes (no tensor data) of exactly the files transformers is about to read — a
+local folder's, a Hub cache snapshot's (links into ``blobs/``) and a Hub id's, resolved from
+the cache: safetensors headers, and ``torch.save`` files' pickles
+(:mod:`hf_fp8.utils.torch_checkpoint_header`, R7 2) — or of the ``state_dict=`` passed. A file
+that cannot be read cheaply and safely is skipped (transformers reports it).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from hf_fp8.numerics.checks import CheckpointTensorError
+from hf_fp8.utils import torch_checkpoint_header
 from hf_fp8.utils.safetensors_header import tensor_dtypes
 
-FP8_DTYPE_NAMES = ("F8_E4M3", "F8_E5M2")
+# safetensors' names; a torch file can also hold the fnuz variants (torch's names)
+FP8_DTYPE_NAMES = ("F8_E4M3", "F8_E5M2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+STATE_DICT = "the state_dict= passed"  # what messages name as the "file" of a state dict
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
 # scale names transformers' FineGrainedFP8 reads (it renames .scale / .qscale_weight)
 _FINEGRAINED_SCALES = ("weight_scale_inv", "qscale_weight", "scale")
@@ -40,23 +52,45 @@ _FIX_PER_TENSOR = (
 
 @dataclass
 class _Headers:
-    """What the checkpoint's safetensors headers hold."""
+    """What the checkpoint's headers (or the state dict passed) hold."""
 
     fp8: list[tuple[str, str, str]] = field(default_factory=list)  # (tensor, dtype, file)
     scales: dict[str, dict[str, str]] = field(default_factory=dict)  # prefix -> {leaf: name}
 
 
-def _read_headers(files: Iterable[str]) -> _Headers:
-    found = _Headers()
+def _file_dtypes(file: str) -> dict[str, str] | None:
+    """The dtypes stored in one checkpoint file; ``None``: not checkable (see the modules)."""
+    if str(file).endswith(".safetensors"):
+        return tensor_dtypes(file)
+    if str(file).endswith(".gguf"):
+        return None  # no fp8 codes with scales in GGUF
+    return torch_checkpoint_header.tensor_dtypes(file)  # pytorch_model*.bin
+
+
+def _sources(files: Iterable[str], state_dict: Any) -> Iterator[tuple[str, dict[str, str]]]:
+    """``(file, {tensor: dtype name})`` of each checkpoint file, then of ``state_dict``."""
     for file in files:
-        if not str(file).endswith(".safetensors"):
-            continue
-        for name, dtype in (tensor_dtypes(file) or {}).items():
+        yield str(file), _file_dtypes(str(file)) or {}
+    if isinstance(state_dict, Mapping):
+        yield (
+            STATE_DICT,
+            {
+                str(name): torch_checkpoint_header.dtype_name(value.dtype)
+                for name, value in state_dict.items()
+                if isinstance(getattr(value, "dtype", None), torch.dtype)
+            },
+        )
+
+
+def _read_headers(files: Iterable[str], state_dict: Any = None) -> _Headers:
+    found = _Headers()
+    for file, dtypes in _sources(files, state_dict):
+        for name, dtype in dtypes.items():
             prefix, _, leaf = name.rpartition(".")
             if leaf.endswith(_SCALE_SUFFIXES) or leaf in _FINEGRAINED_SCALES:
                 found.scales.setdefault(prefix, {}).setdefault(leaf, name)
             elif dtype in FP8_DTYPE_NAMES:
-                found.fp8.append((name, dtype, str(file)))
+                found.fp8.append((name, dtype, file))
     found.fp8.sort()
     return found
 
@@ -94,45 +128,77 @@ def _source(name_or_path: str, file: str) -> str:
     return folder
 
 
-def check_fp8_has_config(name_or_path: str, files: Iterable[str] | None, config: Any) -> None:
-    """For a load that transformers runs without a quantizer: raise ``CheckpointTensorError``
-    when the checkpoint files hold fp8 weights with scales. ``config`` (the one the model is
-    built from) only shapes the message: with no quantizer, a ``quantization_config`` on it is
-    one transformers did not act on (an unknown ``quant_method``)."""
-    found = _read_headers(files or ())
+def check_fp8_has_config(
+    name_or_path: str,
+    files: Iterable[str] | None,
+    config: Any,
+    *,
+    quantizing: str | None = None,
+    state_dict: Any = None,
+) -> None:
+    """For a load that transformers runs without a quantizer, or (``quantizing``: its
+    ``quant_method``) with one that quantizes on the fly and so reads the checkpoint as plain
+    weights: raise ``CheckpointTensorError`` when the checkpoint files (or ``state_dict``) hold
+    fp8 weights with scales. ``config`` (the one the model is built from) only shapes the
+    message: with no quantizer, a ``quantization_config`` on it is one transformers did not act
+    on (an unknown ``quant_method``)."""
+    found = _read_headers(files or (), state_dict)
     hit = next(((n, d, f) for n, d, f in found.fp8 if n.rpartition(".")[0] in found.scales), None)
     if hit is None:
         return
     name, dtype, file = hit
     scale = next(iter(found.scales[name.rpartition(".")[0]].values()))
-    source = _source(name_or_path, file)
+    if quantizing is not None:
+        how = (
+            f"with quantization_config quant_method={quantizing!r}, which quantizes on the fly "
+            "(the config has no quantization_config of the checkpoint's, so nothing marks it "
+            "pre-quantized)"
+        )
+        passed = f"and load without quantization_config= (the {quantizing!r} one)"
+    else:
+        how = "with no quantizer (no quantization_config that transformers acts on)"
+        passed = "and do not pass the base model's config (config=...)"
+    if file == STATE_DICT:
+        source, fix = (
+            "from_pretrained(state_dict=...)",
+            "The config passed with it has no quantization_config: pass the FP8 model's own "
+            "config (with its quantization_config)"
+            + (" and no quantization_config=" if quantizing else "")
+            + ", or dequantize the state dict first",
+        )
+    else:
+        source, fix = _source(name_or_path, file), _fix_for_file(file, config, passed, quantizing)
+    raise CheckpointTensorError(
+        f"{name} in {file} is FP8 ({dtype}) with its scale {scale}, but {source} is loading "
+        f"{how}: it would read the fp8 codes as plain values and drop every scale (silently "
+        f"wrong outputs). {fix}"
+    )
+
+
+def _fix_for_file(file: str, config: Any, passed: str, quantizing: str | None) -> str:
+    """What to do about a checkpoint folder that loads without its quantization_config."""
     config_json = os.path.join(os.path.dirname(file), "config.json")
-    qc = _quantization_config(config)
+    qc = _quantization_config(config) if quantizing is None else None
     saved = _saved_quant_method(os.path.dirname(file))
     if qc is not None:
-        fix = (
+        return (
             f"Its quantization_config names quant_method={_quant_method(qc)!r}, which "
             "transformers does not know, so it skipped quantization: load the checkpoint with "
             "the library that wrote it, or (an FP8 compressed-tensors or vLLM fp8 checkpoint) "
             "convert it with `hf-fp8 import` and load the result after `import hf_fp8`"
         )
-    elif saved is not None:
-        fix = (
+    if saved is not None:
+        return (
             f"{config_json} has a quantization_config (quant_method={saved!r}) but the config "
             "the model is built from has none: do not pass the base model's config (config=...) "
             "or quantization_config=None; load the checkpoint's own "
             "(AutoConfig.from_pretrained(checkpoint)), or drop those arguments"
+            + (f", {passed}" if quantizing is not None else "")
         )
-    else:
-        fix = (
-            f"{config_json} has no quantization_config: restore the one the checkpoint was "
-            "saved with (an hf_fp8 checkpoint: save it again with save_pretrained after "
-            "`import hf_fp8`), and do not pass the base model's config (config=...)"
-        )
-    raise CheckpointTensorError(
-        f"{name} in {file} is FP8 ({dtype}) with its scale {scale}, but {source} is loading "
-        "with no quantizer (no quantization_config that transformers acts on): it would read "
-        f"the fp8 codes as plain values and drop every scale (silently wrong outputs). {fix}"
+    return (
+        f"{config_json} has no quantization_config: restore the one the checkpoint was "
+        "saved with (an hf_fp8 checkpoint: save it again with save_pretrained after "
+        f"`import hf_fp8`), {passed}"
     )
 
 
