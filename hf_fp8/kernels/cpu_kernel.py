@@ -15,9 +15,9 @@ hardened loader; cached per machine):
 * ``fp8_mm_bf16`` (``avx512bf16`` path): decode and matmul fused for many bf16 tokens: a
   register-blocked bf16 GEMM (``vdpbf16ps``) in which the weight is the broadcast operand, so
   a panel of 14 rows is only decoded into L1 (never transposed or packed) while the far
-  smaller activation is packed once per call (by all threads together; dynamic per-token and
-  static per-tensor activations are fake-quantized there too, bit-identical to
-  ``fp8_quant_act``); then the same epilogue. It replaces decode + ``F.linear`` per tile where oneDNN has no AMX to beat it
+  smaller activation is packed once per call (by all threads together; dynamic per-token,
+  dynamic per-tensor and static activations are fake-quantized while packed, bit-identical
+  to ``fp8_quant_act``); then the same epilogue. It replaces decode + ``F.linear`` per tile where oneDNN has no AMX to beat it
   (:func:`fused_mm_enabled`).
 
 Work is spread over ``torch.get_num_threads()`` threads of torch's own OpenMP team.
@@ -183,7 +183,7 @@ def _build(path: str) -> ctypes.CDLL:
     lib.fp8_epilogue.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64]
     lib.fp8_epilogue.restype = ctypes.c_int
     lib.fp8_mm_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64]
-    lib.fp8_mm_bf16.argtypes += [ptr, ptr, i64, i64, i64, ctypes.c_float]
+    lib.fp8_mm_bf16.argtypes += [ptr, ptr, i64, i64, i64, ctypes.c_float, i64]
     lib.fp8_mm_bf16.restype = ctypes.c_int
     lib.fp8_set_openmp.argtypes = [ptr]
     lib.fp8_set_openmp.restype = None
@@ -545,17 +545,19 @@ def fused_mm(
     *,
     out: torch.Tensor | None = None,
     quantize: torch.dtype | None = None,
+    quantize_gran: str = "row",
 ) -> torch.Tensor:
     """``_fp8_mm_impl`` for bf16 ``a`` and even K in one C call (``fp8_mm_bf16``): the
     same operands, products and epilogue; only the fp32 summation order differs. ``out``:
     an ``[m, n]`` bf16 tensor with contiguous rows (e.g. rows of a larger output) that the
     result is written into (eager callers only: it is not a custom op). ``quantize``: an
-    fp8 dtype: ``a`` is the raw activation, fake-quantized inside the kernel, one C call and
-    one parallel region. With ``a_scale=None`` (dynamic, per token) exactly as
-    :func:`quantize_activation` ``(a, None, quantize, "row", _, bf16, post=True)`` would,
-    its scales applied after the matmul; with a one-value ``a_scale`` (static) exactly as
-    ``quantize_activation(a, a_scale, quantize, "tensor", _, bf16, post=True)``, ``a_scale``
-    applied after the matmul."""
+    fp8 dtype: ``a`` is the raw activation, fake-quantized inside the kernel while it is
+    packed (one C call, one parallel region, no ``[m, k]`` temporary). With ``a_scale=None``
+    (dynamic) exactly as :func:`quantize_activation` ``(a, None, quantize, quantize_gran, _,
+    bf16, post=True)`` would (``quantize_gran``: ``"row"``, per token, or ``"tensor"``), its
+    scales applied after the matmul; with a one-value ``a_scale`` (static, per tensor) exactly
+    as ``quantize_activation(a, a_scale, quantize, "tensor", _, bf16, post=True)``,
+    ``a_scale`` applied after the matmul."""
     _check_weight(w, w_scale, w_gran, bn, bk)
     n, k = w.shape
     _check(
@@ -585,6 +587,10 @@ def fused_mm(
             f"in-kernel quantization takes an fp8 dtype and no scale (dynamic) or one (static), "
             f"got {quantize} and {None if a_scale is None else tuple(a_scale.shape)}"
         ),
+    )
+    _check(
+        quantize_gran in ("row", "tensor"),
+        lambda: f"quantize_gran is 'row' (per token) or 'tensor', got {quantize_gran!r}",
     )
     _check(
         a_scale is None
@@ -632,6 +638,7 @@ def fused_mm(
         _ptr(a_scale), 0 if a_scale is None else a_scale.numel(), _ptr(ws),
         0 if ws is None else ws.numel(), _ptr(bias), out.data_ptr(), FORMATS[w.dtype],
         torch.get_num_threads(), -1 if quantize is None else FORMATS[quantize], min_scale(),
+        GRANULARITIES["tensor" if a_scale is not None else quantize_gran],
     )  # fmt: skip
     _check(
         rc == 0, lambda: f"fp8_mm_bf16 failed with code {rc} (-4: out of memory for its scratch)"

@@ -10,8 +10,9 @@ lengths never recompile), then
 * above: the weight decoded tile by tile into the compute dtype (bf16 / fp32, bit-identical
   to the emulation's decode) and torch's matmul, then the emulation's epilogue; with bf16
   on the ``avx512bf16`` path, the fused decode + GEMM instead (``cpu_kernel.fused_mm``),
-  which also fake-quantizes dynamic per-token and static per-tensor activations itself
-  (same bits as ``quantize_activation``, one C call).
+  which also fake-quantizes dynamic (per token or per tensor) and static activations itself
+  while packing them (same bits as ``quantize_activation``, one C call, no ``[M, K]``
+  temporary).
 
 :func:`linear` returns ``None`` where it does not apply (fp16 compute above the GEMV
 limit, kernels off or unavailable); the caller runs the compiled emulation then.
@@ -85,33 +86,18 @@ def linear(
     w_post = _emu.post_scaled(w_gran, dtype)
     if (
         act_dtype is not None
-        and a_gran == "row"
-        and input_scale is None
+        and a_gran in ("row", "tensor")
+        and (input_scale is None or (a_gran == "tensor" and input_scale.numel() == 1))
         and dtype == torch.bfloat16
         and x.shape[1] % 2 == 0
         and _eager(x, w_fp8)  # first: a compile traces the quantization + op instead
         and cpu_kernel.fused_mm_enabled(path)
-    ):  # dynamic per-token scales: quantized inside the fused kernel, one call, one region
+    ):  # dynamic (per token / tensor) or static scales: quantized inside the fused kernel
         b = None if bias is None else bias.detach().contiguous()
-        return cpu_kernel.fused_mm(
-            x.detach().contiguous(), w_fp8, w_scale, None, b, w_gran, bn, bk, w_post, path,
-            quantize=act_dtype,
-        )  # fmt: skip
-    if (
-        act_dtype is not None
-        and a_gran == "tensor"
-        and input_scale is not None
-        and input_scale.numel() == 1
-        and dtype == torch.bfloat16
-        and x.shape[1] % 2 == 0
-        and _eager(x, w_fp8)
-        and cpu_kernel.fused_mm_enabled(path)
-    ):  # a static scale: the same, quantized with the given scale inside the kernel
-        b = None if bias is None else bias.detach().contiguous()
-        s = input_scale.detach().float().reshape(1).contiguous()
+        s = None if input_scale is None else input_scale.detach().float().reshape(1).contiguous()
         return cpu_kernel.fused_mm(
             x.detach().contiguous(), w_fp8, w_scale, s, b, w_gran, bn, bk, w_post, path,
-            quantize=act_dtype,
+            quantize=act_dtype, quantize_gran=a_gran,
         )  # fmt: skip
     a, a_scale, a_post = x.detach().contiguous(), None, False
     if act_dtype is not None:

@@ -246,52 +246,109 @@ def test_fused_is_exact_across_blocking_edges(fused, monkeypatch, fmt, gran, m, 
     assert torch.equal(out, ref), f"{int((out != ref).sum())} of {out.numel()} outputs differ"
 
 
-@pytest.mark.parametrize("act", sorted(FORMATS))
-@pytest.mark.parametrize("gran", ["row", "block"])
-@pytest.mark.parametrize(
-    ("m", "k", "n"), [(300, 2050, 61), (250, 2050, 230), (17, 96, 40), (40, 130, 30)]
-)
-@pytest.mark.parametrize("threads", [1, 2])
-def test_in_kernel_dynamic_quantization_is_the_two_step_path(act, gran, m, k, n, threads):
-    """Dynamic per-token activation scales computed and applied inside the fused kernel:
-    the bits of ``quantize_activation`` followed by the fused matmul with those scales, for
-    an all-zero token (the scale floor), NaN, inf, a huge and tiny values, two token blocks
-    (each thread quantizes for itself) or one (the threads quantize and pack it together),
-    a partial last 16 tokens, at 1 and 2 threads."""
-    w8 = _all_codes_weight(n, k, torch.float8_e4m3fn)
-    ws = _weight_scale(n, k, gran)
-    x = torch.randn(m, k) * torch.logspace(-6, 3, k)
-    x[1] = 0.0
-    x[2, 3], x[3, 5], x[4, 0], x[5, :7] = float("nan"), float("inf"), 1e30, 1e-30
-    x = x.to(torch.bfloat16)
+def _two_step(x, w8, ws, scale, gran, act, qgran, threads):
+    """(in-kernel, two-step) outputs of the fused kernel at ``threads`` threads: ``x``
+    quantized inside it, and ``quantize_activation`` followed by the fused matmul with its
+    scales as the post scales."""
     post = gran == "row"
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        args = (w8, ws, None, None, gran, *BLOCK, post, PATH)
-        got = cpu_kernel.fused_mm(x, *args, quantize=FORMATS[act])
+        args = (w8, ws, scale, None, gran, *BLOCK, post, PATH)
+        got = cpu_kernel.fused_mm(x, *args, quantize=FORMATS[act], quantize_gran=qgran)
         a, s = cpu_kernel.quantize_activation(
-            x, None, FORMATS[act], "row", 1, torch.bfloat16, True, PATH
+            x, scale, FORMATS[act], qgran, 1, torch.bfloat16, True, PATH
         )
         want = cpu_kernel.fused_mm(a, w8, ws, s.reshape(-1), None, gran, *BLOCK, post, PATH)
     finally:
         torch.set_num_threads(saved)
+    return got, want
+
+
+# 2 token blocks (each thread quantizes for itself) or one (the threads quantize and pack it
+# together), 3 token blocks with a last one of 17, K over 3 K blocks, K not a multiple of
+# 32 (a masked last piece of pairs), K = 2, a single token, partial last 16 tokens
+DYNAMIC_SHAPES = [
+    (300, 2050, 61),
+    (250, 2050, 230),
+    (17, 96, 40),
+    (40, 130, 30),
+    (529, 34, 20),
+    (1, 66, 9),
+    (19, 2, 5),
+]
+
+
+@pytest.mark.parametrize("act", sorted(FORMATS))
+@pytest.mark.parametrize("gran", ["row", "block"])
+@pytest.mark.parametrize("qgran", ["row", "tensor"])
+@pytest.mark.parametrize(("m", "k", "n"), DYNAMIC_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_kernel_dynamic_quantization_is_the_two_step_path(act, gran, qgran, m, k, n, threads):
+    """Dynamic per-token or per-tensor activation scales computed and applied inside the
+    fused kernel: the bits of ``quantize_activation`` followed by the fused matmul with those
+    scales, for an all-zero token (the scale floor), NaN, inf, a huge value (per tensor: it
+    sets the scale, the rest falls to the subnormals and zero) and tiny ones, at 1 and 2
+    threads."""
+    w8 = _all_codes_weight(n, k, torch.float8_e4m3fn)
+    ws = _weight_scale(n, k, gran)
+    x = torch.randn(m, k) * torch.logspace(-6, 3, k)
+    x[min(1, m - 1)] = 0.0
+    x[5 % m, : min(7, k)] = 1e-30  # first: a single token keeps the values below
+    x[2 % m, 1 % k], x[3 % m, 3 % k], x[4 % m, 0] = float("nan"), float("inf"), 1e30
+    got, want = _two_step(x.to(torch.bfloat16), w8, ws, None, gran, act, qgran, threads)
     assert got.isnan().any(), "the NaN token should reach the output"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_dynamic_linear_quantizes_inside_the_fused_kernel(fused, monkeypatch):
-    """A bf16 dynamic (per-token) linear above the GEMV limit is one fused_mm call with
-    in-kernel quantization (no separate quantize_activation pass)."""
+@pytest.mark.parametrize("act", sorted(FORMATS))
+@pytest.mark.parametrize(("m", "k", "n"), DYNAMIC_SHAPES[:4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_kernel_dynamic_tensor_scale_without_outliers(act, m, k, n, threads):
+    """Per tensor, finite values spread over 9 decades (the fp8 normals, subnormals and
+    values rounding to zero, the amax exactly at the format's max): the two-step bits, and
+    within the float64 bound of the fake-quantized operands."""
+    w8 = _all_codes_weight(n, k, torch.float8_e4m3fn)
+    ws = _weight_scale(n, k, "row")
+    x = (torch.randn(m, k) * torch.logspace(-6, 3, k)).to(torch.bfloat16)
+    got, want = _two_step(x, w8, ws, None, "row", act, "tensor", threads)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    a64, _ = _activation(x, "dynamic_tensor", FORMATS[act])
+    w64 = w8.double() * ws.double().reshape(-1, 1)
+    ref = a64 @ w64.T
+    assert bool(((got.double() - ref).abs() <= _bound(a64, w64, ref, 2**-7, 2**-7)).all())
+
+
+@pytest.mark.parametrize("fill", [0.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_kernel_dynamic_tensor_scale_of_nothing_finite(fill, threads):
+    """A tensor without a finite nonzero value: the amax is 0, the scale the floor, as in
+    ``quantize_activation`` (zeros stay zeros, NaN / inf become NaN)."""
+    w8 = _all_codes_weight(30, 64, torch.float8_e4m3fn)
+    ws = _weight_scale(30, 64, "row")
+    x = torch.full((40, 64), fill).to(torch.bfloat16)
+    got, want = _two_step(x, w8, ws, None, "row", "e4m3", "tensor", threads)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert bool(got.isnan().all()) if fill != 0.0 else bool((got == 0).all())
+
+
+@pytest.mark.parametrize("scheme", ["dynamic_token", "dynamic_tensor"])
+def test_dynamic_linear_quantizes_inside_the_fused_kernel(fused, monkeypatch, scheme):
+    """A bf16 dynamic (per-token or per-tensor) linear above the GEMV limit is one fused_mm
+    call with in-kernel quantization (no separate quantize_activation pass), within the
+    float64 bound of the fake-quantized operands."""
     monkeypatch.setattr(
         cpu_kernel, "quantize_activation", lambda *a, **k: pytest.fail("separate quantization")
     )
     w8 = _all_codes_weight(40, 96, torch.float8_e4m3fn)
     ws = _weight_scale(40, 96, "row")
     x = torch.randn(33, 96).to(torch.bfloat16)
-    _, kwargs = _activation(x, "dynamic_token", torch.float8_e4m3fn)
+    a64, kwargs = _activation(x, scheme, torch.float8_e4m3fn)
     out = _run(x, w8, ws, None, "row", kwargs, monkeypatch, True)
     assert len(fused) == 1 and out.shape == (33, 40)
+    w64 = w8.double() * ws.double().reshape(-1, 1)
+    ref = a64 @ w64.T
+    assert bool(((out.double() - ref).abs() <= _bound(a64, w64, ref, 2**-7, 2**-7)).all())
 
 
 @pytest.mark.parametrize("act", sorted(FORMATS))
@@ -309,18 +366,7 @@ def test_in_kernel_static_quantization_is_the_two_step_path(act, gran, m, k, n, 
     x[2, 3], x[3, 5], x[4, 0], x[5, :7] = float("nan"), float("inf"), 1e30, 1e-30
     x = x.to(torch.bfloat16)
     scale = torch.tensor([0.5 / torch.finfo(FORMATS[act]).max])  # |x| > 0.5 saturates
-    post = gran == "row"
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        args = (w8, ws, scale, None, gran, *BLOCK, post, PATH)
-        got = cpu_kernel.fused_mm(x, *args, quantize=FORMATS[act])
-        a, s = cpu_kernel.quantize_activation(
-            x, scale, FORMATS[act], "tensor", 1, torch.bfloat16, True, PATH
-        )
-        want = cpu_kernel.fused_mm(a, w8, ws, s.reshape(-1), None, gran, *BLOCK, post, PATH)
-    finally:
-        torch.set_num_threads(saved)
+    got, want = _two_step(x, w8, ws, scale, gran, act, "tensor", threads)
     assert got.isnan().any(), "the NaN token should reach the output"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 

@@ -793,6 +793,53 @@ AI float fp8_round(float x, int fmt) {
 
 #define QCHUNK 256
 
+#if FP8_PATH >= 3
+/* The per-element loop of quant_worker below, 16 lanes: q = RNE_fp8(clamp(x / scale,
+ * +-fmax)) as fp32 bits, the same quotient, clamp and sign (NaN for a non-finite quotient;
+ * allfin: the caller knows there is none). The rounding to the fp8 grid (ties to even) as
+ * x = t * 2^e with e = max(exponent, min normal exponent) and t rounded to 3 (E4M3) / 2
+ * (E5M2) fraction bits: exact power-of-two scalings, the same grid as the bit tricks
+ * (subnormal spacing below the normal range). */
+AI __m512i quant16(__m512 x, __m512 vs, int e4, int allfin) {
+    const __m512 vmax = _mm512_set1_ps(e4 ? 448.0f : 57344.0f);
+    const __m512 emin = _mm512_set1_ps(e4 ? -6.0f : -14.0f);
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+    __m512 v = _mm512_div_ps(x, vs);
+    /* min(|v|, fmax), sign cleared: the clamp and the abs in one (NaN: below) */
+    __m512 a = _mm512_range_ps(v, vmax, 0x0a);
+    __m512 e = _mm512_max_ps(_mm512_getexp_ps(a), emin); /* getexp(0) = -inf */
+    __m512 t = _mm512_scalef_ps(a, _mm512_sub_ps(_mm512_setzero_ps(), e));
+    t = e4 ? _mm512_roundscale_ps(t, (3 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+           : _mm512_roundscale_ps(t, (2 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_scalef_ps(t, e)),
+                                           _mm512_castps_si512(v), abs, 0xf4); /* | sign(v) */
+    if (!allfin) {
+        __mmask16 fin = _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs),
+                                                _mm512_set1_epi32(0x7f800000));
+        ru = _mm512_mask_blend_epi32(fin, _mm512_set1_epi32(0x7fc00000), ru);
+    }
+    return ru;
+}
+
+/* 32 bf16 activations quantized (quant16), the fp8 values as bf16 bits in the same places:
+ * to fp32 by 16-bit unpacks and back by one pack (in-lane; the pack restores the order the
+ * unpacks took apart; fp8 values are exact bf16). */
+AI __m512i quant32_bf16(__m512i xw, __m512 vs, int e4, int allfin) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i lo = quant16(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, xw)), vs, e4, allfin);
+    __m512i hi = quant16(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, xw)), vs, e4, allfin);
+    return _mm512_packus_epi32(_mm512_srli_epi32(lo, 16), _mm512_srli_epi32(hi, 16));
+}
+#endif
+
+/* The per-tensor scale from the rows' amax (fp8_quant_act's phase 0): max(amax / fmax, floor). */
+static inline float tensor_scale(const float *rowmax, int64_t M, int fmt, float floor) {
+    float amax = 0.0f;
+    for (int64_t m = 0; m < M; ++m) amax = rowmax[m] > amax ? rowmax[m] : amax;
+    float s = amax / (fmt == FMT_E4M3 ? 448.0f : 57344.0f);
+    return s < floor ? floor : s;
+}
+
 /* Branch-free loops over chunks, so that the compiler vectorizes them on paths 0-2 (division
  * included: x / scale must be the correctly rounded quotient, as torch's, not x * (1 / scale)).
  * AVX-512 paths write the vector loops out and leave only short tails to the scalar loops:
@@ -888,63 +935,25 @@ static void *quant_worker(void *arg) {
                     }
                     int64_t i0 = 0;
 #if FP8_PATH >= 3
-                    /* the scalar loop below, 16 lanes at a time, straight from the input: the
-                       same quotient, clamp and sign; the rounding to the fp8 grid (ties to even)
-                       as x = t * 2^e with e = max(exponent, min normal exponent) and t rounded
-                       to 3 (E4M3) / 2 (E5M2) fraction bits: exact power-of-two scalings, the
-                       same grid as the bit tricks (subnormal spacing below the normal range) */
-                    {
-                        const __m512 vs = _mm512_set1_ps(scale), vmax = _mm512_set1_ps(fmax);
-                        const __m512 emin = _mm512_set1_ps(e4 ? -6.0f : -14.0f);
-                        const __m512i abs = _mm512_set1_epi32(0x7fffffff);
-                        const __m512i inf = _mm512_set1_epi32(0x7f800000), qnan = _mm512_set1_epi32(0x7fc00000);
+                    { /* the scalar loop below, 16 lanes at a time (quant16), straight from the
+                         input */
+                        const __m512 vs = _mm512_set1_ps(scale);
                         const uint16_t *xb16 = (const uint16_t *)q->x + at;
                         const float *xf32 = (const float *)q->x + at;
                         /* a scale from this segment's finite amax (> 0) keeps every quotient of
                            finite values finite: |x / scale| <= fmax (1 + 2^-23) */
                         const int allfin = q->phase == 2 && !nonfin && scale > 0.0f;
-#define QUANT16(xv, v, ru) /* the loop below, 16 lanes: quotient v, fp8 value bits ru */     \
-    __m512 v = _mm512_div_ps(xv, vs);                                                         \
-    __m512i ru;                                                                               \
-    {                                                                                         \
-        __m512 c = v; /* the sign of the clamped quotient */                                  \
-        /* min(|v|, fmax), sign cleared: the clamp and the abs in one (NaN: below) */          \
-        __m512 a = _mm512_range_ps(v, vmax, 0x0a);                                            \
-        __m512 e = _mm512_max_ps(_mm512_getexp_ps(a), emin); /* getexp(0) = -inf */          \
-        __m512 t = _mm512_scalef_ps(a, _mm512_sub_ps(_mm512_setzero_ps(), e));               \
-        t = e4 ? _mm512_roundscale_ps(t, (3 << 4) | _MM_FROUND_TO_NEAREST_INT |               \
-                                             _MM_FROUND_NO_EXC)                               \
-               : _mm512_roundscale_ps(t, (2 << 4) | _MM_FROUND_TO_NEAREST_INT |               \
-                                             _MM_FROUND_NO_EXC);                              \
-        ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_scalef_ps(t, e)),          \
-                                       _mm512_castps_si512(c), abs, 0xf4); /* | sign(c) */   \
-        if (!allfin) {                                                                        \
-            __mmask16 fin =                                                                   \
-                _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs), inf); \
-            ru = _mm512_mask_blend_epi32(fin, qnan, ru);                                      \
-        }                                                                                     \
-    }
-                        if (q->x_bf16 && q->post && q->out_kind == OUT_BF16) {
-                            /* 32 at a time: bf16 -> fp32 and back by 16-bit unpacks / one pack
-                               (in-lane; the pack restores the order the unpacks took apart) */
-                            const __m512i zero = _mm512_setzero_si512();
-                            for (; i0 + 32 <= n; i0 += 32) {
-                                __m512i xw = _mm512_loadu_si512(xb16 + i0);
-                                __m512 xlo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, xw));
-                                __m512 xhi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, xw));
-                                QUANT16(xlo, vlo, rlo)
-                                QUANT16(xhi, vhi, rhi)
+                        if (q->x_bf16 && q->post && q->out_kind == OUT_BF16)
+                            for (; i0 + 32 <= n; i0 += 32)
                                 _mm512_storeu_si512((uint16_t *)q->out + at + i0,
-                                                    _mm512_packus_epi32(_mm512_srli_epi32(rlo, 16),
-                                                                        _mm512_srli_epi32(rhi, 16)));
-                            }
-                        }
+                                                    quant32_bf16(_mm512_loadu_si512(xb16 + i0), vs,
+                                                                 e4, allfin));
                         for (; i0 + 16 <= n; i0 += 16) {
                             __m512 xv = q->x_bf16
                                 ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb16 + i0))), 16))
                                 : _mm512_loadu_ps(xf32 + i0);
-                            QUANT16(xv, v, ru)
+                            __m512i ru = quant16(xv, vs, e4, allfin);
                             if (q->post && q->out_kind == OUT_BF16) { /* fp8 values are exact bf16 */
                                 _mm256_storeu_si256((__m256i *)((uint16_t *)q->out + at + i0),
                                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(ru, 16)));
@@ -956,7 +965,6 @@ static void *quant_worker(void *arg) {
                             else _mm512_storeu_ps((float *)q->out + at + i0, out);
                         }
                     }
-#undef QUANT16
 #endif
                     for (int64_t i = i0; i < n; ++i) {
                         float v = xf[i] / scale;
@@ -1023,12 +1031,7 @@ int fp8_quant_act(const void *x, int64_t x_bf16, int64_t M, int64_t K, int64_t g
         float *rowmax = (float *)out; /* tensor: per-row amax in the output buffer */
         int rc = run_split(quant_worker, &q, sizeof q, M, nthreads, quant_range);
         if (rc) return rc;
-        if (gran == GRAN_TENSOR) {
-            float amax = 0.0f;
-            for (int64_t m = 0; m < M; ++m) amax = rowmax[m] > amax ? rowmax[m] : amax;
-            float s = amax / (fmt == FMT_E4M3 ? 448.0f : 57344.0f);
-            scale[0] = s < floor ? floor : s;
-        }
+        if (gran == GRAN_TENSOR) scale[0] = tensor_scale(rowmax, M, (int)fmt, floor);
     }
     q.phase = 1;
     return run_split(quant_worker, &q, sizeof q, M, nthreads, quant_range);
@@ -1132,8 +1135,23 @@ typedef struct {
     int qfmt;             /* >= 0: quantize x to this fp8 format first: per token (dynamic) */
     const float *qscale;  /*   or with this given scale [1] (static; then also the post scale) */
     float qfloor;         /* its scale floor */
+    float qs;             /* a thread's copy of the dynamic per-tensor scale (qscale, as: &qs) */
+    struct mm_amax *am;   /* dynamic per-tensor: the rows' amax, reduced by all threads */
     struct mm_share *sh;  /* one token block: the packing shared by the threads, or NULL */
 } mm_t;
+_Static_assert(sizeof(mm_t) <= 256, "run_split copies at most 256 bytes of arguments");
+
+/* per-token scales (dynamic): the token's amax is needed before any of its K blocks */
+AI int mm_per_token(const mm_t *g) { return g->qfmt >= 0 && !g->qscale && !g->am; }
+
+/* Dynamic per-tensor quantization: the rows' amax (fp8_quant_act's phase 0, 16 rows a unit)
+ * by all threads together, units claimed in order from an atomic counter like the packing's
+ * (mm_share_t: a thread only waits for units another thread is in the middle of); then each
+ * thread reduces the row maxima to the scale itself (the same value in every thread). */
+typedef struct mm_amax {
+    float *rowmax; /* [M] */
+    int64_t next, done, units;
+} mm_amax_t;
 
 /* The packing shared by the threads (a single token block): the packed activations (and
  * token scales) exist once, in the calling thread's scratch. Threads claim pack units in
@@ -1141,7 +1159,8 @@ typedef struct {
  * are done, so it only ever waits for units another thread is in the middle of (a few
  * microseconds), never for a thread that has not reached the packing (no barrier: a thread
  * preempted by another process cannot hold the others up for a scheduler slice). A unit:
- * 16 tokens of one K block, or with quantization 16 tokens (quantized, then all K blocks). */
+ * 16 tokens of one K block, or with per-token scales 16 tokens (their amax, then all K
+ * blocks). */
 typedef struct mm_share {
     uint32_t *xp;
     float *sc;     /* token scales (quantizing) */
@@ -1177,9 +1196,10 @@ AI void tr16x16(__m512i r[16]) {
 
 /* Tokens [m0, m0 + 16) of the token block (rows of them real, from src, stride K) into xp,
  * K blocks [b0, b1): per K block b, [pairs][ldx] 32-bit (k, k + 1) pairs of each token
- * (missing tokens: zeros). */
+ * (missing tokens: zeros). qs: NULL, or each row's scale: the values are fake-quantized on
+ * the way (quant32_bf16, fp8_quant_act's own operations: the same bits, no temporary). */
 static void mm_pack_rows(const mm_t *g, const uint16_t *src, int64_t m0, int64_t rows,
-                         int64_t b0, int64_t b1, uint32_t *xp) {
+                         int64_t b0, int64_t b1, uint32_t *xp, const float *qs) {
     for (int64_t b = b0, k0 = b0 * g->kc; b < b1 && k0 < g->K; k0 += g->kc, ++b) {
         int64_t pairs = (g->K - k0 < g->kc ? g->K - k0 : g->kc) / 2;
         uint32_t *dst = xp + b * (g->kc / 2) * g->ldx;
@@ -1194,6 +1214,9 @@ static void mm_pack_rows(const mm_t *g, const uint16_t *src, int64_t m0, int64_t
             for (int i = 0; i < 16; ++i)
                 r[i] = i < rows ? _mm512_maskz_loadu_epi32(km, src + i * g->K + k0 + 2 * j0)
                                 : _mm512_setzero_si512();
+            if (qs) /* the masked-off pairs: 0 / scale = 0 */
+                for (int i = 0; i < rows; ++i)
+                    r[i] = quant32_bf16(r[i], _mm512_set1_ps(qs[i]), g->qfmt == FMT_E4M3, 0);
             tr16x16(r);
             for (int64_t j = 0; j < jn; ++j) _mm512_storeu_si512(dst + (j0 + j) * g->ldx + m0, r[j]);
         }
@@ -1201,35 +1224,54 @@ static void mm_pack_rows(const mm_t *g, const uint16_t *src, int64_t m0, int64_t
 }
 
 /* The token block [mc0, mc0 + mc) into xp (tokens mc .. mcp, a multiple of 16: zeros), 16
- * tokens at a time; with qfmt >= 0 each 16 first go through fp8_quant_act's code (per token:
- * scales into sc[token]; or with the given static scale; values into tmp: 16 x K bf16), so
- * they are the same bits. */
+ * tokens at a time; with qfmt >= 0 fake-quantized while packed, as fp8_quant_act(post, bf16
+ * out) does: with the per-tensor scale (given, or the dynamic one), or per token with the
+ * scales of its phase 0 (the tokens' amax, into sc[token]), so they are the same bits. */
 static void mm_pack_group(const mm_t *g, int64_t m0, int64_t b0, int64_t b1, uint32_t *xp,
-                          uint16_t *tmp, float *sc) {
+                          float *sc) {
     int64_t rows = g->mc - m0 < 16 ? g->mc - m0 : 16;
     const uint16_t *src = g->x + (g->mc0 + m0) * g->K;
-    if (g->qfmt >= 0 && g->qscale) { /* fp8_quant_act(gran tensor, given): phase 1 only */
-        quant_t q = {src, (float *)g->qscale, tmp, rows, g->K, g->K, 0, rows, 1, GRAN_TENSOR,
-                     g->qfmt, OUT_BF16, 1, 1, 1, g->qfloor};
-        quant_worker(&q);
-        src = tmp;
+    float qs[16];
+    const float *s = NULL;
+    if (g->qfmt >= 0 && g->qscale) {
+        for (int i = 0; i < 16; ++i) qs[i] = g->qscale[0];
+        s = qs;
     } else if (g->qfmt >= 0) {
-        quant_t q = {src, sc + g->mc0 + m0, tmp, rows, g->K, g->K, 0, rows, 1, GRAN_ROW,
-                     g->qfmt, OUT_BF16, 1, 2, 0, g->qfloor};
+        quant_t q = {src, sc + g->mc0 + m0, NULL, rows, g->K, g->K, 0, rows, 1, GRAN_ROW,
+                     g->qfmt, OUT_BF16, 1, 0, 0, g->qfloor};
         quant_worker(&q);
-        src = tmp;
+        s = sc + g->mc0 + m0;
     }
-    mm_pack_rows(g, src, m0, rows, b0, b1, xp);
+    mm_pack_rows(g, src, m0, rows, b0, b1, xp, s);
 }
 
-static void mm_pack_x(const mm_t *g, uint32_t *xp, uint16_t *tmp, float *sc) {
+static void mm_pack_x(const mm_t *g, uint32_t *xp, float *sc) {
     int64_t kblocks = (g->K + g->kc - 1) / g->kc;
-    for (int64_t m0 = 0; m0 < g->mcp; m0 += 16) mm_pack_group(g, m0, 0, kblocks, xp, tmp, sc);
+    for (int64_t m0 = 0; m0 < g->mcp; m0 += 16) mm_pack_group(g, m0, 0, kblocks, xp, sc);
+}
+
+/* Dynamic per-tensor: the scale, once every row's amax is known (see mm_amax_t), helping. */
+static float mm_amax_scale(const mm_t *g, mm_amax_t *am) {
+    while (__atomic_load_n(&am->done, __ATOMIC_ACQUIRE) < am->units) {
+        int64_t u = __atomic_load_n(&am->next, __ATOMIC_RELAXED) < am->units
+                        ? __atomic_fetch_add(&am->next, 1, __ATOMIC_RELAXED)
+                        : am->units;
+        if (u >= am->units) { /* all claimed: another thread is finishing one */
+            _mm_pause();
+            continue;
+        }
+        int64_t r0 = u * 16, rows = g->M - r0 < 16 ? g->M - r0 : 16;
+        quant_t q = {g->x + r0 * g->K, NULL, am->rowmax + r0, rows, g->K, g->K, 0, rows, 1,
+                     GRAN_TENSOR, g->qfmt, OUT_F32, 1, 0, 0, g->qfloor};
+        quant_worker(&q);
+        __atomic_fetch_add(&am->done, 1, __ATOMIC_RELEASE);
+    }
+    return tensor_scale(am->rowmax, g->M, g->qfmt, g->qfloor);
 }
 
 /* Shared packing: return once K block kb is packed (see mm_share_t), helping meanwhile. */
-static void mm_share_wait(const mm_t *g, mm_share_t *sh, int64_t kb, uint16_t *tmp) {
-    int q = g->qfmt >= 0;
+static void mm_share_wait(const mm_t *g, mm_share_t *sh, int64_t kb) {
+    int q = mm_per_token(g);
     int64_t slot = q ? 0 : kb, kblocks = (g->K + g->kc - 1) / g->kc;
     while (__atomic_load_n(&sh->done[slot], __ATOMIC_ACQUIRE) < sh->groups) {
         int64_t u = __atomic_load_n(&sh->next, __ATOMIC_RELAXED) < sh->units
@@ -1240,7 +1282,7 @@ static void mm_share_wait(const mm_t *g, mm_share_t *sh, int64_t kb, uint16_t *t
             continue;
         }
         int64_t grp = q ? u : u % sh->groups, b = q ? 0 : u / sh->groups;
-        mm_pack_group(g, grp * 16, b, q ? kblocks : b + 1, sh->xp, tmp, sh->sc);
+        mm_pack_group(g, grp * 16, b, q ? kblocks : b + 1, sh->xp, sh->sc);
         __atomic_fetch_add(&sh->done[b], 1, __ATOMIC_RELEASE);
     }
 }
@@ -1425,9 +1467,9 @@ DEFINE_MMK(1, 4)
 DEFINE_MMK(2, 4)
 
 /* Per-thread scratch, grown on demand and kept between calls (freed when the thread ends):
- * a worker's decoded panel (28 KiB), partial sums (224 KiB), 16 quantized tokens (32 * K
- * bytes) and, with more tokens than MM_MC, its own packed activations (512 * K bytes); the
- * calling thread's packed activations shared by the workers (at most 512 * K bytes). A fresh
+ * a worker's decoded panel (28 KiB), partial sums (224 KiB) and, with more tokens than MM_MC,
+ * its own packed activations (512 * K bytes) and token scales; the calling thread's packed
+ * activations shared by the workers (at most 512 * K bytes) and row maxima. A fresh
  * allocation per call costs page faults (about 3 MiB at K = 5632, every call). */
 typedef struct {
     void *p;
@@ -1482,6 +1524,11 @@ __attribute__((optimize("no-split-loops"))) static void *mm_worker(void *arg) {
     const mm_t *g = &gl;
     int64_t r0 = g->n0 * MM_MR, r1 = g->n1 * MM_MR < g->N ? g->n1 * MM_MR : g->N;
     if (r0 >= r1) return NULL;
+    if (gl.am) { /* dynamic per-tensor: from here on as with a given scale */
+        gl.qs = mm_amax_scale(g, gl.am);
+        gl.qscale = gl.as = &gl.qs;
+        gl.as_n = 1;
+    }
     int64_t kblocks = (g->K + g->kc - 1) / g->kc;
     int multi = kblocks > 1;
     int64_t mcp_max = ((g->M < MM_MC ? g->M : MM_MC) + 15) & ~(int64_t)15;
@@ -1492,10 +1539,9 @@ __attribute__((optimize("no-split-loops"))) static void *mm_worker(void *arg) {
     mm_share_t *sh = g->sh;
     size_t n_xp = sh ? 0 : (size_t)kblocks * (g->kc / 2) * ldx * 4;
     size_t n_c = multi ? (size_t)MM_NC * ldc * 4 : 0;
-    /* dynamic quantization: the scales of all tokens (unless shared), 16 quantized tokens */
-    size_t n_sc = gl.qfmt >= 0 && !sh ? ((size_t)g->M * 4 + 63) & ~(size_t)63 : 0;
-    size_t n_q = gl.qfmt >= 0 ? n_sc + (size_t)16 * g->K * 2 : 0;
-    char *scratch = (char *)mm_scratch(0, n_wb + n_xp + n_c + n_q);
+    /* per-token quantization: the scales of all tokens (unless shared) */
+    size_t n_sc = mm_per_token(g) && !sh ? (size_t)g->M * 4 : 0;
+    char *scratch = (char *)mm_scratch(0, n_wb + n_xp + n_c + n_sc);
     if (scratch == NULL) {
         __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
         return NULL;
@@ -1503,24 +1549,21 @@ __attribute__((optimize("no-split-loops"))) static void *mm_worker(void *arg) {
     uint16_t *wb = (uint16_t *)scratch;
     uint32_t *xp = sh ? sh->xp : (uint32_t *)(scratch + n_wb);
     float *c = multi ? (float *)(scratch + n_wb + n_xp) : NULL;
-    float *sc = gl.qfmt < 0 || gl.qscale ? NULL
-                : sh                       ? sh->sc
-                                           : (float *)(scratch + n_wb + n_xp + n_c);
-    uint16_t *tmp = gl.qfmt >= 0 ? (uint16_t *)(scratch + n_wb + n_xp + n_c + n_sc) : NULL;
+    float *sc = !mm_per_token(g) ? NULL : sh ? sh->sc : (float *)(scratch + n_wb + n_xp + n_c);
     if (sc) gl.as = sc, gl.as_n = g->M; /* the token scales (identical in every thread) */
     int ahead = 0; /* 1: the previous panel's last tile already decoded this one into wb */
     for (int64_t mc0 = 0; mc0 < g->M; mc0 += MM_MC) {
         int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC, mcp = (mc + 15) & ~(int64_t)15;
         gl.mc0 = mc0, gl.mc = mc, gl.mcp = mcp, gl.ldx = ldx;
         /* several token blocks: each thread packs the activations it reads */
-        if (!sh) mm_pack_x(g, xp, tmp, sc);
+        if (!sh) mm_pack_x(g, xp, sc);
         for (int64_t nc0 = r0; nc0 < r1; nc0 += MM_NC) {
             int64_t nc1 = nc0 + MM_NC < r1 ? nc0 + MM_NC : r1;
             for (int64_t k0 = 0, kb = 0; k0 < g->K; k0 += g->kc, ++kb) {
                 int64_t kc = g->K - k0 < g->kc ? g->K - k0 : g->kc;
                 int first = k0 == 0, last = k0 + kc == g->K;
                 const uint32_t *xb = xp + kb * (g->kc / 2) * ldx;
-                if (sh && nc0 == r0) mm_share_wait(g, sh, kb, tmp); /* packed on first use */
+                if (sh && nc0 == r0) mm_share_wait(g, sh, kb); /* packed on first use */
                 for (int64_t p0 = nc0; p0 < nc1; p0 += MM_MR) {
                     int64_t rows = nc1 - p0 < MM_MR ? nc1 - p0 : MM_MR;
                     if (!ahead) mm_decode_panel(g, p0, rows, k0, kc, wb);
@@ -1593,19 +1636,22 @@ static void mm_range(void *p, int64_t n0, int64_t n1) {
 #if IN_PART(1)
 /* out [M, N] bf16 = epilogue(bf16(x @ decode(w).T)): see above. ws: folded into the decode
  * (NULL: unscaled codes); as / ps: post scales. qfmt >= 0: x is first fake-quantized to
- * that format inside the kernel (no second parallel region): with as = NULL per token,
- * exactly as fp8_quant_act(gran row, post, bf16 out, floor qfloor) does, the token scales
- * then being the activation post scales; with a given scale as ([1], static) exactly as
- * fp8_quant_act(gran tensor, given, post, bf16 out), as staying the post scale. Returns -3
- * where the path lacks the kernel. */
+ * that format inside the kernel (no second parallel region, no [M, K] temporary), the
+ * activation scales then being the post scales: with as = NULL dynamically, per token
+ * (qgran row) or per tensor (qgran tensor), exactly as fp8_quant_act(qgran, post, bf16 out,
+ * floor qfloor) does; with a given scale as ([1], static, qgran tensor) exactly as
+ * fp8_quant_act(gran tensor, given, post, bf16 out). Returns -3 where the path lacks the
+ * kernel. */
 int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                 const float *ws, int64_t wgran, int64_t bn, int64_t bk, const float *as,
                 int64_t as_n, const float *ps, int64_t ps_n, const uint16_t *bias,
-                uint16_t *out, int64_t fmt, int64_t nthreads, int64_t qfmt, float qfloor) {
+                uint16_t *out, int64_t fmt, int64_t nthreads, int64_t qfmt, float qfloor,
+                int64_t qgran) {
 #if FP8_PATH == 4
     if (M < 1 || K < 2 || (K & 1) || N < 1 || bn < 1 || bk < 1 || (fmt != 0 && fmt != 1) ||
         (as && as_n != 1 && as_n != M) || (ps && ps_n != 1 && ps_n != N) || qfmt < -1 ||
-        qfmt > 1 || (qfmt >= 0 && as && as_n != 1))
+        qfmt > 1 || (qfmt >= 0 && qgran != GRAN_TENSOR && qgran != GRAN_ROW) ||
+        (qfmt >= 0 && as && (as_n != 1 || qgran != GRAN_TENSOR)))
         return -1;
     pthread_once(&LUT_ONCE, lut_init);
     int err = 0;
@@ -1614,21 +1660,30 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
     int64_t blocks = (K + MM_KC - 1) / MM_KC, kc = ((K + blocks - 1) / blocks + 63) & ~(int64_t)63;
     blocks = (K + kc - 1) / kc;
     mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, kc,
-              0, 0, 0, 0, (int)fmt, (int)wgran, (int)qfmt, qfmt >= 0 ? as : NULL, qfloor, NULL};
+              0, 0, 0, 0, (int)fmt, (int)wgran, (int)qfmt, qfmt >= 0 ? as : NULL, qfloor,
+              0.0f, NULL, NULL};
     mm_share_t sh = {NULL, NULL, NULL, 0, 0, 0};
-    if (M <= MM_MC) { /* one token block: packed once, by all threads together */
-        int64_t mcp = (M + 15) & ~(int64_t)15;
-        size_t n_xp = (size_t)blocks * (kc / 2) * mcp * 4;
-        size_t n_sc = ((size_t)M * 4 + 63) & ~(size_t)63;
+    mm_amax_t am = {NULL, 0, 0, (M + 15) / 16};
+    int shared = M <= MM_MC; /* one token block: packed once, by all threads together */
+    int64_t mcp = (M + 15) & ~(int64_t)15;
+    size_t n_xp = shared ? (size_t)blocks * (kc / 2) * mcp * 4 : 0;
+    size_t n_sc = ((size_t)M * 4 + 63) & ~(size_t)63; /* token scales or row maxima */
+    if (shared || (qfmt >= 0 && !as && qgran == GRAN_TENSOR)) {
         char *s = (char *)mm_scratch(1, n_xp + n_sc + (size_t)blocks * 8);
         if (s == NULL) return -4;
-        sh.xp = (uint32_t *)s;
-        sh.sc = (float *)(s + n_xp);
-        sh.done = (int64_t *)(s + n_xp + n_sc);
-        memset(sh.done, 0, (size_t)blocks * 8);
-        sh.groups = mcp / 16;
-        sh.units = qfmt >= 0 ? sh.groups : blocks * sh.groups;
-        g.sh = &sh;
+        if (qfmt >= 0 && !as && qgran == GRAN_TENSOR) {
+            am.rowmax = (float *)(s + n_xp);
+            g.am = &am;
+        }
+        if (shared) {
+            sh.xp = (uint32_t *)s;
+            sh.sc = (float *)(s + n_xp);
+            sh.done = (int64_t *)(s + n_xp + n_sc);
+            memset(sh.done, 0, (size_t)blocks * 8);
+            sh.groups = mcp / 16;
+            sh.units = mm_per_token(&g) ? sh.groups : blocks * sh.groups;
+            g.sh = &sh;
+        }
     }
     int64_t panels = (N + MM_MR - 1) / MM_MR;
     int64_t useful = (M * N * K) / (1 << 22);
@@ -1638,7 +1693,7 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
 #else
     (void)x, (void)M, (void)K, (void)w, (void)N, (void)ws, (void)wgran, (void)bn, (void)bk;
     (void)as, (void)as_n, (void)ps, (void)ps_n, (void)bias, (void)out, (void)fmt, (void)nthreads;
-    (void)qfmt, (void)qfloor;
+    (void)qfmt, (void)qfloor, (void)qgran;
     return -3;
 #endif
 }
