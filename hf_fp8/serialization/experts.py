@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from hf_fp8.serialization.checkpoint import FP8_DTYPE_NAMES, TensorInfo
 
@@ -202,6 +203,126 @@ def high_precision_experts(
                 found[name.removesuffix(".weight")] = m["prefix"] + owner
                 break
     return found
+
+
+# vLLM asks about an MoE layer kept out of FP8 under these names: its compressed-tensors fused-MoE
+# loader about ``<layer>.0.gate_proj`` / ``.0.up_proj`` / ``.0.down_proj`` (fixed names, whatever
+# the family calls its projections), earlier versions about ``<layer>``; its ``fp8`` format
+# skips ``<layer>`` when an ``ignored_layers`` entry containing "experts" contains it.
+VLLM_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_PER_EXPERT = re.compile(r"^(?P<owner>.+)\.(?P<e>\d+)\.[^.]+$")
+
+
+def vllm_ignore_names(layer: str, num_experts: int) -> list[str]:
+    """What an ``ignore`` / ``ignored_layers`` list must hold for vLLM to keep the MoE layer
+    ``layer`` (its checkpoint name) in high precision: the layer and, per expert, the three
+    projection names vLLM asks about."""
+    per_expert = (f"{layer}.{e}.{p}" for e in range(num_experts) for p in VLLM_EXPERT_PROJECTIONS)
+    return [layer, *per_expert]
+
+
+def _num_experts(module: nn.Module) -> int:
+    for param in module.parameters(recurse=False):
+        if param.dim() == 3:
+            return int(param.shape[0])
+    return int(getattr(module, "num_experts", 0) or 0)
+
+
+def high_precision_fused_experts(
+    model: nn.Module, tensors: dict[str, TensorInfo], per_expert: dict[str, str]
+) -> dict[str, int]:
+    """``{experts module: number of experts}`` of the experts modules of ``model`` (built from
+    the checkpoint's config, e.g. on the meta device) that the checkpoint ``tensors`` hold in
+    high precision and not one linear per expert: fused 3-D parameters (Llama-4, gpt-oss) or
+    renamed ones (GraniteMoE's ``input_linear``). An experts module is FP8 on disk when a scale
+    is stored under its name (hf_fp8 keeps every experts scale there, also for experts whose
+    codes are saved per expert). ``per_expert`` (:func:`high_precision_experts`) lists those
+    found per expert already."""
+    from hf_fp8.modules import is_experts_module
+
+    covered = set(per_expert.values())
+    found = {}
+    for name, module in model.named_modules():
+        if not name or name in covered or not is_experts_module(module):
+            continue
+        prefix = name + "."
+        if not any(k.startswith(prefix) and "_scale" in k for k in tensors):
+            found[name] = _num_experts(module)
+    return found
+
+
+def has_high_precision_3d(tensors: dict[str, TensorInfo]) -> bool:
+    """Whether the checkpoint holds high-precision 3-D tensors (fused experts, or others such
+    as convolutions): only then :func:`high_precision_fused_experts` needs the model."""
+    return any(len(i.shape) == 3 and i.dtype not in FP8_DTYPE_NAMES for i in tensors.values())
+
+
+def ignored_experts(per_expert: dict[str, str], fused: dict[str, int]) -> dict[str, str]:
+    """``{name for ignore / ignored_layers: experts module}`` of every MoE layer the checkpoint
+    holds in high precision, as vLLM matches it (:func:`vllm_ignore_names`): the layers of the
+    per-expert linears ``per_expert`` (:func:`high_precision_experts`; Mixtral's are named
+    ``w1`` / ``w2`` / ``w3``, which vLLM never asks about) and the ``fused`` experts modules
+    (:func:`high_precision_fused_experts`)."""
+    counts: dict[str, tuple[str, int]] = {}
+    for name, owner in per_expert.items():
+        m = _PER_EXPERT.match(name)
+        if m:
+            _, seen = counts.get(m["owner"], (owner, 0))
+            counts[m["owner"]] = (owner, max(seen, int(m["e"]) + 1))
+    counts.update({name: (name, n) for name, n in fused.items()})
+    out: dict[str, str] = {}
+    for layer, (owner, n) in counts.items():
+        out.update(dict.fromkeys(vllm_ignore_names(layer, n), owner))
+    return out
+
+
+def transformers_unfused_experts(model: nn.Module, fused: dict[str, int]) -> dict[str, int]:
+    """``{experts module: intermediate size}`` of the ``fused`` high-precision experts that
+    stock transformers replaces by one MLP per expert when it loads a compressed-tensors
+    checkpoint (its ``MODULES_TO_PATCH_FOR_QUANTIZATION``: ``Llama4TextExperts``) and whose
+    layout hf_fp8 reads (``bmm_experts_layout``: ``gate_up_proj [E, H, 2I]`` gate first,
+    ``down_proj [E, I, H]``). Written fused, transformers would find none of the per-expert
+    weights it expects and initialise them at random."""
+    from transformers.quantizers import base as quantizer_base
+
+    from hf_fp8.modules.fp8_bmm_experts import bmm_experts_layout
+
+    table = getattr(quantizer_base, "MODULES_TO_PATCH_FOR_QUANTIZATION", {})
+    patched = {
+        name
+        for name, entry in table.items()
+        if "compressed-tensors"
+        in {str(getattr(m, "value", m)) for m in entry.get("quantization_methods", ())}
+    }
+    out = {}
+    for name in fused:
+        module = model.get_submodule(name)
+        layout = bmm_experts_layout(module)
+        if type(module).__name__ in patched and layout is not None:
+            out[name] = layout.intermediate_size
+    return out
+
+
+def unfuse_experts(
+    tensors: dict[str, torch.Tensor], unfused: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    """One shard with the ``unfused`` experts (:func:`transformers_unfused_experts`) written one
+    linear per expert: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj.weight``
+    ``[out, in]``, the names llm-compressor writes and vLLM and transformers read."""
+    out = {}
+    for key, value in tensors.items():
+        owner, _, leaf = key.rpartition(".")
+        inter = unfused.get(owner)
+        if inter is None or leaf not in ("gate_up_proj", "down_proj"):
+            out[key] = value
+            continue
+        for e in range(value.shape[0]):
+            if leaf == "down_proj":
+                out[f"{owner}.{e}.down_proj.weight"] = value[e].t().contiguous()
+            else:
+                out[f"{owner}.{e}.gate_proj.weight"] = value[e, :, :inter].t().contiguous()
+                out[f"{owner}.{e}.up_proj.weight"] = value[e, :, inter:].t().contiguous()
+    return out
 
 
 def expert_modules(groups: dict[str, ExpertGroup]) -> dict[str, tuple[str, int, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,10 +29,16 @@ from hf_fp8.serialization.experts import (
     check_splittable,
     expert_modules,
     experts_view,
+    has_high_precision_3d,
+    high_precision_fused_experts,
+    ignored_experts,
     split_experts,
+    transformers_unfused_experts,
+    unfuse_experts,
 )
 from hf_fp8.serialization.formats import format_of, get_format
-from hf_fp8.serialization.layers import plan_layers
+from hf_fp8.serialization.layers import LayerPlan, build_meta_model, plan_layers
+from hf_fp8.serialization.names import COMPRESSED_TENSORS
 from hf_fp8.serialization.tensors import check_complete, compute_dtype_of, to_hf_fp8_tensors
 
 
@@ -62,6 +69,27 @@ def _check_model(model: nn.Module) -> None:
             "the model is not an hf_fp8 model: load it with "
             "quantization_config=hf_fp8.Fp8Config(...) first"
         )
+
+
+def _high_precision_experts(
+    plan: LayerPlan, config: dict, tensors: dict, fmt_name: str
+) -> tuple[LayerPlan, dict[str, int]]:
+    """``(plan, unfused)``: ``plan`` whose ``ignored()`` also names every MoE layer kept in high
+    precision as vLLM matches it (fused experts such as Llama-4's and gpt-oss', and the
+    projection names vLLM asks about for experts stored per expert), and the fused experts a
+    compressed-tensors export writes one linear per expert (``serialization.experts``)."""
+    fused: dict[str, int] = {}
+    unfused: dict[str, int] = {}
+    if has_high_precision_3d(tensors):
+        model = build_meta_model(config)
+        fused = high_precision_fused_experts(model, tensors, plan.high_precision_experts)
+        if fmt_name == COMPRESSED_TENSORS and fused:
+            unfused = transformers_unfused_experts(model, fused)
+    extra = ignored_experts(plan.high_precision_experts, fused)
+    if extra:
+        merged = {**extra, **plan.high_precision_experts}
+        plan = dataclasses.replace(plan, high_precision_experts=merged)
+    return plan, unfused
 
 
 def export_checkpoint(
@@ -112,11 +140,12 @@ def exporting(
         check_split(groups, config)
         plan = plan_layers(src.config, tensors, experts=expert_modules(groups))
         check_complete(plan, tensors, config)
+        plan, unfused = _high_precision_experts(plan, src.config, tensors, fmt.name)
         quantization_config = fmt.export_config(config, plan)
         dtype = compute_dtype_of(src.config)
 
         def convert(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            shard = split_experts(shard, groups, config)
+            shard = unfuse_experts(split_experts(shard, groups, config), unfused)
             checked = to_hf_fp8_tensors(shard, plan, config, compute_dtype=dtype)
             return fmt.export_tensors(checked, plan, config)
 
