@@ -18,6 +18,11 @@ MoE experts: vLLM loads FP8 experts (one ``FusedMoE`` layer per experts module, 
 dynamic token activations, or block weights (``CompressedTensorsW8A8Fp8MoEMethod``); an export
 of FP8 experts in any other pair is refused, and FP8 weight-only experts (which transformers
 loads, vLLM does not) warn. Experts kept in high precision are listed in ``ignore``.
+
+Block weights with static activations: vLLM's block-FP8 paths quantize activations dynamically
+in ``1 × k`` groups. Its fused-MoE method loads such experts and drops their input scales
+(the served experts compute something else: refused); its linear method refuses the
+checkpoint (transformers loads it: a warning).
 """
 
 from __future__ import annotations
@@ -66,17 +71,53 @@ _MOE_RECIPES = (
     'Fp8Config("dynamic", weight_granularity="tensor", activation_granularity="tensor")',
     'Fp8Config("dynamic", weight_granularity="block")',
 )
+# What vLLM runs instead of block weights with static activations (it has no such kernel).
+BLOCK_STATIC_FIXES = (
+    'Fp8Config("dynamic", weight_granularity="block") (block weights, dynamic 1 × k '
+    'activation groups, what vLLM runs for block weights), or Fp8Config("static", '
+    'weight_granularity="tensor") (static activations with per-tensor weights)'
+)
 
 
 def _vllm_moe_loads(weights: dict[str, Any], acts: dict[str, Any] | None) -> bool:
-    """Whether vLLM's ``CompressedTensorsW8A8Fp8MoEMethod`` accepts this FP8 pair."""
+    """Whether vLLM's ``CompressedTensorsW8A8Fp8MoEMethod`` runs this FP8 pair as written
+    (block weights only with dynamic activations: it drops static input scales)."""
     if acts is None:
         return False  # no FP8 weight-only fused-MoE method
     pair = (weights["strategy"], acts["strategy"])
     return (
-        weights["strategy"] == "block"
+        (weights["strategy"] == "block" and acts["dynamic"])
         or pair == ("tensor", "tensor")
         or (pair == ("channel", "token") and acts["dynamic"])
+    )
+
+
+def _where(modules: list[str]) -> str:
+    return f"{modules[0]}" + (f" (and {len(modules) - 1} more)" if len(modules) > 1 else "")
+
+
+def _check_block_static(plan: LayerPlan, group: dict[str, Any]) -> None:
+    """Block weights with static activations: refused with FP8 experts (vLLM's fused MoE
+    loads them and drops the input scales), a warning for linears (vLLM refuses them)."""
+    acts = group.get("input_activations")
+    if group["weights"]["strategy"] != "block" or acts is None or acts["dynamic"]:
+        return
+    hp = 'Fp8Config(..., modules_to_not_convert=["experts"])'
+    if plan.fp8_experts:
+        raise ValueError(
+            "compressed-tensors export: block weights with static activations on FP8 experts "
+            f"({_where(sorted(set(plan.fp8_experts.values())))}): vLLM's fused-MoE loader takes "
+            "them but quantizes activations dynamically per 1 × k group and drops the static "
+            "input scales, so the served experts would not compute what this checkpoint "
+            f"holds. Quantize with {BLOCK_STATIC_FIXES}; or keep the experts in high precision "
+            f"with {hp}; or keep the hf_fp8 checkpoint (from_pretrained loads it)"
+        )
+    warnings.warn(
+        "compressed-tensors export: block weights with static activations load in "
+        "transformers (compressed-tensors), but vLLM refuses them (its block FP8 linear takes "
+        f"dynamic activations only). For vLLM, quantize with {BLOCK_STATIC_FIXES}",
+        UserWarning,
+        stacklevel=4,
     )
 
 
@@ -87,8 +128,7 @@ def _check_moe(config: Fp8Config, plan: LayerPlan, group: dict[str, Any]) -> Non
     weights, acts = group["weights"], group.get("input_activations")
     if _vllm_moe_loads(weights, acts):
         return
-    experts = sorted(set(plan.fp8_experts.values()))
-    where = f"{experts[0]}" + (f" (and {len(experts) - 1} more)" if len(experts) > 1 else "")
+    where = _where(sorted(set(plan.fp8_experts.values())))
     if acts is None:
         warnings.warn(
             f"compressed-tensors export: FP8 weight-only experts ({where}) load in "
@@ -101,7 +141,7 @@ def _check_moe(config: Fp8Config, plan: LayerPlan, group: dict[str, Any]) -> Non
     raise ValueError(
         f"compressed-tensors export: vLLM's fused-MoE loader refuses FP8 experts ({where}) with "
         f"{weights['strategy']} weights and {act} {acts['strategy']} activations; it loads "
-        f"tensor+tensor, channel+dynamic token or block weights. Quantize with "
+        f"tensor+tensor, channel+dynamic token or block+dynamic. Quantize with "
         f"{'; '.join(_MOE_RECIPES)}; or keep the experts in high precision with "
         f'Fp8Config(..., modules_to_not_convert=["experts"]) (listed in the export\'s ignore); '
         f"or keep the hf_fp8 checkpoint (from_pretrained loads it)"
@@ -137,6 +177,7 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
             group["input_activations"] = _fp8_args("group", True, group_size=group_size)
         else:
             group["input_activations"] = _fp8_args(config.activation_granularity, True)
+    _check_block_static(plan, group)
     _check_moe(config, plan, group)
     return {
         "quant_method": QUANT_METHOD,

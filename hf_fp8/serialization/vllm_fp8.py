@@ -25,6 +25,7 @@ import torch
 
 from hf_fp8.config import Fp8Config
 from hf_fp8.serialization.checkpoint import module_of
+from hf_fp8.serialization.compressed_tensors import BLOCK_STATIC_FIXES
 from hf_fp8.serialization.layers import LayerPlan
 from hf_fp8.serialization.tensors import to_hf_fp8_tensors
 
@@ -61,8 +62,11 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
     if config.weight_granularity == "block":
         if config.activation_scheme != "dynamic":
             raise ValueError(
-                "vLLM's block fp8 format needs dynamic activations; use "
-                "format='compressed-tensors' for static activations with block weights"
+                "vLLM's block fp8 format needs dynamic activations: vLLM has no kernel for "
+                "block weights with static activation scales (its block FP8 paths quantize "
+                "activations dynamically per 1 × k group) and refuses this checkpoint. Quantize "
+                f"with {BLOCK_STATIC_FIXES}. format='compressed-tensors' holds this model for "
+                "transformers, but vLLM cannot load it in compressed-tensors either"
             )
         bn, bk = config.block_size
         for name, (rows, cols) in plan.fp8.items():
