@@ -151,8 +151,8 @@ def check_fp8_has_config(
     if quantizing is not None:
         how = (
             f"with quantization_config quant_method={quantizing!r}, which quantizes on the fly "
-            "(the config has no quantization_config of the checkpoint's, so nothing marks it "
-            "pre-quantized)"
+            "(the config the model is built from has no quantization_config transformers knows "
+            "that marks the checkpoint pre-quantized)"
         )
         passed = f"and load without quantization_config= (the {quantizing!r} one)"
     else:
@@ -187,13 +187,20 @@ def _fix_for_file(file: str, config: Any, passed: str, quantizing: str | None) -
             "the library that wrote it, or (an FP8 compressed-tensors or vLLM fp8 checkpoint) "
             "convert it with `hf-fp8 import` and load the result after `import hf_fp8`"
         )
+    if saved is not None and quantizing is not None:
+        return (
+            f"{config_json} has a quantization_config (quant_method={saved!r}) that this load "
+            "does not use (the config= passed has none, or transformers does not know that "
+            "quant_method): load with the checkpoint's own config and no quantization_config= "
+            "(an unknown quant_method: load it with the library that wrote it, or convert it "
+            "with `hf-fp8 import` and load the result after `import hf_fp8`)"
+        )
     if saved is not None:
         return (
             f"{config_json} has a quantization_config (quant_method={saved!r}) but the config "
             "the model is built from has none: do not pass the base model's config (config=...) "
             "or quantization_config=None; load the checkpoint's own "
             "(AutoConfig.from_pretrained(checkpoint)), or drop those arguments"
-            + (f", {passed}" if quantizing is not None else "")
         )
     return (
         f"{config_json} has no quantization_config: restore the one the checkpoint was "

@@ -6,8 +6,8 @@ records of their own. ``torch.load(map_location="meta", weights_only=True)`` unp
 ``data.pkl``, with torch's restricted unpickler (no code runs, only allow-listed types are
 built), and gives meta tensors: no tensor data is read. The loader that follows unpickles the
 same record again; this check reads it only when the zip directory says it is at most
-``MAX_PICKLE_BYTES`` (a hostile file cannot make it slow or large), and never with
-``weights_only=False``.
+``MAX_PICKLE_BYTES`` and the few other records ``torch.load`` reads whole are tiny (a hostile
+file cannot make the check slow or large), and never with ``weights_only=False``.
 
 ``None`` (not checkable; the loader reports the file in its own words): not a regular file, the
 legacy non-zip format (its pickle has no length before it is parsed; torch 2.13 cannot load
@@ -24,8 +24,12 @@ from typing import Any
 
 import torch
 
-# data.pkl of a state dict costs ~150 bytes a tensor: 16 MiB is ~100k tensors in one file
-MAX_PICKLE_BYTES = 16 * 2**20
+# data.pkl of a state dict costs ~130 bytes a tensor: 8 MiB is ~60k tensors in one file, and
+# unpickles in ~3 s at worst (a hostile pickle of 1-byte opcodes)
+MAX_PICKLE_BYTES = 8 * 2**20
+# the other records torch.load reads whole (a few bytes each when torch.save wrote them)
+_SMALL_RECORDS = (".format_version", "byteorder", ".storage_alignment")
+MAX_SMALL_RECORD_BYTES = 4096
 _ZIP_MAGIC = b"PK\x03\x04"  # what torch.load itself tests (torch.serialization._is_zipfile)
 # safetensors' names for the dtypes both formats store (lost_config compares these)
 _SAFETENSORS_NAMES = {
@@ -38,7 +42,8 @@ _SAFETENSORS_NAMES = {
 
 
 def _pickle_fits(path: str) -> bool:
-    """A regular zip-format file whose ``data.pkl`` record is at most ``MAX_PICKLE_BYTES``."""
+    """A regular zip-format file whose ``data.pkl`` record is at most ``MAX_PICKLE_BYTES`` and
+    whose other records that ``torch.load`` reads whole are small."""
     info = os.stat(path)
     if not stat.S_ISREG(info.st_mode):
         return False
@@ -49,7 +54,13 @@ def _pickle_fits(path: str) -> bool:
         reader = torch._C.PyTorchFileReader(path)
     except RuntimeError:
         return False  # not a zip torch reads
-    return reader.has_record("data.pkl") and reader.get_record_size("data.pkl") <= MAX_PICKLE_BYTES
+    if not reader.has_record("data.pkl") or reader.get_record_size("data.pkl") > MAX_PICKLE_BYTES:
+        return False
+    return all(
+        reader.get_record_size(name) <= MAX_SMALL_RECORD_BYTES
+        for name in _SMALL_RECORDS
+        if reader.has_record(name)
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -146,12 +146,26 @@ def test_a_pickle_over_the_limit_is_never_unpickled(tmp_path, monkeypatch):
     torch.save({f"t{i}": torch.ones(1) for i in range(100)}, path)
     size = torch._C.PyTorchFileReader(str(path)).get_record_size("data.pkl")
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("torch.load called on an over-limit pickle")
-
+    calls = []
     monkeypatch.setattr(torch_checkpoint_header, "MAX_PICKLE_BYTES", size - 1)
-    monkeypatch.setattr(torch_checkpoint_header.torch, "load", refuse)
+    monkeypatch.setattr(torch_checkpoint_header.torch, "load", lambda *a, **k: calls.append(a))
     assert tensor_dtypes(path) is None
+    assert calls == []  # never unpickled
+
+
+def test_a_large_record_torch_load_reads_whole_is_never_read(tmp_path, monkeypatch):
+    """``torch.load`` reads ``byteorder`` (and two more records) whole: a hostile one of
+    megabytes is not read by the check."""
+    path = tmp_path / "byteorder.bin"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps({}, protocol=2))
+        z.writestr("archive/byteorder", "little" * 2**20)
+        z.writestr("archive/version", "3\n")
+
+    calls = []
+    monkeypatch.setattr(torch_checkpoint_header.torch, "load", lambda *a, **k: calls.append(a))
+    assert tensor_dtypes(path) is None
+    assert calls == []  # never unpickled
 
 
 def test_a_hostile_bin_fails_the_load_as_transformers_alone_would(tiny_model_dir, tmp_path):

@@ -77,6 +77,21 @@ def test_on_the_fly_quantization_of_a_float_checkpoint_is_untouched(tiny_model_d
     assert _rel(model_output(model, inputs), reference) <= bound
 
 
+def test_an_unknown_saved_quant_method_with_an_on_the_fly_config_is_refused(lost_dir, tmp_path):
+    """transformers skips a config.json quant_method it does not know; ``quantization_config=``
+    then quantizes on the fly. The message names the saved quant_method."""
+    folder = tmp_path / "modelopt"
+    shutil.copytree(lost_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointTensorError, match=r"quant_method='fp8', which quantizes") as err:
+        AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=FineGrainedFP8Config(dequantize=True)
+        )
+    assert "(quant_method='modelopt') that this load does not use" in str(err.value)
+
+
 def test_hf_fp8_on_the_fly_config_keeps_its_own_refusal(lost_dir):
     """hf_fp8's Fp8Config refuses an FP8 checkpoint itself, per tensor; the patch leaves it."""
     with pytest.raises(CheckpointTensorError, match=r"on-the-fly Fp8Config"):
