@@ -181,15 +181,55 @@ def experts_view(
     return out, groups
 
 
+def model_name(model_type: str | None, key: str) -> str:
+    """``key`` (a checkpoint tensor name) under the model's own module names: transformers'
+    renamings for ``model_type`` applied (Mixtral's ``block_sparse_moe`` → ``mlp``,
+    GraniteMoE's ``input_linear.weight`` → ``experts.gate_up_proj``); unchanged without any."""
+    if not model_type:
+        return key
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    renamings = [
+        c
+        for c in get_checkpoint_conversion_mapping(model_type) or []
+        if isinstance(c, WeightRenaming)
+    ]
+    return apply_renamings(key, renamings) if renamings else key
+
+
+# leaves of the fused 3-D expert parameters of transformers' experts modules
+_FUSED_LEAVES = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def high_precision_fused_tensors(
+    model_type: str | None, tensors: dict[str, TensorInfo]
+) -> dict[str, int]:
+    """``{experts module (model's name): number of experts}`` of the experts stored fused in
+    high precision: a 3-D floating tensor that is, under the model's names, a
+    ``gate_up_proj`` / ``up_proj`` / ``down_proj`` parameter (not a linear's ``.weight``), as
+    gpt-oss, Llama-4 and GraniteMoE (``input_linear.weight``) store their experts."""
+    found: dict[str, int] = {}
+    for name, info in tensors.items():
+        if len(info.shape) != 3 or info.dtype in FP8_DTYPE_NAMES or info.dtype in ("BOOL",):
+            continue
+        owner, _, leaf = model_name(model_type, name).rpartition(".")
+        if owner and leaf in _FUSED_LEAVES:
+            found[owner] = max(found.get(owner, 0), int(info.shape[0]))
+    return found
+
+
 def high_precision_experts(
     model_type: str | None, tensors: dict[str, TensorInfo]
 ) -> dict[str, str]:
-    """``{per-expert module: experts module}`` of the expert linears stored one per expert in
-    high precision (``mlp.experts.3.gate_proj.weight`` bf16 → ``mlp.experts``): experts kept
-    out of FP8, which the foreign formats' ignore lists must name (vLLM checks
-    ``<experts>.0.gate_proj`` …) and an import must keep in high precision."""
+    """``{stored module: experts module}`` of the experts kept out of FP8, which the foreign
+    formats' ignore lists must name and an import must keep in high precision (the experts
+    module under the model's own names, for ``modules_to_not_convert``): expert linears
+    stored one per expert (``block_sparse_moe.experts.3.w1.weight`` bf16 → ``mlp.experts``)
+    and experts stored fused (:func:`high_precision_fused_tensors`, ``mlp.experts`` →
+    itself)."""
     patterns = [
-        (merge.source_regex(i), merge.target.rpartition(".")[0])
+        (merge.source_regex(i), merge.target)
         for merge in expert_merges(model_type)
         for i in range(len(merge.sources))
     ]
@@ -197,11 +237,13 @@ def high_precision_experts(
     for name, info in tensors.items():
         if info.dtype in FP8_DTYPE_NAMES or not name.endswith(".weight"):
             continue
-        for regex, owner in patterns:
+        for regex, target in patterns:
             m = regex.match(name)
             if m and m["leaf"] == "weight":
-                found[name.removesuffix(".weight")] = m["prefix"] + owner
+                merged = model_name(model_type, m["prefix"] + target)
+                found[name.removesuffix(".weight")] = merged.rpartition(".")[0]
                 break
+    found.update({m: m for m in high_precision_fused_tensors(model_type, tensors)})
     return found
 
 

@@ -31,6 +31,7 @@ from hf_fp8.serialization.experts import (
     experts_view,
     has_high_precision_3d,
     high_precision_fused_experts,
+    high_precision_fused_tensors,
     ignored_experts,
     split_experts,
     transformers_unfused_experts,
@@ -78,11 +79,11 @@ def _high_precision_experts(
     precision as vLLM matches it (fused experts such as Llama-4's and gpt-oss', and the
     projection names vLLM asks about for experts stored per expert), and the fused experts a
     compressed-tensors export writes one linear per expert (``serialization.experts``)."""
-    fused: dict[str, int] = {}
+    fused = high_precision_fused_tensors(config.get("model_type"), tensors)
     unfused: dict[str, int] = {}
-    if has_high_precision_3d(tensors):
+    if has_high_precision_3d(tensors):  # experts of other shapes: found on the model
         model = build_meta_model(config)
-        fused = high_precision_fused_experts(model, tensors, plan.high_precision_experts)
+        fused.update(high_precision_fused_experts(model, tensors, plan.high_precision_experts))
         if fmt_name == COMPRESSED_TENSORS and fused:
             unfused = transformers_unfused_experts(model, fused)
     extra = ignored_experts(plan.high_precision_experts, fused)
