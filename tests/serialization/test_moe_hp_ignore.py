@@ -60,6 +60,7 @@ FAMILIES = {
         "model.layers.{i}.mlp.experts",
     ),
 }
+CT = "compressed-tensors"
 # per-tensor weights and activations: a recipe both formats hold
 RECIPE = dict(weight_granularity="tensor", activation_granularity="tensor")
 
@@ -134,15 +135,24 @@ def test_fused_high_precision_experts_export_loads_with_same_outputs(family, fam
     fp32_close(got, want)
 
 
-@pytest.mark.parametrize("fmt", ["compressed-tensors", "vllm-fp8"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+LLAMA4_CT_XFAIL = pytest.mark.xfail(
+    strict=True, reason="written one linear per expert for transformers; import does not fuse them"
+)
+
+
+@pytest.mark.parametrize(
+    ("family", "fmt"),
+    [
+        pytest.param(f, fmt, marks=LLAMA4_CT_XFAIL if (f, fmt) == ("llama4_text", CT) else ())
+        for f in FAMILIES
+        for fmt in (CT, "vllm-fp8")
+    ],
+)
 def test_high_precision_experts_import_back_bit_exact(family, fmt, family_dir, tmp_path):
     """``hf-fp8 import`` of the export keeps the experts in high precision under the model's
     own names (Mixtral's checkpoint says ``block_sparse_moe``, the model ``mlp``; gpt-oss,
     Llama-4 and GraniteMoE store them fused): same logits. Before, the import quantized
     them on load and failed on the missing scales."""
-    if family == "llama4_text" and fmt == "compressed-tensors":
-        pytest.xfail("written one linear per expert for transformers; import does not fuse them")
     model = _quantized(family_dir(family), ["experts"])
     _export(model, tmp_path / "out", fmt)
     back = tf.AutoModelForCausalLM.from_pretrained(
