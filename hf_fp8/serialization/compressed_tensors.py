@@ -17,7 +17,8 @@ MoE experts: vLLM loads FP8 experts (one ``FusedMoE`` layer per experts module, 
 ``Linear`` target) only as tensor weights with tensor activations, channel weights with
 dynamic token activations, or block weights (``CompressedTensorsW8A8Fp8MoEMethod``); an export
 of FP8 experts in any other pair is refused, and FP8 weight-only experts (which transformers
-loads, vLLM does not) warn. Experts kept in high precision are listed in ``ignore``.
+loads, vLLM does not) warn. Experts kept in high precision are listed in ``ignore`` as vLLM
+matches them (``serialization.experts.vllm_ignore_names``).
 
 Block weights with static activations: vLLM's block-FP8 paths quantize activations dynamically
 in ``1 × k`` groups. Its fused-MoE method loads such experts and drops their input scales

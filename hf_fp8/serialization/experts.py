@@ -211,7 +211,7 @@ def high_precision_fused_tensors(
     gpt-oss, Llama-4 and GraniteMoE (``input_linear.weight``) store their experts."""
     found: dict[str, int] = {}
     for name, info in tensors.items():
-        if len(info.shape) != 3 or info.dtype in FP8_DTYPE_NAMES or info.dtype in ("BOOL",):
+        if len(info.shape) != 3 or info.dtype in FP8_DTYPE_NAMES:
             continue
         owner, _, leaf = model_name(model_type, name).rpartition(".")
         if owner and leaf in _FUSED_LEAVES:
