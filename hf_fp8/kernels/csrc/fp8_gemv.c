@@ -1093,7 +1093,8 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
  * broadcasts, and rows are already laid out that way, so a panel of MM_MR rows is only
  * decoded (fp8 -> bf16, into L1), never transposed; the activations, far fewer than the
  * weights at these sizes, are packed once per call into pairs-of-k x tokens (by all threads
- * together, see mm_share_t; with dynamic per-token scales, fake-quantized first). The sum is the
+ * together, see mm_share_t; with fp8 activations fake-quantized on the way, the dynamic
+ * scales computed first, see mm_amax_t). The sum is the
  * bf16 matmul's (exact bf16 products, fp32 sums, one rounding to bf16), then the epilogue
  * of fp8_epilogue: bf16((acc * (a_scale[m] * w_scale[n])) + bias[n]).
  * Blocking: per thread, chunks of MM_NC weight rows; their fp32 partial sums [MM_NC, MM_MC]
@@ -1132,39 +1133,37 @@ typedef struct {
     int64_t kc;           /* K block: at most MM_KC, a multiple of 64 (the last one shorter) */
     int64_t mc0, mc, mcp, ldx; /* the token block mm_pack_x packs (pair stride ldx) */
     int fmt, wgran;
-    int qfmt;             /* >= 0: quantize x to this fp8 format first: per token (dynamic) */
+    int qfmt;             /* >= 0: quantize x to this fp8 format first: dynamic (am) */
     const float *qscale;  /*   or with this given scale [1] (static; then also the post scale) */
     float qfloor;         /* its scale floor */
     float qs;             /* a thread's copy of the dynamic per-tensor scale (qscale, as: &qs) */
-    struct mm_amax *am;   /* dynamic per-tensor: the rows' amax, reduced by all threads */
+    struct mm_amax *am;   /* dynamic scales: computed by all threads first, or NULL */
     struct mm_share *sh;  /* one token block: the packing shared by the threads, or NULL */
 } mm_t;
 _Static_assert(sizeof(mm_t) <= 256, "run_split copies at most 256 bytes of arguments");
 
-/* per-token scales (dynamic): the token's amax is needed before any of its K blocks */
-AI int mm_per_token(const mm_t *g) { return g->qfmt >= 0 && !g->qscale && !g->am; }
-
-/* Dynamic per-tensor quantization: the rows' amax (fp8_quant_act's phase 0, 16 rows a unit)
+/* Dynamic scales, before any packing: fp8_quant_act's phase 0 over all M tokens (16 a unit)
  * by all threads together, units claimed in order from an atomic counter like the packing's
- * (mm_share_t: a thread only waits for units another thread is in the middle of); then each
- * thread reduces the row maxima to the scale itself (the same value in every thread). */
+ * (mm_share_t: a thread only waits for units another thread is in the middle of). Per token
+ * (gran row) it writes the token scales; per tensor each thread then reduces the row maxima
+ * to the scale itself (the same value in every thread). Every token block is then packed
+ * (and quantized) K block by K block, right before its first use, as without quantization. */
 typedef struct mm_amax {
-    float *rowmax; /* [M] */
+    float *out; /* [M]: the token scales (row) or the rows' amax (tensor) */
     int64_t next, done, units;
+    int gran;
 } mm_amax_t;
 
-/* The packing shared by the threads (a single token block): the packed activations (and
- * token scales) exist once, in the calling thread's scratch. Threads claim pack units in
+/* The packing shared by the threads (a single token block): the packed activations exist
+ * once, in the calling thread's scratch. Threads claim pack units in
  * order from an atomic counter; before each K block a thread helps until that block's units
  * are done, so it only ever waits for units another thread is in the middle of (a few
  * microseconds), never for a thread that has not reached the packing (no barrier: a thread
  * preempted by another process cannot hold the others up for a scheduler slice). A unit:
- * 16 tokens of one K block, or with per-token scales 16 tokens (their amax, then all K
- * blocks). */
+ * 16 tokens of one K block. */
 typedef struct mm_share {
     uint32_t *xp;
-    float *sc;     /* token scales (quantizing) */
-    int64_t *done; /* units done per K block (quantizing: [0], per token group) */
+    int64_t *done; /* units done per K block */
     int64_t next, units, groups;
 } mm_share_t;
 
@@ -1225,33 +1224,28 @@ static void mm_pack_rows(const mm_t *g, const uint16_t *src, int64_t m0, int64_t
 
 /* The token block [mc0, mc0 + mc) into xp (tokens mc .. mcp, a multiple of 16: zeros), 16
  * tokens at a time; with qfmt >= 0 fake-quantized while packed, as fp8_quant_act(post, bf16
- * out) does: with the per-tensor scale (given, or the dynamic one), or per token with the
- * scales of its phase 0 (the tokens' amax, into sc[token]), so they are the same bits. */
-static void mm_pack_group(const mm_t *g, int64_t m0, int64_t b0, int64_t b1, uint32_t *xp,
-                          float *sc) {
+ * out) does, with the per-tensor scale (given, or the dynamic one) or the token scales
+ * (g->as, from mm_amax), so they are the same bits. */
+static void mm_pack_group(const mm_t *g, int64_t m0, int64_t b0, int64_t b1, uint32_t *xp) {
     int64_t rows = g->mc - m0 < 16 ? g->mc - m0 : 16;
-    const uint16_t *src = g->x + (g->mc0 + m0) * g->K;
     float qs[16];
     const float *s = NULL;
     if (g->qfmt >= 0 && g->qscale) {
         for (int i = 0; i < 16; ++i) qs[i] = g->qscale[0];
         s = qs;
     } else if (g->qfmt >= 0) {
-        quant_t q = {src, sc + g->mc0 + m0, NULL, rows, g->K, g->K, 0, rows, 1, GRAN_ROW,
-                     g->qfmt, OUT_BF16, 1, 0, 0, g->qfloor};
-        quant_worker(&q);
-        s = sc + g->mc0 + m0;
+        s = g->as + g->mc0 + m0;
     }
-    mm_pack_rows(g, src, m0, rows, b0, b1, xp, s);
+    mm_pack_rows(g, g->x + (g->mc0 + m0) * g->K, m0, rows, b0, b1, xp, s);
 }
 
-static void mm_pack_x(const mm_t *g, uint32_t *xp, float *sc) {
+static void mm_pack_x(const mm_t *g, uint32_t *xp) {
     int64_t kblocks = (g->K + g->kc - 1) / g->kc;
-    for (int64_t m0 = 0; m0 < g->mcp; m0 += 16) mm_pack_group(g, m0, 0, kblocks, xp, sc);
+    for (int64_t m0 = 0; m0 < g->mcp; m0 += 16) mm_pack_group(g, m0, 0, kblocks, xp);
 }
 
-/* Dynamic per-tensor: the scale, once every row's amax is known (see mm_amax_t), helping. */
-static float mm_amax_scale(const mm_t *g, mm_amax_t *am) {
+/* Dynamic scales: return once every unit of mm_amax_t is done, helping meanwhile. */
+static void mm_amax(const mm_t *g, mm_amax_t *am) {
     while (__atomic_load_n(&am->done, __ATOMIC_ACQUIRE) < am->units) {
         int64_t u = __atomic_load_n(&am->next, __ATOMIC_RELAXED) < am->units
                         ? __atomic_fetch_add(&am->next, 1, __ATOMIC_RELAXED)
@@ -1261,19 +1255,17 @@ static float mm_amax_scale(const mm_t *g, mm_amax_t *am) {
             continue;
         }
         int64_t r0 = u * 16, rows = g->M - r0 < 16 ? g->M - r0 : 16;
-        quant_t q = {g->x + r0 * g->K, NULL, am->rowmax + r0, rows, g->K, g->K, 0, rows, 1,
-                     GRAN_TENSOR, g->qfmt, OUT_F32, 1, 0, 0, g->qfloor};
+        /* phase 0: per token the scales into out (as scale), per tensor each row's amax */
+        quant_t q = {g->x + r0 * g->K, am->out + r0, am->out + r0, rows, g->K, g->K, 0, rows,
+                     1, am->gran, g->qfmt, OUT_F32, 1, 0, 0, g->qfloor};
         quant_worker(&q);
         __atomic_fetch_add(&am->done, 1, __ATOMIC_RELEASE);
     }
-    return tensor_scale(am->rowmax, g->M, g->qfmt, g->qfloor);
 }
 
 /* Shared packing: return once K block kb is packed (see mm_share_t), helping meanwhile. */
 static void mm_share_wait(const mm_t *g, mm_share_t *sh, int64_t kb) {
-    int q = mm_per_token(g);
-    int64_t slot = q ? 0 : kb, kblocks = (g->K + g->kc - 1) / g->kc;
-    while (__atomic_load_n(&sh->done[slot], __ATOMIC_ACQUIRE) < sh->groups) {
+    while (__atomic_load_n(&sh->done[kb], __ATOMIC_ACQUIRE) < sh->groups) {
         int64_t u = __atomic_load_n(&sh->next, __ATOMIC_RELAXED) < sh->units
                         ? __atomic_fetch_add(&sh->next, 1, __ATOMIC_RELAXED)
                         : sh->units;
@@ -1281,8 +1273,8 @@ static void mm_share_wait(const mm_t *g, mm_share_t *sh, int64_t kb) {
             _mm_pause();
             continue;
         }
-        int64_t grp = q ? u : u % sh->groups, b = q ? 0 : u / sh->groups;
-        mm_pack_group(g, grp * 16, b, q ? kblocks : b + 1, sh->xp, sh->sc);
+        int64_t grp = u % sh->groups, b = u / sh->groups;
+        mm_pack_group(g, grp * 16, b, b + 1, sh->xp);
         __atomic_fetch_add(&sh->done[b], 1, __ATOMIC_RELEASE);
     }
 }
@@ -1468,8 +1460,8 @@ DEFINE_MMK(2, 4)
 
 /* Per-thread scratch, grown on demand and kept between calls (freed when the thread ends):
  * a worker's decoded panel (28 KiB), partial sums (224 KiB) and, with more tokens than MM_MC,
- * its own packed activations (512 * K bytes) and token scales; the calling thread's packed
- * activations shared by the workers (at most 512 * K bytes) and row maxima. A fresh
+ * its own packed activations (512 * K bytes); the calling thread's packed activations
+ * shared by the workers (at most 512 * K bytes) and dynamic scales (4 * M bytes). A fresh
  * allocation per call costs page faults (about 3 MiB at K = 5632, every call). */
 typedef struct {
     void *p;
@@ -1524,10 +1516,15 @@ __attribute__((optimize("no-split-loops"))) static void *mm_worker(void *arg) {
     const mm_t *g = &gl;
     int64_t r0 = g->n0 * MM_MR, r1 = g->n1 * MM_MR < g->N ? g->n1 * MM_MR : g->N;
     if (r0 >= r1) return NULL;
-    if (gl.am) { /* dynamic per-tensor: from here on as with a given scale */
-        gl.qs = mm_amax_scale(g, gl.am);
-        gl.qscale = gl.as = &gl.qs;
-        gl.as_n = 1;
+    if (gl.am) { /* dynamic: the scales first; per tensor then as with a given scale */
+        mm_amax(g, gl.am);
+        if (gl.am->gran == GRAN_ROW) {
+            gl.as = gl.am->out, gl.as_n = g->M; /* the token scales, also the post scales */
+        } else {
+            gl.qs = tensor_scale(gl.am->out, g->M, g->qfmt, g->qfloor);
+            gl.qscale = gl.as = &gl.qs;
+            gl.as_n = 1;
+        }
     }
     int64_t kblocks = (g->K + g->kc - 1) / g->kc;
     int multi = kblocks > 1;
@@ -1539,9 +1536,7 @@ __attribute__((optimize("no-split-loops"))) static void *mm_worker(void *arg) {
     mm_share_t *sh = g->sh;
     size_t n_xp = sh ? 0 : (size_t)kblocks * (g->kc / 2) * ldx * 4;
     size_t n_c = multi ? (size_t)MM_NC * ldc * 4 : 0;
-    /* per-token quantization: the scales of all tokens (unless shared) */
-    size_t n_sc = mm_per_token(g) && !sh ? (size_t)g->M * 4 : 0;
-    char *scratch = (char *)mm_scratch(0, n_wb + n_xp + n_c + n_sc);
+    char *scratch = (char *)mm_scratch(0, n_wb + n_xp + n_c);
     if (scratch == NULL) {
         __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
         return NULL;
@@ -1549,14 +1544,12 @@ __attribute__((optimize("no-split-loops"))) static void *mm_worker(void *arg) {
     uint16_t *wb = (uint16_t *)scratch;
     uint32_t *xp = sh ? sh->xp : (uint32_t *)(scratch + n_wb);
     float *c = multi ? (float *)(scratch + n_wb + n_xp) : NULL;
-    float *sc = !mm_per_token(g) ? NULL : sh ? sh->sc : (float *)(scratch + n_wb + n_xp + n_c);
-    if (sc) gl.as = sc, gl.as_n = g->M; /* the token scales (identical in every thread) */
     int ahead = 0; /* 1: the previous panel's last tile already decoded this one into wb */
     for (int64_t mc0 = 0; mc0 < g->M; mc0 += MM_MC) {
         int64_t mc = g->M - mc0 < MM_MC ? g->M - mc0 : MM_MC, mcp = (mc + 15) & ~(int64_t)15;
         gl.mc0 = mc0, gl.mc = mc, gl.mcp = mcp, gl.ldx = ldx;
         /* several token blocks: each thread packs the activations it reads */
-        if (!sh) mm_pack_x(g, xp, sc);
+        if (!sh) mm_pack_x(g, xp);
         for (int64_t nc0 = r0; nc0 < r1; nc0 += MM_NC) {
             int64_t nc1 = nc0 + MM_NC < r1 ? nc0 + MM_NC : r1;
             for (int64_t k0 = 0, kb = 0; k0 < g->K; k0 += g->kc, ++kb) {
@@ -1662,26 +1655,26 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
     mm_t g = {x, w, ws, as, ps, bias, out, &err, M, K, N, bn, bk, 0, 0, as_n, ps_n, kc,
               0, 0, 0, 0, (int)fmt, (int)wgran, (int)qfmt, qfmt >= 0 ? as : NULL, qfloor,
               0.0f, NULL, NULL};
-    mm_share_t sh = {NULL, NULL, NULL, 0, 0, 0};
-    mm_amax_t am = {NULL, 0, 0, (M + 15) / 16};
-    int shared = M <= MM_MC; /* one token block: packed once, by all threads together */
+    mm_share_t sh = {NULL, NULL, 0, 0, 0};
+    mm_amax_t am = {NULL, 0, 0, (M + 15) / 16, (int)qgran};
+    int shared = M <= MM_MC, dynamic = qfmt >= 0 && !as;
     int64_t mcp = (M + 15) & ~(int64_t)15;
+    /* the calling thread's: packed activations (one token block), dynamic scales, counters */
     size_t n_xp = shared ? (size_t)blocks * (kc / 2) * mcp * 4 : 0;
-    size_t n_sc = ((size_t)M * 4 + 63) & ~(size_t)63; /* token scales or row maxima */
-    if (shared || (qfmt >= 0 && !as && qgran == GRAN_TENSOR)) {
+    size_t n_sc = dynamic ? ((size_t)M * 4 + 63) & ~(size_t)63 : 0;
+    if (shared || dynamic) {
         char *s = (char *)mm_scratch(1, n_xp + n_sc + (size_t)blocks * 8);
         if (s == NULL) return -4;
-        if (qfmt >= 0 && !as && qgran == GRAN_TENSOR) {
-            am.rowmax = (float *)(s + n_xp);
+        if (dynamic) {
+            am.out = (float *)(s + n_xp);
             g.am = &am;
         }
         if (shared) {
             sh.xp = (uint32_t *)s;
-            sh.sc = (float *)(s + n_xp);
             sh.done = (int64_t *)(s + n_xp + n_sc);
             memset(sh.done, 0, (size_t)blocks * 8);
             sh.groups = mcp / 16;
-            sh.units = mm_per_token(&g) ? sh.groups : blocks * sh.groups;
+            sh.units = blocks * sh.groups;
             g.sh = &sh;
         }
     }
