@@ -1,7 +1,8 @@
 """Forward time of ``Fp8Linear`` per activation scheme, as a ratio to bf16 ``nn.Linear``.
 
 Every candidate is timed in the same run, interleaved round by round, and the best round
-is kept (robust to other processes on a shared machine). Peers, where they run:
+is kept (robust to other processes on a shared machine). Schemes: weight-only, dynamic (per
+token), static, and ``dynamic_tensor`` (dynamic with one scale per tensor). Peers, where they run:
 torchao's ``Float8WeightOnlyConfig`` and the naive "cast the fp8 weight to bf16, then
 matmul". Also reports the weight bytes per parameter.
 
@@ -126,6 +127,9 @@ def build_candidates(
             else Fp8Config(scheme)
         )
         candidates[scheme] = Fp8Linear.from_linear(linear, config)
+    # dynamic with one scale per tensor (the amax of the whole activation) instead of per token
+    config = Fp8Config("dynamic", activation_granularity="tensor")
+    candidates["dynamic_tensor"] = Fp8Linear.from_linear(linear, config)
     candidates["naive_cast"] = NaiveFp8(candidates["weight_only"])
     torchao, _ = torchao_weight_only(linear)
     if torchao is not None:
