@@ -35,6 +35,8 @@ _AROUND: dict[str, list[Callable[[], object]]] = {}
 # callbacks run at the first import (of anything) or check_pending() after they finish
 _PENDING: set[str] = set()
 _EXECUTED: set[str] = set()  # watched modules whose code has run to the end
+# modules whose loader is hooked even before anyone asks for a callback (see watch)
+_WATCHED: set[str] = set()
 _LOCK = _thread.RLock()
 
 
@@ -72,7 +74,7 @@ class _PostImportFinder:  # an importlib.abc.MetaPathFinder
     def find_spec(self, fullname, path=None, target=None):
         if _PENDING:
             check_pending()
-        if fullname not in _AFTER and fullname not in _AROUND:
+        if fullname not in _AFTER and fullname not in _AROUND and fullname not in _WATCHED:
             return None
         if getattr(self._busy, fullname.replace(".", "_"), False):
             return None
@@ -162,6 +164,17 @@ def check_pending() -> None:
         _run_callbacks(name, module)
 
 
+def watch(name: str) -> None:
+    """Hook the loader of ``name`` when it is imported later, with no callback yet: a
+    callback added by :func:`when_imported` half-way through its import (hf_fp8 imported by the
+    autoload from inside it) then runs as soon as it finishes, not at the next import."""
+    if name in sys.modules:
+        return
+    _finder()
+    with _LOCK:
+        _WATCHED.add(name)
+
+
 def around_import(name: str, factory: Callable[[], object]) -> None:
     """Wrap the execution of ``name`` (when it is imported later) in ``factory()``, a context
     manager (e.g. one that mutes a third-party logger). No effect once ``name`` is imported."""
@@ -174,6 +187,20 @@ def around_import(name: str, factory: Callable[[], object]) -> None:
 
 # The modules whose import registers hf_fp8 with transformers (hf_fp8.patches.PATCHES["quantizers"]).
 QUANTIZER_TRIGGERS = ("transformers.quantizers", "transformers.modeling_utils")
+# Every module a patch of hf_fp8.patches.PATCHES waits for (a test keeps the two equal). The
+# autoload imports hf_fp8 from inside transformers' imports, so one of these can be half-way
+# through its import when hf_fp8.patches sets its watch: watched from the start, its patch
+# runs when it finishes (TrainingArguments(optim="adamw_fp8_coat") right after
+# `from transformers import TrainingArguments; import hf_fp8`).
+PATCH_TRIGGERS = (
+    "accelerate.accelerator",
+    "hf_fp8.quantizer.hf_quantizer",
+    "peft.tuners.lora.config",
+    "transformers.modeling_utils",
+    "transformers.quantizers",
+    "transformers.trainer_optimizer",
+    "transformers.training_args",
+)
 
 
 def _registrar(step: str) -> Callable[[ModuleType], None]:
@@ -198,5 +225,7 @@ def install() -> None:
         if _INSTALLED:
             return
         _INSTALLED = True
+    for name in PATCH_TRIGGERS:
+        watch(name)
     for name in QUANTIZER_TRIGGERS:
         when_imported(name, _registrar(name))

@@ -93,3 +93,25 @@ def test_watch_set_while_the_module_imports_runs_when_it_is_done(modules):
     finally:
         del sys.modules["h4_probe"]
     assert probe.seen == ["yes"]
+
+
+def test_a_watched_module_runs_a_callback_set_half_way_when_it_is_done(modules):
+    """Watched from the start (what the autoload does for every patch trigger), a module that
+    gets a callback half-way through its own import runs it as soon as it finishes, with no
+    further import (R8 4: TrainingArguments lacked the optimizer names until the next import)."""
+    probe = type(sys)("h4_probe")
+    probe.seen = []
+    name = modules(
+        "h4_mod_watched",
+        "import _hf_fp8_autoload, h4_probe\n"
+        "_hf_fp8_autoload.when_imported(__name__, lambda m: h4_probe.seen.append(m.DONE))\n"
+        "DONE = 'yes'\n",
+    )
+    sys.modules["h4_probe"] = probe
+    try:
+        autoload.watch(name)
+        __import__(name)
+    finally:
+        del sys.modules["h4_probe"]
+        autoload._WATCHED.discard(name)
+    assert probe.seen == ["yes"]

@@ -23,6 +23,29 @@ def test_every_patch_module_has_a_step_for_each_of_its_triggers():
         assert callable(module.apply), name
     # the .pth start-up hook watches what the quantizer patch is triggered by
     assert patches.PATCHES["quantizers"].triggers == _hf_fp8_autoload.QUANTIZER_TRIGGERS
+    # ... and hooks the loader of every patch trigger from the start
+    triggers = {step for patch in patches.PATCHES.values() for step in patch.triggers}
+    assert set(_hf_fp8_autoload.PATCH_TRIGGERS) == triggers
+
+
+def test_trainer_names_exist_right_after_import_hf_fp8_in_any_order():
+    """The autoload imports hf_fp8 half-way through transformers.training_args: its names
+    were added only at the next import, so TrainingArguments(optim=...) and --optim refused
+    them right after `import hf_fp8` (R8 4)."""
+    out = check(
+        run_python(
+            """
+            from transformers import HfArgumentParser, TrainingArguments
+            import hf_fp8
+            args = TrainingArguments("unused_out", optim="adamw_fp8_coat")
+            (parsed,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+                ["--output_dir", "unused_out", "--optim", "adamw_fp8"]
+            )
+            print(args.optim.value, parsed.optim.value)
+            """
+        )
+    )
+    assert out.split() == ["adamw_fp8_coat", "adamw_fp8"]
 
 
 def test_import_hf_fp8_imports_neither_torch_nor_transformers():
