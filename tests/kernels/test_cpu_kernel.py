@@ -321,6 +321,35 @@ def test_activation_quantization_is_bit_identical_to_the_numerics(path, fmt, gra
                 torch.testing.assert_close(got_s, want_s.float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_activation_quantization_rounds_every_bf16_value_as_the_numerics(path, fmt):
+    """Every bf16 bit pattern (NaN, inf, subnormals included), and 65536 random fp32 ones,
+    fake-quantized with static scales that give exact ties (powers of two), near-ties, values
+    below the fp8 subnormals and saturation, and with dynamic per-token scales: bit for bit
+    the emulation's torch code."""
+    act = FORMATS[fmt]
+    bits = torch.arange(-32768, 32768, dtype=torch.int32)
+    xs = [
+        bits.to(torch.int16).view(torch.bfloat16).reshape(256, 256),
+        torch.randint(-(2**31), 2**31 - 1, (256, 256), dtype=torch.int32).view(torch.float32),
+    ]
+    scales = (2.0**-20, 2.0**-3, 1.0, 0.37, 3.0 / 7.0, 1e-30, 2.0**100)
+    for x in xs:
+        for scale in (*[torch.tensor([s]) for s in scales], None):
+            gran = "row" if scale is None else "tensor"
+            for out_dtype in (torch.float32, torch.bfloat16):
+                got, _ = cpu_kernel.quantize_activation(
+                    x, scale, act, gran, 1, out_dtype, True, path
+                )
+                want, _ = emulated._fake_quant_act(
+                    x, scale, act_dtype=act, gran=gran, bk=1, out_dtype=out_dtype, post=True
+                )
+                nan = want.isnan()  # bits compared (signed zeros too), NaN by position
+                assert torch.equal(got.isnan(), nan), (scale, out_dtype)
+                ints = torch.int32 if out_dtype == torch.float32 else torch.int16
+                assert torch.equal(got.view(ints)[~nan], want.view(ints)[~nan]), (scale, out_dtype)
+
+
 @pytest.mark.parametrize("threads", ["openmp", "pthreads"])
 def test_threads_split_rows_without_changing_a_bit(path, threads) -> None:
     """Rows over 2 threads (torch's OpenMP team, or POSIX threads when torch has none):

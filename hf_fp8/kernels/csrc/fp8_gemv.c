@@ -796,23 +796,26 @@ AI float fp8_round(float x, int fmt) {
 #if FP8_PATH >= 3
 /* The per-element loop of quant_worker below, 16 lanes: q = RNE_fp8(clamp(x / scale,
  * +-fmax)) as fp32 bits, the same quotient, clamp and sign (NaN for a non-finite quotient;
- * allfin: the caller knows there is none). The rounding to the fp8 grid (ties to even) as
- * x = t * 2^e with e = max(exponent, min normal exponent) and t rounded to 3 (E4M3) / 2
- * (E5M2) fraction bits: exact power-of-two scalings, the same grid as the bit tricks
- * (subnormal spacing below the normal range). */
+ * allfin: the caller knows there is none). The rounding to the fp8 grid (ties to even) by
+ * one addition and one subtraction of m = 1.5 * 2^(e + 20) (E4M3; 2^(e + 21) for E5M2),
+ * e = max(exponent of a, min normal exponent): a + m stays in m's binade, whose ulp is the
+ * fp8 spacing 2^(e - 3) (2^(e - 2)), so the sum rounds a to that grid, ties to even (m is an
+ * even multiple of the spacing), and subtracting m is exact; below the normal range the
+ * fixed subnormal spacing. m is built from a's exponent bits with integer operations. */
 AI __m512i quant16(__m512 x, __m512 vs, int e4, int allfin) {
     const __m512 vmax = _mm512_set1_ps(e4 ? 448.0f : 57344.0f);
-    const __m512 emin = _mm512_set1_ps(e4 ? -6.0f : -14.0f);
+    const __m512i minnorm = _mm512_set1_epi32(e4 ? 0x3c800000 : 0x38800000); /* 2^-6, 2^-14 */
+    const __m512i shift = _mm512_set1_epi32(((e4 ? 20 : 21) << 23) | 0x400000);
     const __m512i abs = _mm512_set1_epi32(0x7fffffff);
     __m512 v = _mm512_div_ps(x, vs);
     /* min(|v|, fmax), sign cleared: the clamp and the abs in one (NaN: below) */
     __m512 a = _mm512_range_ps(v, vmax, 0x0a);
-    __m512 e = _mm512_max_ps(_mm512_getexp_ps(a), emin); /* getexp(0) = -inf */
-    __m512 t = _mm512_scalef_ps(a, _mm512_sub_ps(_mm512_setzero_ps(), e));
-    t = e4 ? _mm512_roundscale_ps(t, (3 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-           : _mm512_roundscale_ps(t, (2 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512i ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(_mm512_scalef_ps(t, e)),
-                                           _mm512_castps_si512(v), abs, 0xf4); /* | sign(v) */
+    __m512i eb = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(a),
+                                                   _mm512_set1_epi32(0x7f800000)), minnorm);
+    __m512 m = _mm512_castsi512_ps(_mm512_add_epi32(eb, shift));
+    __m512 r = _mm512_sub_ps(_mm512_add_ps(a, m), m);
+    __m512i ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(r), _mm512_castps_si512(v), abs,
+                                           0xf4); /* | sign(v) */
     if (!allfin) {
         __mmask16 fin = _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs),
                                                 _mm512_set1_epi32(0x7f800000));
