@@ -398,3 +398,16 @@ def test_fused_mm_refuses_two_static_scales(monkeypatch):
             x, w8, ws, torch.ones(20), None, "row", *BLOCK, True, PATH,
             quantize=torch.float8_e4m3fn,
         )  # fmt: skip
+
+
+def test_fused_mm_refuses_block_quantization():
+    """In-kernel dynamic scales are per token or per tensor; per-block activations take the
+    separate quantize_activation pass (the error names the accepted values)."""
+    w8 = _all_codes_weight(30, 64, torch.float8_e4m3fn)
+    ws = _weight_scale(30, 64, "row")
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'row' \(per token\) or 'tensor'"):
+        cpu_kernel.fused_mm(
+            x, w8, ws, None, None, "row", *BLOCK, True, PATH,
+            quantize=torch.float8_e4m3fn, quantize_gran="block",
+        )  # fmt: skip
