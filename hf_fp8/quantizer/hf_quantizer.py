@@ -88,6 +88,43 @@ def default_skipped_modules(model: nn.Module) -> list[str]:
     )
 
 
+def _offloaded_dequantize(what: str) -> str:
+    return (
+        f"cannot dequantize an FP8 model whose layers are offloaded: {what} are offloaded "
+        '(to "disk", or to the CPU by accelerate). Their weights are not in the modules but '
+        "in accelerate's offload store, as fp8 codes that its hooks would read as plain float "
+        "weights without their scales (silently wrong outputs). Load the FP8 checkpoint "
+        'without offloading (no "disk" in device_map) and dequantize there '
+        "(Fp8Config(dequantize=True) or model.dequantize()); to offload the high-precision "
+        "model, save_pretrained it and load that folder with your device_map"
+    )
+
+
+def _holds_meta_fp8(module: nn.Module) -> bool:
+    """An FP8 layer whose fp8 weight is on the meta device (offloaded by accelerate)."""
+    if isinstance(module, Fp8Linear):
+        return module.weight.is_meta
+    if isinstance(module, Fp8Experts):
+        return any(getattr(module, p).is_meta for p in module.layout.projections)
+    return False
+
+
+def _dequantize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The compute dtype ``model.dequantize`` was given: transformers passes
+    ``config.dtype``, which is the string ``"float32"`` after ``save_pretrained``."""
+    if dtype is None or dtype == "auto":
+        return None
+    resolved = dtype
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+    if isinstance(resolved, torch.dtype) and is_bias_dtype(resolved):
+        return resolved
+    raise ValueError(
+        f"dequantize: dtype {dtype!r} is not a high-precision float dtype; pass "
+        "torch.bfloat16, torch.float16 or torch.float32 (or their names)"
+    )
+
+
 class Fp8QuantizeOp(ConversionOps):
     """Loader op: one high-precision checkpoint weight → ``weight`` (fp8) + ``weight_scale``."""
 
@@ -162,15 +199,14 @@ class Fp8HfQuantizer(HfQuantizer):
         self.may_offload_to_disk = (
             isinstance(device_map, dict) and "disk" in set(map(str, device_map.values()))
         ) or device_map in ("auto", "balanced", "balanced_low_0", "sequential")
-        if (
-            isinstance(device_map, dict)
-            and not self.pre_quantized
-            and "disk" in set(device_map.values())
-        ):
+        to_disk = isinstance(device_map, dict) and "disk" in set(map(str, device_map.values()))
+        if to_disk and not self.pre_quantized:
             raise ValueError(
                 "on-the-fly FP8 quantization cannot offload to disk; quantize and save first "
                 "(model.save_pretrained), then load the FP8 checkpoint with this device_map"
             )
+        if to_disk and self.quantization_config.dequantize:
+            raise ValueError(_offloaded_dequantize('device_map sends layers to "disk"'))
         if not torch.cuda.is_available():
             # CPU inference: build (or load) the C kernel from the start of the load (the
             # first call transformers makes), so that the first forward does not pay for it
@@ -401,6 +437,11 @@ class Fp8HfQuantizer(HfQuantizer):
 
     # -- dequantize / flags ------------------------------------------------------------------------
     def _dequantize(self, model, dtype=None):
+        dtype = _dequantize_dtype(dtype)
+        offloaded = [n for n, m in model.named_modules() if _holds_meta_fp8(m)]
+        if offloaded:  # refused before any layer is swapped
+            shown = ", ".join(offloaded[:3]) + (" …" if len(offloaded) > 3 else "")
+            raise ValueError(_offloaded_dequantize(f"{len(offloaded)} FP8 layer(s) ({shown})"))
         for name, module in list(model.named_modules()):
             if isinstance(module, Fp8Linear):
                 parent_name, _, child = name.rpartition(".")
