@@ -264,3 +264,35 @@ def test_registered():
 
     assert accelerate_ddp.applied()
     assert hf_fp8.ignore_fp8_for_ddp is ignore_fp8_for_ddp
+
+
+def test_trainer_in_multi_cpu_mode_trains_lora_on_fp8(gloo_world, tmp_path):
+    """The stock Trainer prepares through accelerate: DDP without user code."""
+    import accelerate  # noqa: F401
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    from hf_fp8.utils.tiny import tiny_llama_config
+
+    if not accelerate_ddp.applied():
+        accelerate_ddp.apply()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(64, 2, 32))
+    hf_fp8.quantize_model(model, hf_fp8.Fp8Config("dynamic"), skip=["lm_head"])
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    codes = {k: v.view(torch.uint8).clone() for k, v in fp8_tensors(model).items()}
+    adapters = {k: v.clone() for k, v in model.named_parameters() if v.requires_grad}
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
+    args = TrainingArguments(
+        str(tmp_path), use_cpu=True, max_steps=2, per_device_train_batch_size=2,
+        learning_rate=1e-2, report_to=[], save_strategy="no",
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids]
+    )
+    assert str(trainer.accelerator.distributed_type) == "DistributedType.MULTI_CPU"
+    trainer.train()
+    assert isinstance(trainer.model_wrapped, DDP)
+    assert all(torch.equal(v.view(torch.uint8), codes[k]) for k, v in fp8_tensors(model).items())
+    params = dict(model.named_parameters())
+    assert any(not torch.equal(params[k], v) for k, v in adapters.items())
