@@ -125,6 +125,24 @@ def _dequantize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     )
 
 
+def _layers_not_stored(model: nn.Module, names: set[str] | None, skip: list[str]) -> list[str]:
+    """The layers to convert of which the checkpoint ``names`` store neither ``weight`` nor
+    ``weight_scale``: new layers (a task head on a CausalLM checkpoint, e.g. ``score``),
+    kept in high precision like an on-the-fly load does. ``[]`` when no layer is found under
+    its own name (the loader renames the keys: the checks after loading decide)."""
+    if names is None:
+        return []
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def stored(name: str) -> bool:
+        keys = {name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")} if prefix else {name}
+        return any(f"{k}.weight" in names or f"{k}.weight_scale" in names for k in keys)
+
+    targets = [name for name, _, _ in convertible_modules(model, skip=skip)]
+    missing = [name for name in targets if not stored(name)]
+    return missing if len(missing) < len(targets) else []
+
+
 class Fp8QuantizeOp(ConversionOps):
     """Loader op: one high-precision checkpoint weight → ``weight`` (fp8) + ``weight_scale``."""
 
@@ -177,6 +195,7 @@ class Fp8HfQuantizer(HfQuantizer):
         self.bias_names: set[str] = set()
         self.checkpoint_root = ""  # the folder read (root/subfolder): errors name files in it
         self.checkpoint_files: list[str] = []  # what transformers resolved and reads
+        self.stored_names: set[str] | None = None  # their tensor names (pre-quantized loads)
 
     @property
     def quantized_element_size(self) -> float:
@@ -239,6 +258,13 @@ class Fp8HfQuantizer(HfQuantizer):
             # reads and the files it names must be the folder's own (DESIGN §8). The folder
             # read is ``root/subfolder``: errors name files there.
             self.checkpoint_root = check_loaded_files(self.checkpoint_root, self.checkpoint_files)
+        if self.pre_quantized:
+            self.stored_names = file_tensor_names(self.checkpoint_files)
+            new_layers = _layers_not_stored(model, self.stored_names, skip)
+            if new_layers:  # a new task head: high precision, initialised by transformers
+                skip = sorted({*skip, *new_layers})
+                config = config.replace(modules_to_not_convert=skip)
+                self.quantization_config = config
         static_pre_quantized = self.pre_quantized and config.activation_scheme == "static"
         swapped: dict[int, Fp8Linear] = {}  # a linear shared by two parents stays shared
         for name, module, parent in convertible_modules(model, skip=skip):
@@ -381,8 +407,7 @@ class Fp8HfQuantizer(HfQuantizer):
             raise _already_fp8(min(self.stored_scale_keys))
         missing = []
         static = self.pre_quantized and self.quantization_config.activation_scheme == "static"
-        names = file_tensor_names(self.checkpoint_files) if static else None
-        input_scales = StoredInputScales(names)
+        input_scales = StoredInputScales(self.stored_names if static else None)
         disk = [k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v == "disk"]
         for name, module in model.named_modules():
             if isinstance(module, Fp8Experts):
