@@ -6,7 +6,7 @@ narrower rule of a pre-quantized ``from_pretrained`` (transformers checks no pat
 index it reads and the checkpoint files it will read. ``folder_files`` lists a folder's files and refuses symlinks (what ``push``
 uploads, what conversions copy). ``contained(root, relpath)`` is the one path rule: inside
 the folder, no ``..``, no absolute name, no symlink (except a Hub cache snapshot's links into
-its own ``blobs/``). Standard library only.
+its own ``blobs/``, which must be a real folder: :func:`hub_cache_root`). Standard library only.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ _LOAD_ORDER = (
 MAX_INDEX_BYTES = 64 * 2**20
 # an unsharded weights file (a variant name included), as transformers names it
 _SINGLE = re.compile(r"(model|pytorch_model)(\.[^./]+)?\.(safetensors|bin)")
+# a Hub cache repo folder: models--org--name, models--gpt2, datasets--…, spaces--…
+_HUB_REPO = re.compile(r"(models|datasets|spaces)--[^/\\]+")
 
 
 class UnsafePathError(ValueError):
@@ -58,7 +60,12 @@ def contained(
         raise UnsafePathError(
             f"{text!r} is an absolute path; files of {base} must be named relative to it"
         )
-    allowed = Path(links_within).resolve() if links_within is not None else None
+    allowed = None
+    if links_within is not None:
+        allowed = Path(links_within).absolute()
+        if _is_link(allowed):  # the allowed folder is never taken through a link
+            raise UnsafePathError(f"{allowed} is a symlink: links into it are not followed")
+        allowed = allowed.resolve()
     current = base
     for part in rel.parts:
         if part in ("", "."):
@@ -80,14 +87,31 @@ def contained(
     return current
 
 
-def hub_cache_root(folder: str | os.PathLike) -> Path | None:
-    """The repo folder (``models--org--name``) when ``folder`` is a Hub cache snapshot, whose
-    files are symlinks into the repo's ``blobs/``; else ``None``."""
-    folder = Path(folder).resolve()
+def _cache_layout(folder: Path) -> tuple[Path, ...] | None:
+    """(repo, snapshots, snapshot, blobs) when ``folder`` is spelled as a Hub cache snapshot
+    ``models--org--name/snapshots/<commit>`` next to a ``blobs`` folder; else ``None``."""
     repo = folder.parent.parent
-    if folder.parent.name == "snapshots" and (repo / "blobs").is_dir():
-        return repo / "blobs"
-    return None
+    if folder.parent.name != "snapshots" or not _HUB_REPO.fullmatch(repo.name):
+        return None
+    return (repo, folder.parent, folder, repo / "blobs") if (repo / "blobs").is_dir() else None
+
+
+def hub_cache_root(folder: str | os.PathLike) -> Path | None:
+    """The repo's ``blobs/`` (its parents resolved) when ``folder`` is a Hub cache snapshot,
+    whose files are symlinks into it; else ``None``. Raises ``UnsafePathError`` when the
+    cache's repo folder, ``snapshots/``, the snapshot or ``blobs/`` is itself a symlink, as
+    spelled or once resolved: the cache never makes one, and a linked ``blobs/`` would let
+    the snapshot's links reach any folder."""
+    spelled = Path(os.path.abspath(Path(folder).expanduser()))
+    layouts = [_cache_layout(spelled), _cache_layout(spelled.resolve())]
+    for part in [p for layout in layouts for p in layout or ()]:
+        if _is_link(part):
+            raise UnsafePathError(
+                f"{part} is a symlink: in a Hub cache the repo folder, snapshots/, the "
+                "snapshot and blobs/ are real folders, and hf_fp8 does not follow this link; "
+                "pass the snapshot's real path (realpath) of an unmodified cache"
+            )
+    return layouts[1][3] if layouts[1] else None
 
 
 def _walk(root: Path) -> Iterator[str]:
@@ -108,8 +132,8 @@ def folder_files(
     files and folders left out: what ``push`` uploads and conversions copy. A symlink among
     them raises ``UnsafePathError``: hf_fp8 never reads, copies or uploads a link target (a Hub
     cache snapshot's links into its own ``blobs/`` are the cache's layout and allowed)."""
-    root = Path(root).expanduser().resolve()
     links_within = hub_cache_root(root)
+    root = Path(root).expanduser().resolve()
     found = []
     for rel in _walk(root):
         if keep is not None and not keep(rel):
@@ -157,8 +181,8 @@ def check_source_folder(root: str | os.PathLike) -> None:
     transformers ignores them. Raises ``UnsafePathError`` / ``FileNotFoundError`` /
     ``ValueError`` naming the file. A pre-quantized ``from_pretrained`` checks less:
     :func:`check_loaded_files`."""
-    root = Path(root).expanduser().resolve()
     links_within = hub_cache_root(root)
+    root = Path(root).expanduser().resolve()
     folder_files(root)
     read = read_index(root)
     for index_path in sorted(root.glob("*.index.json")):
@@ -201,7 +225,7 @@ def check_loaded_files(root: str | os.PathLike, files: Sequence[str] | None) -> 
     ``FileNotFoundError`` naming the file."""
     spelled = os.fspath(root)
     real = Path(spelled).expanduser().resolve()
-    links_within = hub_cache_root(real)
+    links_within = hub_cache_root(spelled)
     prefix = spelled.rstrip("/" + os.sep) + os.sep if spelled.rstrip("/" + os.sep) else spelled
     rels = []
     for file in files or ():
@@ -251,10 +275,11 @@ def check_files_inside(root: str | os.PathLike, files: list[str] | None) -> None
     naming the file."""
     spelled = os.path.abspath(Path(root).expanduser())  # as the loader joined the names
     real = Path(spelled).resolve()
-    links_within = hub_cache_root(real)
+    links_within = hub_cache_root(spelled)
     for file in files or ():
         rel = os.path.relpath(os.path.abspath(file), spelled)
-        if rel == ".." or rel.startswith(("../", "..\\")):
+        # ``sub/../x`` is normalized away here, but opened through ``sub`` (maybe a link)
+        if ".." in Path(file).parts or rel == ".." or rel.startswith(("../", "..\\")):
             raise UnsafePathError(f"{file!r} lies outside the folder {real}")
         contained(real, rel, links_within=links_within)
 
