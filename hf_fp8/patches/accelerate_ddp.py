@@ -72,7 +72,8 @@ def _wrap(original: Callable, signature: inspect.Signature) -> Callable:
         prepared = original(self, model, *args, **kwargs)
         ddp = _find_ddp(prepared)
         if ddp is not None:  # after accelerate moved the model to its device
-            broadcast_fp8_tensors(fp8_tensors(ddp.module).values(), ddp.process_group)
+            group = getattr(ddp, "process_group", None)  # None: the world
+            broadcast_fp8_tensors(fp8_tensors(ddp.module).values(), group)
         return prepared
 
     prepare_model._hf_fp8 = True
