@@ -87,10 +87,26 @@ class MovingAverageObserver(Observer):
         return self._amax
 
 
-def _subsample(x: torch.Tensor, limit: int) -> torch.Tensor:
-    flat = x.reshape(-1)
-    step = max(1, flat.numel() // limit)
-    return flat[::step]
+def _subsample(x: torch.Tensor, limit: int, generator: torch.Generator) -> torch.Tensor:
+    """About ``limit`` values of ``x`` (flattened), all of them when there are no more.
+
+    Whole rows (tokens, the last dimension is the channels) at random positions: every
+    channel keeps its share, so an outlier channel is always in the sample; no fixed stride
+    that could skip channels (a stride dividing the hidden size sees the same few) or alias
+    with a sequence length (the first token of every sequence, or none). A 1-D input (the
+    finite values of a batch that held NaN / inf) is sampled value by value. ``generator``
+    (CPU) makes the choice reproducible.
+    """
+    if x.numel() <= limit:
+        return x.reshape(-1)
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
+    keep = max(1, limit // rows.shape[1])  # at least one whole row
+    index = torch.randperm(rows.shape[0], generator=generator)[:keep].sort().values
+    return rows[index.to(rows.device)].reshape(-1)
+
+
+def _generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 class PercentileObserver(Observer):
@@ -102,9 +118,10 @@ class PercentileObserver(Observer):
             raise ValueError(f"percentile must be in (0, 100], got {percentile}")
         self.percentile = percentile
         self._sum = torch.zeros(())
+        self._generator = _generator()
 
     def _update(self, x: torch.Tensor) -> None:
-        values = _subsample(x.abs(), 1 << 22)
+        values = _subsample(x.abs(), 1 << 22, self._generator)  # torch.quantile's size limit
         self._sum = self._sum + torch.quantile(values, self.percentile / 100).cpu()
 
     def amax(self) -> torch.Tensor:
@@ -119,14 +136,15 @@ class MseObserver(Observer):
         self.candidates, self.sample = candidates, sample
         self._samples: list[torch.Tensor] = []
         self._max = torch.zeros(())
+        self._generator = _generator()
 
     def _update(self, x: torch.Tensor) -> None:
-        self._max = torch.maximum(self._max, x.abs().amax().cpu())
-        self._samples.append(_subsample(x, self.sample // 8).cpu())
+        self._max = torch.maximum(self._max, x.abs().amax().cpu())  # every value
+        self._samples.append(_subsample(x, self.sample // 8, self._generator).cpu())
 
     def amax(self) -> torch.Tensor:
-        x = torch.cat(self._samples)
-        x = _subsample(x, self.sample)
+        # each batch's sample holds whole tokens; past ``sample`` values, a random subset
+        x = _subsample(torch.cat(self._samples), self.sample, _generator())
         best, best_err = self._max, float("inf")
         for frac in torch.linspace(0.3, 1.0, self.candidates):
             amax = self._max * frac
