@@ -40,6 +40,7 @@ from hf_fp8.quantizer.validation import (
     FP8_LINEAR_TENSORS,
     check_bias,
     check_stored_tensor,
+    check_weight_scale_shape,
     checkpoint_file,
     is_bias_dtype,
     stored_dtype,
@@ -193,6 +194,8 @@ class Fp8HfQuantizer(HfQuantizer):
         self.experts_tensor_names: set[str] = set()
         # checkpoint keys of the biases of FP8 layers: refused as fp8 / integers while loading
         self.bias_names: set[str] = set()
+        # checkpoint key of each Fp8Linear weight scale -> (out, in) of its weight
+        self.weight_features: dict[str, tuple[int, int]] = {}
         self.checkpoint_root = ""  # the folder read (root/subfolder): errors name files in it
         self.checkpoint_files: list[str] = []  # what transformers resolved and reads
         self.stored_names: set[str] | None = None  # their tensor names (pre-quantized loads)
@@ -299,6 +302,7 @@ class Fp8HfQuantizer(HfQuantizer):
             )
             setattr(parent, name.rpartition(".")[2], new)
             self.fp8_tensor_names.update(f"{name}.{t}" for t in FP8_LINEAR_TENSORS)
+            self.weight_features[f"{name}.weight_scale"] = (out_features, in_features)
             if module.bias is not None:
                 self.bias_names.add(f"{name}.bias")
         for name, experts in swap_experts(
@@ -364,6 +368,18 @@ class Fp8HfQuantizer(HfQuantizer):
                 self._check_bias(key, stored_dtype(key, param))
         ours = [t for t in targets if t in self.fp8_tensor_names]
         for key in ours:  # before anything is read or offloaded to disk
+            features = self.weight_features.get(key)
+            shape = (
+                param.get_shape() if hasattr(param, "get_shape") else getattr(param, "shape", None)
+            )
+            if features is not None and shape is not None:
+                check_weight_scale_shape(
+                    key,
+                    tuple(shape),
+                    features,
+                    self.quantization_config.recipe,
+                    root=self.checkpoint_root,
+                )
             try:
                 check_stored_tensor(
                     key,

@@ -92,6 +92,56 @@ def check_stored_tensor(
     check_scale_tensor(key, value, max_value=max_scale(fp8_dtype, torch.float32))
 
 
+def _describe(granularity: str, block_size: tuple[int, int]) -> str:
+    block = f", block_size={list(block_size)}" if granularity == "block" else ""
+    return f"weight_granularity={granularity!r}{block}"
+
+
+def fitting_granularity(
+    shape: tuple[int, ...], out_features: int, in_features: int, block_size: tuple[int, int]
+) -> str | None:
+    """The ``weight_granularity`` (and ``block_size``) whose weight scale of an
+    ``[out, in]`` weight has ``shape``, as config words; ``None`` when none does."""
+    for granularity in ("tensor", "row"):
+        if shape == weight_scale_shape(out_features, in_features, granularity, block_size):
+            return _describe(granularity, block_size)
+    if len(shape) != 2 or min(shape) < 1:
+        return None
+    guess = (-(-out_features // shape[0]), -(-in_features // shape[1]))  # smallest tiles
+    for block in (block_size, (128, 128), guess):
+        if shape == weight_scale_shape(out_features, in_features, "block", block):
+            return _describe("block", block)
+    return None
+
+
+def check_weight_scale_shape(
+    key: str, shape: tuple[int, ...], features: tuple[int, int], recipe: Any, *, root: str
+) -> None:
+    """Refuse a stored ``weight_scale`` (``key``, of an ``[out, in] = features`` weight) whose
+    ``shape`` is not what the config's ``weight_granularity`` / ``block_size`` give, before
+    loading, naming the granularity the file holds (transformers' own size report advises
+    ``ignore_mismatched_sizes=True``, which would re-initialise the scales)."""
+    granularity = str(getattr(recipe.weight_granularity, "value", recipe.weight_granularity))
+    expected = weight_scale_shape(*features, granularity, recipe.block_size)
+    if tuple(shape) == tuple(expected):
+        return
+    config = os.path.join(root, "config.json") if root and os.path.isdir(root) else "config.json"
+    fits = fitting_granularity(tuple(shape), *features, recipe.block_size)
+    fix = (
+        f"The stored scales are {fits}: set that in the quantization_config of {config} "
+        "(save_pretrained writes the one the scales were made with)"
+        if fits
+        else f"That shape fits no weight granularity of a {list(features)} weight: re-export "
+        "the checkpoint with hf_fp8 (save_pretrained)"
+    )
+    raise CheckpointTensorError(
+        f"{key}: stored with shape {list(shape)} in {checkpoint_file(root, key)}, but the "
+        f"quantization_config of {config} says {_describe(granularity, recipe.block_size)} "
+        f"(a weight_scale of shape {list(expected)}). {fix}. ignore_mismatched_sizes=True "
+        "does not apply: it would re-initialise the scales"
+    )
+
+
 def checkpoint_file(root: str, key: str) -> str:
     """The file of checkpoint ``root`` (``config.name_or_path``) that holds ``key``, for
     errors: ``model.safetensors`` (transformers reads it before any index), the shard its
