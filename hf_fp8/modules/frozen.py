@@ -1,7 +1,9 @@
 """FP8 codes and scales are frozen: no gradient ever reaches them.
 
-``model.requires_grad_(True)`` also flips the flag of the fp8 ``weight`` and its scales; a
-training loop would then run and update nothing there, silently. FP8 modules call
+``model.requires_grad_(True)`` also flips the flag of the fp8 ``weight`` and its scales, and a
+trainable copy of an FP8 layer (peft's ``modules_to_save``, refused at ``get_peft_model`` by
+``hf_fp8.peft_trainable``) has them set; a training loop would then run and update nothing
+there, silently. FP8 modules call
 :func:`check_frozen` in their forward (grad mode only) and raise with the fix instead;
 :func:`freeze_fp8` puts the flags back.
 """
@@ -27,11 +29,14 @@ def check_frozen(module: nn.Module, names: tuple[str, ...]) -> None:
             where = getattr(module, "fp8_name", "") or type(module).__name__
             raise RuntimeError(
                 f"{where}.{name} has requires_grad=True, but FP8 codes and scales are frozen: "
-                "no gradient reaches them, so training would update nothing there (this "
-                "usually follows model.requires_grad_(True)). Call "
-                "hf_fp8.modules.freeze_fp8(model) to train the other parameters, train LoRA "
-                "adapters on the FP8 layers (peft), or load with Fp8Config(dequantize=True) "
-                "for a full fine-tune."
+                "no gradient reaches them, so training would update nothing there. After "
+                "model.requires_grad_(True): call hf_fp8.modules.freeze_fp8(model) to train "
+                "the other parameters. On a trainable copy of an FP8 layer (peft's "
+                "modules_to_save, or a copy made by hand), freeze_fp8 would leave the copy "
+                "untrained: keep that layer in high precision (Fp8Config(..., "
+                "modules_to_not_convert=[...]) / hf_fp8.quantize_model(..., skip=[...])) or "
+                "train LoRA adapters on it (LoraConfig(target_modules=[...])). For a full "
+                "fine-tune load with Fp8Config(dequantize=True)."
             )
 
 

@@ -8,6 +8,11 @@ config. A custom module skips peft's built-in dispatch, so ``Fp8LoraLinear`` app
 ``nn.Linear`` rule itself (``fan_in_fan_out`` forced False). Without this patch, LoRA on FP8
 layers still trains through peft's default layer, but ``merge_and_unload`` cannot merge into
 fp8 weights and DoRA fails.
+
+It also checks, before peft builds one, every ``AuxiliaryTrainingWrapper`` (``modules_to_save``,
+``trainable_token_indices``): on an FP8 layer it is refused at ``get_peft_model`` with the fix
+(``hf_fp8.peft_trainable``), for every peft method. If that wrapper class changed, only this
+check turns off (one warning); the LoRA registration stays.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from __future__ import annotations
 import functools
 import sys
 
+from torch import nn
+
 TRIGGER = "peft.tuners.lora.config"
+WRAPPERS = "peft.utils.other"  # AuxiliaryTrainingWrapper (modules_to_save, trainable tokens)
 
 
 def register(config) -> None:
@@ -34,8 +42,45 @@ def applied() -> bool:
     return bool(getattr(getattr(config_cls, "__post_init__", None), "_hf_fp8", False))
 
 
+def guard_trainable_copies() -> None:
+    """Wrap ``AuxiliaryTrainingWrapper.__init__`` once: refuse FP8 layers before peft copies
+    them (``hf_fp8.peft_trainable.check_trainable_copy``)."""
+    import importlib
+
+    wrapper_cls = importlib.import_module(WRAPPERS).AuxiliaryTrainingWrapper
+    original = wrapper_cls.__init__
+    if getattr(original, "_hf_fp8", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        module = args[0] if args else kwargs.get("module_to_save")
+        if isinstance(module, nn.Module):
+            from hf_fp8.peft_trainable import check_trainable_copy
+
+            # peft's own word for the option ("modules_to_save", "trainable_token_indices")
+            name_of = getattr(type(self), "_error_message_name", None)
+            what = name_of(self) if callable(name_of) else type(self).__name__
+            check_trainable_copy(what, module)
+        original(self, *args, **kwargs)
+
+    __init__._hf_fp8 = True
+    wrapper_cls.__init__ = __init__
+
+
 def apply() -> None:
-    """Wrap ``LoraConfig.__post_init__`` once."""
+    """Wrap ``AuxiliaryTrainingWrapper.__init__`` and ``LoraConfig.__post_init__`` once."""
+    try:
+        guard_trainable_copies()
+    except Exception as exc:  # the LoRA registration below works without it
+        from hf_fp8.patches import disable
+
+        disable(
+            "peft_lora",
+            f"the check refusing peft modules_to_save / trainable_token_indices on FP8 layers "
+            f"is off: {exc!r}",
+            partly=True,
+        )
     module = sys.modules.get(TRIGGER)
     if module is None:
         import importlib
