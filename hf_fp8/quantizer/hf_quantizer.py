@@ -91,13 +91,12 @@ def default_skipped_modules(model: nn.Module) -> list[str]:
 
 def _offloaded_dequantize(what: str) -> str:
     return (
-        f"cannot dequantize an FP8 model whose layers are offloaded: {what} are offloaded "
-        '(to "disk", or to the CPU by accelerate). Their weights are not in the modules but '
-        "in accelerate's offload store, as fp8 codes that its hooks would read as plain float "
-        "weights without their scales (silently wrong outputs). Load the FP8 checkpoint "
-        'without offloading (no "disk" in device_map) and dequantize there '
-        "(Fp8Config(dequantize=True) or model.dequantize()); to offload the high-precision "
-        "model, save_pretrained it and load that folder with your device_map"
+        f"cannot dequantize {what}: an offloaded layer keeps its weights in accelerate's "
+        "offload store (on disk, or on the CPU), not in the module, and its hooks would read "
+        "the fp8 codes there as plain float weights without their scales (silently wrong "
+        'outputs). Load the FP8 checkpoint without offloading (no "disk" in device_map) '
+        "and dequantize there (Fp8Config(dequantize=True) or model.dequantize()); to offload "
+        "the high-precision model, save_pretrained it and load that folder with your device_map"
     )
 
 
@@ -228,7 +227,7 @@ class Fp8HfQuantizer(HfQuantizer):
                 "(model.save_pretrained), then load the FP8 checkpoint with this device_map"
             )
         if to_disk and self.quantization_config.dequantize:
-            raise ValueError(_offloaded_dequantize('device_map sends layers to "disk"'))
+            raise ValueError(_offloaded_dequantize('the layers device_map sends to "disk"'))
         if not torch.cuda.is_available():
             # CPU inference: build (or load) the C kernel from the start of the load (the
             # first call transformers makes), so that the first forward does not pay for it
@@ -482,7 +481,9 @@ class Fp8HfQuantizer(HfQuantizer):
         offloaded = [n for n, m in model.named_modules() if _holds_meta_fp8(m)]
         if offloaded:  # refused before any layer is swapped
             shown = ", ".join(offloaded[:3]) + (" …" if len(offloaded) > 3 else "")
-            raise ValueError(_offloaded_dequantize(f"{len(offloaded)} FP8 layer(s) ({shown})"))
+            raise ValueError(
+                _offloaded_dequantize(f"{len(offloaded)} offloaded FP8 layer(s) ({shown})")
+            )
         for name, module in list(model.named_modules()):
             if isinstance(module, Fp8Linear):
                 parent_name, _, child = name.rpartition(".")

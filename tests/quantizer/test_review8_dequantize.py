@@ -75,3 +75,40 @@ def test_dequantize_to_a_string_dtype_and_unknown_names_refused(tiny_model_dir):
     weight = model.model.layers[0].mlp.down_proj.weight
     assert weight.dtype == torch.bfloat16
     torch.testing.assert_close(weight, expected, rtol=0, atol=0)
+
+
+def test_model_dequantize_with_moe_experts_on_disk_is_refused(tmp_path):
+    import transformers as tf
+
+    from hf_fp8.modules.fp8_experts import Fp8Experts
+    from tests.tiny_models import tiny_mixtral
+
+    torch.manual_seed(0)
+    tiny_mixtral().save_pretrained(tmp_path / "hp")
+    tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hp", quantization_config=Fp8Config("dynamic")
+    ).save_pretrained(tmp_path / "fp8")
+    in_memory = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1.self_attn": "cpu",
+        "model.layers.1.input_layernorm": "cpu",
+        "model.layers.1.post_attention_layernorm": "cpu",
+        "model.layers.1.mlp.gate": "cpu",
+        "model.layers.1.mlp.experts": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    offloaded = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8", device_map=device_map, offload_folder=str(tmp_path / "off")
+    )
+    experts = offloaded.model.layers[1].mlp.experts
+    assert isinstance(experts, Fp8Experts)
+    with pytest.raises(
+        ValueError, match=r"1 offloaded FP8 layer\(s\) \(model\.layers\.1\.mlp\.experts\)"
+    ):
+        offloaded.dequantize()
+    assert offloaded.model.layers[1].mlp.experts is experts
+    torch.testing.assert_close(_logits(offloaded), _logits(in_memory), rtol=0, atol=0)
