@@ -31,7 +31,8 @@ class StoredInputScales:
     def __init__(self, names: set[str] | None = None) -> None:
         self.names = names
         self._stripped: set[str] | None = None
-        self._layer_leaves: set[tuple[tuple[str, ...], tuple[str, ...]]] | None = None
+        self._keys: set[str] = set()  # every input scale the model has
+        self._maybe_renamed: list[str] = []  # offloaded, not stored under their own name
         self.stored: list[str] = []
         self.unfilled: list[str] = []
         self.offloaded_unfilled: list[str] = []
@@ -41,14 +42,18 @@ class StoredInputScales:
         layer has none; ``offloaded``: the layer's tensors stay on disk)."""
         if param is None:
             return
+        self._keys.add(key)
         loaded = not offloaded and getattr(param, "_is_hf_initialized", False)
         if self.names is not None:
-            # An offloaded layer may be stored under another module name (Mixtral saves its
-            # experts as ``block_sparse_moe``, the model calls them ``mlp``): matched by its
-            # layer index and its last two name parts.
-            stored = loaded or self._in_checkpoint(key) or (offloaded and self._renamed(key))
+            stored = loaded or self._in_checkpoint(key)
+            if offloaded and not stored:  # stored under a renamed module? decided in check()
+                self._maybe_renamed.append(key)
+                return
         else:
             stored = offloaded or loaded
+        self._record(key, stored, offloaded)
+
+    def _record(self, key: str, stored: bool, offloaded: bool) -> None:
         if stored:
             self.stored.append(key)
             return
@@ -60,22 +65,35 @@ class StoredInputScales:
         """``key`` is a stored tensor name, also across the base-model prefix a loader adds
         or strips (``model.`` of a ``*ForCausalLM`` saved from its base model and back)."""
         if self._stripped is None:
-            self._stripped = {n.split(".", 1)[1] for n in self.names or () if "." in n}
+            self._stripped = {_strip(n) for n in self.names or () if "." in n}
         names = self.names or set()
-        return key in names or key in self._stripped or key.split(".", 1)[-1] in names
+        return key in names or key in self._stripped or _strip(key) in names
 
-    def _renamed(self, key: str) -> bool:
-        """``key`` is stored under a renamed module: a stored input scale with the same layer
-        (``layers.1``) and the same last two name parts (``experts.down_proj_input_scale``)."""
-        if self._layer_leaves is None:
-            self._layer_leaves = {
-                _layer_and_leaf(n) for n in self.names or () if n.endswith("input_scale")
-            }
-        return _layer_and_leaf(key) in self._layer_leaves
+    def _resolve_renamed(self) -> None:
+        """An offloaded layer may be stored under another module name (Mixtral saves its
+        experts as ``block_sparse_moe``, the model calls them ``mlp``): a stored input scale
+        that no module of the model claims under its own name, with the same name up to the
+        layer index (``model.layers.1``) and the same last two parts
+        (``experts.down_proj_input_scale``). ``encoder.block.1`` is not ``decoder.block.1``,
+        and a block's own ``EncDecAttention.q`` is not its ``SelfAttention.q`` (reviewer R7)."""
+        keys = self._keys | {_strip(k) for k in self._keys}
+        free = [
+            n
+            for n in self.names or ()
+            if n.endswith("input_scale") and n not in keys and _strip(n) not in keys
+        ]
+        # across the base-model prefix too (``model.`` on one side only, as _in_checkpoint)
+        full = {_layer_and_leaf(n) for n in free}
+        either = full | {_layer_and_leaf(_strip(n)) for n in free}
+        for key in self._maybe_renamed:
+            found = _layer_and_leaf(key) in either or _layer_and_leaf(_strip(key)) in full
+            self._record(key, found, offloaded=True)
+        self._maybe_renamed = []
 
     def check(self, checkpoint_root: str, config: Any) -> None:
         """Raise ``CheckpointTensorError`` naming the missing scales when the checkpoint
         stored some input scales but not these, or stores none for a layer offloaded to disk."""
+        self._resolve_renamed()
         fallback = getattr(config, "activation_scale", None)
         if self.stored and self.unfilled:
             self._refuse_partial(checkpoint_root, fallback)
@@ -121,8 +139,13 @@ def _shown(keys: list[str]) -> str:
     return ", ".join(keys[:5]) + (" …" if len(keys) > 5 else "")
 
 
+def _strip(name: str) -> str:
+    """``name`` without its first part (the base-model prefix a loader adds or strips)."""
+    return name.split(".", 1)[-1]
+
+
 def _layer_and_leaf(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(the segment before the first numeric part and that part, the last two parts)."""
+    """(the name up to and including its first numeric part, the last two parts)."""
     parts = name.split(".")
     i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    return (tuple(parts[i - 1 : i + 1]) if i else (), tuple(parts[-2:]))
+    return (tuple(parts[: i + 1]) if i is not None else (), tuple(parts[-2:]))
