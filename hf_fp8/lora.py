@@ -18,6 +18,10 @@ factors, VeLoRA's projection, the orthogonal init), and fp8 has no random kernel
 round an adapter. DoRA's weight norm also reads the dequantized weight in forward. LoRA inits and
 variants that rewrite the base weight (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, KaSA, and any other
 init seen changing the dequantized copy) are refused: the FP8 base is frozen fp8 codes.
+
+LoRA on FP8 MoE experts (``Fp8Experts``: ``target_parameters`` on their 3-D weights, or
+``target_modules`` naming them) is refused at ``get_peft_model`` by
+:func:`refuse_lora_on_experts`; experts kept in high precision take it as usual.
 """
 
 from __future__ import annotations
@@ -215,6 +219,24 @@ class Fp8LoraLinear(LoraLinear):
         while isinstance(owner.base_layer, BaseTunerLayer):
             owner = owner.base_layer
         owner.base_layer = layer
+
+
+def refuse_lora_on_experts(target: nn.Module, adapter_name: str, **kwargs: Any) -> nn.Module:
+    """What the ``peft_lora`` patch registers for ``Fp8Experts`` (peft's custom modules): LoRA
+    on FP8 experts (``target_parameters=['mlp.experts.gate_up_proj']`` or
+    ``target_modules=['experts']``) is refused when ``get_peft_model`` reaches them."""
+    name = kwargs.get("target_name") or "the experts module"
+    param = kwargs.get("parameter_name")
+    what = f"{name}.{param} (peft target_parameters)" if param else f"{name} (peft target_modules)"
+    source = getattr(getattr(target, "layout", None), "source_class", None)
+    kind = f"{getattr(source, '__name__', 'MoE experts')} as Fp8Experts"
+    raise NotImplementedError(
+        f"LoRA on {what}, FP8 experts ({kind}), is not supported: the adapter delta would be "
+        "added to fp8 codes without their per-expert scales. Put LoRA on the attention and dense "
+        "layers instead (LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'])), "
+        "or load these experts in high precision (Fp8Config(modules_to_not_convert=['experts']) "
+        "/ hf_fp8.quantize_model(model, config, skip=['experts'])) to train them"
+    )
 
 
 def register_peft_lora() -> bool:

@@ -7,7 +7,8 @@ built by ``PeftModel.from_pretrained`` get it too). The mapping is not saved wit
 config. A custom module skips peft's built-in dispatch, so ``Fp8LoraLinear`` applies its
 ``nn.Linear`` rule itself (``fan_in_fan_out`` forced False). Without this patch, LoRA on FP8
 layers still trains through peft's default layer, but ``merge_and_unload`` cannot merge into
-fp8 weights and DoRA fails.
+fp8 weights and DoRA fails. ``Fp8Experts`` is mapped to ``hf_fp8.lora.refuse_lora_on_experts``:
+LoRA on FP8 experts is refused when ``get_peft_model`` reaches them, with the fix.
 
 It also checks, before peft builds one, every ``AuxiliaryTrainingWrapper`` (``modules_to_save``,
 ``trainable_token_indices``): on an FP8 layer it is refused at ``get_peft_model`` with the fix
@@ -27,13 +28,16 @@ WRAPPERS = "peft.utils.other"  # AuxiliaryTrainingWrapper (modules_to_save, trai
 
 
 def register(config) -> None:
-    """Register ``Fp8LoraLinear`` for ``Fp8Linear`` targets on one ``LoraConfig``."""
-    from hf_fp8.lora import Fp8LoraLinear
-    from hf_fp8.modules import Fp8Linear
+    """Register ``Fp8LoraLinear`` for ``Fp8Linear`` targets on one ``LoraConfig`` (and the
+    refusal for ``Fp8Experts`` targets), unless the config maps those types already."""
+    from hf_fp8.lora import Fp8LoraLinear, refuse_lora_on_experts
+    from hf_fp8.modules import Fp8Experts, Fp8Linear
 
     custom = getattr(config, "_custom_modules", None) or {}
-    if Fp8Linear not in custom:
-        config._register_custom_module({Fp8Linear: Fp8LoraLinear})
+    mapping = {Fp8Linear: Fp8LoraLinear, Fp8Experts: refuse_lora_on_experts}
+    mapping = {k: v for k, v in mapping.items() if k not in custom}
+    if mapping:
+        config._register_custom_module(mapping)
 
 
 def applied() -> bool:
