@@ -36,6 +36,7 @@ from hf_fp8.quantizer.experts import (
 )
 from hf_fp8.quantizer.input_scales import StoredInputScales
 from hf_fp8.quantizer.kept_modules import file_tensor_names, skip_list_hint
+from hf_fp8.quantizer.new_layers import layers_not_stored
 from hf_fp8.quantizer.validation import (
     FP8_LINEAR_TENSORS,
     check_bias,
@@ -123,24 +124,6 @@ def _dequantize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         f"dequantize: dtype {dtype!r} is not a high-precision float dtype; pass "
         "torch.bfloat16, torch.float16 or torch.float32 (or their names)"
     )
-
-
-def _layers_not_stored(model: nn.Module, names: set[str] | None, skip: list[str]) -> list[str]:
-    """The layers to convert of which the checkpoint ``names`` store neither ``weight`` nor
-    ``weight_scale``: new layers (a task head on a CausalLM checkpoint, e.g. ``score``),
-    kept in high precision like an on-the-fly load does. ``[]`` when no layer is found under
-    its own name (the loader renames the keys: the checks after loading decide)."""
-    if names is None:
-        return []
-    prefix = getattr(model, "base_model_prefix", "") or ""
-
-    def stored(name: str) -> bool:
-        keys = {name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")} if prefix else {name}
-        return any(f"{k}.weight" in names or f"{k}.weight_scale" in names for k in keys)
-
-    targets = [name for name, _, _ in convertible_modules(model, skip=skip)]
-    missing = [name for name in targets if not stored(name)]
-    return missing if len(missing) < len(targets) else []
 
 
 class Fp8QuantizeOp(ConversionOps):
@@ -262,7 +245,7 @@ class Fp8HfQuantizer(HfQuantizer):
             self.checkpoint_root = check_loaded_files(self.checkpoint_root, self.checkpoint_files)
         if self.pre_quantized:
             self.stored_names = file_tensor_names(self.checkpoint_files)
-            new_layers = _layers_not_stored(model, self.stored_names, skip)
+            new_layers = layers_not_stored(model, self.stored_names, skip)
             if new_layers:  # a new task head: high precision, initialised by transformers
                 skip = sorted({*skip, *new_layers})
                 config = config.replace(modules_to_not_convert=skip)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from hf_fp8 import Fp8Linear
+from hf_fp8 import Fp8Config, Fp8Linear
 from tests.tiny_models import model_inputs
 
 
@@ -74,3 +74,35 @@ def test_stored_fp8_weight_without_its_scale_is_still_refused(llama_fp8_dir, tmp
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight_scale"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_renamed_checkpoint_keys_are_followed(tmp_path):
+    """Mixtral's checkpoint says block_sparse_moe where the model says mlp (a loader renaming):
+    the stored experts are found under the model's names; only score is new."""
+    import transformers as tf
+
+    from hf_fp8.modules.fp8_experts import Fp8Experts
+    from hf_fp8.quantizer.kept_modules import file_tensor_names
+    from hf_fp8.quantizer.new_layers import loaded_names
+    from tests.tiny_models import tiny_mixtral
+
+    torch.manual_seed(0)
+    tiny_mixtral().save_pretrained(tmp_path / "hp")
+    causal = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hp", quantization_config=Fp8Config("dynamic")
+    )
+    causal.save_pretrained(tmp_path / "fp8")
+    stored = file_tensor_names([str(tmp_path / "fp8" / "model.safetensors")])
+    assert any(".block_sparse_moe." in k for k in stored)
+    assert "model.layers.0.mlp.experts.down_proj_weight_scale" in loaded_names(causal, stored)
+    model = tf.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "fp8", num_labels=3, pad_token_id=0
+    )
+    assert type(model.score) is torch.nn.Linear
+    assert isinstance(model.model.layers[0].mlp.experts, Fp8Experts)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8Linear)
+    inputs = model_inputs("llama")
+    with torch.no_grad():
+        body = model.model(**inputs).last_hidden_state
+        expected = causal.model(**inputs).last_hidden_state
+    torch.testing.assert_close(body, expected, rtol=0, atol=0)
