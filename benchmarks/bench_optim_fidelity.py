@@ -213,7 +213,7 @@ def one_shot_update_error(
 
     ``"all"``: every quantized matrix; ``"without_input_embedding"``: the same without the
     token embedding, whose rows of rarely seen tokens hold second moments spread over more
-    than fp8's range (plain FP8 flushes them to zero, COAT keeps them). Stochastic rounding
+    than fp8's range (plain FP8 rounds them up to its smallest code, COAT keeps them). Stochastic rounding
     draws its bits from a fixed key; ``sqrt(v)`` is quantized and squared back."""
     embedding = model.get_input_embeddings().weight
     out: dict[str, dict[str, float]] = {}
@@ -224,11 +224,17 @@ def one_shot_update_error(
             out[name] = _one_shot_log(model, ref_opt, bool(sr), sr is True, embedding)
             continue
 
-        def roundtrip(x: torch.Tensor, stochastic: bool, expand: bool = expand) -> torch.Tensor:
+        def roundtrip(
+            x: torch.Tensor, stochastic: bool, expand: bool = expand, second: bool = False
+        ) -> torch.Tensor:
             groups = x.reshape(x.shape[0], -1, 128)
             bits = random_bits(torch.tensor(1234), groups.shape) if stochastic else None
             q, s, k = quantize_groups(
-                groups, torch.float8_e4m3fn, dynamic_range_expansion=expand, stochastic_bits=bits
+                groups,
+                torch.float8_e4m3fn,
+                dynamic_range_expansion=expand,
+                stochastic_bits=bits,
+                keep_nonzero=second,  # as the optimizer stores v (its root)
             )
             return dequantize_groups(q, s, k).view_as(x)
 
@@ -239,9 +245,9 @@ def one_shot_update_error(
             m, v = ref_opt.state[p]["exp_avg"], ref_opt.state[p]["exp_avg_sq"]
             u = m / (v.sqrt() + 1e-8)
             if opts["sqrt_second_moment"]:
-                root = roundtrip(v.sqrt(), bool(sr))
+                root = roundtrip(v.sqrt(), bool(sr), second=True)
             else:
-                root = roundtrip(v, bool(sr)).sqrt()
+                root = roundtrip(v, bool(sr), second=True).sqrt()
             uq = roundtrip(m, sr is True) / (root + 1e-8)
             err, ref = float((uq - u).double().pow(2).sum()), float(u.double().pow(2).sum())
             for key in sums if p is not embedding else ("all",):

@@ -35,6 +35,16 @@ Conventions and guards:
 * An infinite ``amax`` (a moment that overflowed fp32: ``g² > FLT_MAX`` for ``|g| > 1.8e19``)
   saturates to ``FLT_MAX``: the scale stays finite (a saved state stays loadable), the
   element takes F's code and decodes to about ``FLT_MAX``; the group keeps working.
+* A NaN element (a NaN gradient) is left out of its group's ``amax`` and ``amin`` and gets
+  the zero code: only that element's moment restarts (its weight is NaN, as in
+  ``torch.optim.AdamW``); the rest of the group and the scale stay as they were without it.
+* Plain format, ``keep_nonzero=True`` (the second moment): a non-zero element (``|x| ≥
+  FLT_MIN``) never gets the zero code, it rounds up to the smallest subnormal code
+  (``amax·2^-9/448`` for E4M3). Plain E4M3 spans only ~2.3e5 below ``amax``; a ``v`` rounded
+  to 0 under a surviving ``m`` made the update ``m / eps`` (R8: 2,367x AdamW's beside one
+  1000x outlier column). Rounding up overestimates a tiny ``v``: the update of that element
+  is smaller, never unbounded. With expansion no non-zero element reaches the zero code
+  (``F·(amin/amax)^k ≥ 2/F``, two subnormal steps), so the option changes nothing there.
 * ``log2`` / ``exp2`` are :func:`fast_log2` / :func:`fast_exp2`: fixed polynomial
   approximations (relative error < 3e-6, far below the fp8 step of 6%) written with plain
   fp32 operations only, so that a fused CPU kernel reproduces this module bit for bit.
@@ -91,6 +101,8 @@ EXP2_COEFFS = (
 SR_DROP_BITS = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
 SR_MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e5m2: 2.0**-14}
 SR_SUBNORMAL_STEPS = {torch.float8_e4m3fn: 512.0, torch.float8_e5m2: 65536.0}
+# the smallest non-zero code's value (1 / SR_SUBNORMAL_STEPS): where keep_nonzero rounds up to
+MIN_SUBNORMAL = {dtype: 1.0 / steps for dtype, steps in SR_SUBNORMAL_STEPS.items()}
 HASH_MUL = (0x7FEB352D, 0x846CA68B)  # lowbias32 multipliers
 SR_WEYL = 0x9E3779B1  # 2^32 / golden ratio: the element counter's multiplier
 MASK32 = 0xFFFFFFFF
@@ -206,6 +218,7 @@ def quantize_groups(
     *,
     dynamic_range_expansion: bool = True,
     stochastic_bits: torch.Tensor | None = None,
+    keep_nonzero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize ``x`` (``[..., group_size]``) per group of its last dimension.
 
@@ -213,18 +226,23 @@ def quantize_groups(
     fp32 ``scale = amax / F`` and, with expansion, fp32 ``exponent`` (``k``), both of shape
     ``x.shape[:-1]``. Without expansion ``exponent`` is ``None``. ``stochastic_bits`` (int64,
     the shape of ``x``): stochastic instead of round-to-nearest casts (see the module doc).
+    ``keep_nonzero`` (plain format, ``x ≥ 0``: a second moment): non-zero elements get at
+    least the smallest non-zero code. NaN elements get the zero code and no say in ``amax``.
     """
     fmax = fp8_max(fp8_dtype)
     xf = x.float()
     ax = xf.abs()
-    amax = ax.amax(dim=-1)
+    zero = torch.zeros_like(xf)
+    number = ax == ax  # False for NaN: left out of amax, zero code
+    amax = torch.where(number, ax, zero).amax(dim=-1)
     amax = torch.where(amax == math.inf, FLT_MAX, amax)  # an overflowed moment saturates
     scale = amax / fmax
     valid = (amax >= FLT_MIN).unsqueeze(-1)
-    zero = torch.zeros_like(xf)
     if not dynamic_range_expansion:
         safe_scale = torch.where(valid, scale.unsqueeze(-1), torch.ones_like(xf))
-        q = torch.where(valid, xf / safe_scale, zero).clamp(-fmax, fmax)
+        q = torch.where(valid & number, xf / safe_scale, zero).clamp(-fmax, fmax)
+        if keep_nonzero:  # |x| >= FLT_MIN implies valid and not NaN
+            q = torch.where(ax >= FLT_MIN, torch.clamp(q, min=MIN_SUBNORMAL[fp8_dtype]), q)
         if stochastic_bits is not None:
             q = torch.copysign(stochastic_round_magnitude(q.abs(), stochastic_bits, fp8_dtype), q)
         return q.to(fp8_dtype), scale, None

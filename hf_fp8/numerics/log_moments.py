@@ -39,7 +39,13 @@ thresholds spread evenly over those steps make its rounding errors cancel instea
 up as a random walk (oracle: ``benchmarks/results/optim_oracle_ld.json``).
 
 An infinite ``v`` (``g²`` overflowed fp32) saturates the group's ``amax`` to FLT_MAX (the
-element takes code 255): the stored state stays finite.
+element takes code 255): the stored state stays finite. Likewise ``m'``'s group ``amax``
+saturates to :data:`M_MAX` (2^63: an infinite ``m`` from an infinite gradient, or a huge ``m``
+over a tiny ``v`` in a converted state, where ``m·2^-e`` overflows): the element takes code
+±127 and every code decodes finite (``127 · scale · 2^e ≤ 2^63 · 2^64 < FLT_MAX``), where an
+infinite scale decoded the whole group to NaN (R8). A NaN element (a NaN gradient) is left
+out of both maxima and gets code 0 in both moments: only that element restarts (its weight is
+NaN, as in ``torch.optim.AdamW``), the scales stay finite and the state reloads.
 Groups whose ``amax`` is below ``FLT_MIN`` (``v``) or :data:`M_MIN` (``m'``) store zeros.
 """
 
@@ -56,6 +62,8 @@ V_ENC = V_STEPS / 2.0**23  # k·V_ENC: codes per bit-pattern unit (k·2^-19, exa
 V_DEC = 2.0**23 / V_STEPS  # V_DEC / k: bit-pattern units per code (2^19 / k)
 M_CODE_MAX = 127  # int8 codes of m' = m·2^-e: -127..127
 M_MIN = 2.0**-100  # groups of m' with a smaller amax store zeros (keeps 127/amax finite)
+M_MAX = 2.0**63  # m''s amax saturates here: 127·scale·2^e (e <= 64) stays below FLT_MAX
+INF_BITS = 0x7F800000  # larger bit patterns (of a magnitude) are NaN
 FLT_MIN_BITS = 0x00800000
 SR_SHIFT = 8  # stochastic rounding uses the top 24 bits of the hash: u = (h >> 8)·2^-24
 WEYL = 0x9E3779B1  # 2^32 / golden ratio: Fibonacci hashing of the element counter
@@ -117,15 +125,16 @@ def quantize_v(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``v >= 0`` (fp32 ``[G, group_size]``) to ``(codes uint8, amax fp32 [G], k fp32 [G])``."""
     b = _bits(v.float()) & 0x7FFFFFFF
-    vmax = b.amax(dim=-1)
-    vmax = torch.where(vmax == 0x7F800000, 0x7F7FFFFF, vmax)  # an overflowed v: FLT_MAX
-    inf = torch.full_like(b, 0x7F800000)
-    vmin = torch.where(b >= FLT_MIN_BITS, b, inf).amin(dim=-1)
+    number = b <= INF_BITS  # NaN: not in vmax, code 0
+    vmax = torch.where(number, b, torch.zeros_like(b)).amax(dim=-1)
+    vmax = torch.where(vmax == INF_BITS, 0x7F7FFFFF, vmax)  # an overflowed v: FLT_MAX
+    inf = torch.full_like(b, INF_BITS)
+    vmin = torch.where(b >= FLT_MIN_BITS, b, inf).amin(dim=-1)  # NaN bits > inf: never min
     k = v_exponent(vmax, vmin)
     t = (b - vmax.unsqueeze(-1)).to(torch.float32) * (k * V_ENC).unsqueeze(-1) + float(V_CODE_MAX)
     c = torch.round(t) if stochastic_bits is None else torch.floor(t + uniform(stochastic_bits))
     c = c.clamp(0.0, float(V_CODE_MAX))
-    c = torch.where(b >= FLT_MIN_BITS, c, torch.zeros_like(c))
+    c = torch.where((b >= FLT_MIN_BITS) & number, c, torch.zeros_like(c))
     amax = torch.where(vmax >= FLT_MIN_BITS, vmax, torch.zeros_like(vmax))
     return c.to(torch.uint8), _float(amax), k
 
@@ -173,9 +182,12 @@ def m_scales(
 def quantize_m(
     m_norm: torch.Tensor, stochastic_bits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``m' = m·2^-e`` (fp32 ``[G, group_size]``) to ``(codes int8, scale fp32 [G])``."""
+    """``m' = m·2^-e`` (fp32 ``[G, group_size]``) to ``(codes int8, scale fp32 [G])``.
+
+    ``amax`` leaves NaN out and saturates to :data:`M_MAX`; NaN elements get code 0."""
     a = m_norm.abs()
-    amax = a.amax(dim=-1)
+    number = a == a
+    amax = torch.where(number, a, torch.zeros_like(a)).amax(dim=-1).clamp(max=M_MAX)
     valid = amax >= M_MIN
     inv = _rdiv(float(M_CODE_MAX), torch.where(valid, amax, torch.ones_like(amax)))
     t = m_norm * inv.unsqueeze(-1)
@@ -184,7 +196,7 @@ def quantize_m(
     else:
         q = torch.copysign(torch.floor(t.abs() + uniform(stochastic_bits)), t)
     q = q.clamp(-float(M_CODE_MAX), float(M_CODE_MAX))
-    q = torch.where(valid.unsqueeze(-1), q, torch.zeros_like(q))
+    q = torch.where(valid.unsqueeze(-1) & number, q, torch.zeros_like(q))
     scale = torch.where(
         valid, amax.div(torch.full_like(amax, float(M_CODE_MAX))), torch.zeros_like(amax)
     )

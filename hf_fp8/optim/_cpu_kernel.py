@@ -123,6 +123,7 @@ def kernel_defines(variant: int) -> dict[str, object]:
         d[f"{name}_SR_STEPS"] = coat.SR_SUBNORMAL_STEPS[dtype]
         d[f"{name}_SR_INV_STEPS"] = 1.0 / coat.SR_SUBNORMAL_STEPS[dtype]
         d[f"{name}_SR_MIN_NORMAL"] = coat.SR_MIN_NORMAL[dtype]
+        d[f"{name}_MIN_SUB"] = coat.MIN_SUBNORMAL[dtype]
     d["SR_WEYL"] = f"{coat.SR_WEYL:#x}u"
     d["INV_STEPS"] = 1.0 / coat.EXPONENT_STEPS
     d["K_MIN"] = float(coat.EXPONENT_MIN)
@@ -134,6 +135,7 @@ def kernel_defines(variant: int) -> dict[str, object]:
     d["LOG_V_ENC"] = lm.V_ENC
     d["LOG_V_DEC"] = lm.V_DEC
     d["LOG_M_MIN"] = lm.M_MIN
+    d["LOG_M_SAT"] = lm.M_MAX
     d["LOG_INV_2_23"] = 2.0**-23
     d["LOG_SR_SHIFT"] = lm.SR_SHIFT
     d["LOG_SR_UNIT"] = 2.0**-24

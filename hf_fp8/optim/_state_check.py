@@ -301,7 +301,12 @@ def _to_fp8(
         v = v.sqrt()
     for name, x in (("exp_avg", m), ("exp_avg_sq", v)):
         x2 = torch.nn.functional.pad(x.float().reshape(rows, cols), (0, gc * gs - cols))
-        q, scale, k = coat.quantize_groups(x2.reshape(-1, gs), fp8, dynamic_range_expansion=expand)
+        q, scale, k = coat.quantize_groups(
+            x2.reshape(-1, gs),
+            fp8,
+            dynamic_range_expansion=expand,
+            keep_nonzero=name == "exp_avg_sq",  # as the step stores v
+        )
         state[f"{name}_fp8"].copy_(q.reshape(rows, gc * gs))
         state[f"{name}_scale"].copy_(scale.reshape(rows, gc))
         if k is not None:

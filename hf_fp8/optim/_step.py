@@ -138,7 +138,11 @@ def grouped_step(
                 raise ValueError("stochastic rounding needs the stream keys")
             bits = random_bits(keys[which], new.shape)
         q_new, scale_new, exp_new = quantize_groups(
-            new, q.dtype, dynamic_range_expansion=expand, stochastic_bits=bits
+            new,
+            q.dtype,
+            dynamic_range_expansion=expand,
+            stochastic_bits=bits,
+            keep_nonzero=which == 1,  # a non-zero v never decodes to 0 (update m / eps)
         )
         q.copy_(q_new)
         scale.copy_(scale_new)

@@ -388,10 +388,13 @@ AI float expansion_k(float amax, float amin, float steps) {
 }
 
 /* Quantize one group held in fp32 in buf[0:n] with its exponent k and log2(amax) (EX) or
-   its amax (plain); codes n..gs-1 are set to 0. */
+   its amax (plain); codes n..gs-1 are set to 0. Plain: a NaN element gets code 0; NZ (the
+   second moment): a non-zero element (|x| >= FLT_MIN) at least the smallest subnormal code
+   (coat.quantize_groups' keep_nonzero). EX writes code 0 for NaN (nz is false) and never
+   rounds a non-zero element to 0. */
 AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
                 float k, float lmax, float amax, uint32_t key, const int E5, const int EX,
-                const int SR) {
+                const int SR, const int NZ) {
     const float F = E5 ? E5M2_MAX : E4M3_MAX;
     const float LOG2F = E5 ? E5M2_LOG2MAX : E4M3_LOG2MAX;
     int valid = amax >= FLT_MIN_F;
@@ -422,12 +425,15 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
                 q[i] = enc_fp8_mag(mag, (f2b(x) >> 24) & 0x80u, E5);
         }
     } else {
+        const float sub = E5 ? E5M2_MIN_SUB : E4M3_MIN_SUB;
         float s = amax / F;
         float ss = valid ? s : 1.0f;
         for (uint32_t i = 0; i < (uint32_t)n; ++i) {
-            float v = valid ? buf[i] / ss : 0.0f;
+            float x = buf[i];
+            float v = (valid & (x == x)) ? x / ss : 0.0f;
             v = (v < -F) ? -F : v;
             v = (v > F) ? F : v;
+            if (NZ) v = (fabsf(x) >= FLT_MIN_F) ? ((v > sub) ? v : sub) : v;
             if (SR) v = copysignf(sr_mag(fabsf(v), sr_bits(key, i), E5), v);
             q[i] = enc_fp8(v, E5);
         }
@@ -484,7 +490,7 @@ AI float dec_coat(uint8_t c, const float* restrict ta, const float* restrict tb,
 }
 
 /* Dequantize, AdamW-update and store the new moments of one group (n elements);
-   red receives the bit-pattern max / min-non-zero of |m| and v. */
+   red receives the bit-pattern max (NaN left out) / min-non-zero of |m| and v. */
 AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
                      const uint8_t* restrict qv, float* restrict m_out, float* restrict v_out,
                      float sm, float sv, const float* restrict tam, const float* restrict tbm,
@@ -521,8 +527,10 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
         float vs_ = SQ ? rt : vn;
         v_out[i] = vs_;
         uint32_t a = f2b(mn) & 0x7FFFFFFFu, b = f2b(vs_) & 0x7FFFFFFFu;
-        amx = (a > amx) ? a : amx;
-        avx = (b > avx) ? b : avx;
+        uint32_t af = (a <= INF_BITS) ? a : 0u, bf = (b <= INF_BITS) ? b : 0u; /* NaN: out */
+        amx = (af > amx) ? af : amx;
+        avx = (bf > avx) ? bf : avx;
+        /* NaN bits exceed INF_BITS, the min's start: never the minimum */
         uint32_t an = (a >= FLT_MIN_BITS) ? a : INF_BITS;
         uint32_t bn = (b >= FLT_MIN_BITS) ? b : INF_BITS;
         amn = (an < amn) ? an : amn;
@@ -548,6 +556,7 @@ AI void update_group_ex_v(char* p_, const char* g_, const uint8_t* restrict qm,
     const __m512 am = _mm512_loadu_ps(tam), bm = _mm512_loadu_ps(tbm);
     const __m512 av = _mm512_loadu_ps(tav), bv = _mm512_loadu_ps(tbv);
     const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
+    const __m512i infb = _mm512_set1_epi32((int)INF_BITS);
     float* restrict p32 = (float*)p_;
     uint16_t* restrict pbf = (uint16_t*)p_;
     const float* restrict g32 = (const float*)g_;
@@ -572,8 +581,8 @@ AI void update_group_ex_v(char* p_, const char* g_, const uint8_t* restrict qm,
         _mm512_storeu_ps(v_out + i, vs);
         __m512i a = _mm512_and_si512(_mm512_castps_si512(mn), absm);
         __m512i b = _mm512_and_si512(_mm512_castps_si512(vs), absm);
-        amx = _mm512_max_epu32(amx, a);
-        avx = _mm512_max_epu32(avx, b);
+        amx = _mm512_mask_max_epu32(amx, _mm512_cmple_epu32_mask(a, infb), amx, a); /* no NaN */
+        avx = _mm512_mask_max_epu32(avx, _mm512_cmple_epu32_mask(b, infb), avx, b);
         amn = _mm512_mask_min_epu32(amn, _mm512_cmpge_epu32_mask(a, fmin), amn, a);
         avn = _mm512_mask_min_epu32(avn, _mm512_cmpge_epu32_mask(b, fmin), avn, b);
     }
@@ -667,9 +676,9 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
             const uint32_t e0 = (uint32_t)((g0 + j) * gs); /* flat index of the group */
             prefetch_group(pbase, gbase, mq, vq, g0 + CHUNK + j, ngroups, cols, gs, psz, gsz);
             requant(mb + j * gs, mq + (g0 + j) * gs, nn[j], gs, EX ? km[j] : 0.0f,
-                    EX ? lm[j] : 0.0f, am[j], key_m + e0, E5, EX, SRM);
+                    EX ? lm[j] : 0.0f, am[j], key_m + e0, E5, EX, SRM, 0);
             requant(vb + j * gs, vq + (g0 + j) * gs, nn[j], gs, EX ? kv[j] : 0.0f,
-                    EX ? lv[j] : 0.0f, av[j], key_v + e0, E5, EX, SRV);
+                    EX ? lv[j] : 0.0f, av[j], key_v + e0, E5, EX, SRV, 1);
         }
     }
 }
@@ -742,7 +751,7 @@ AI void update_group_log_v(char* p_, const char* g_, const int8_t* restrict qm,
     const __m512 slv = _mm512_set1_ps(slope), ofv = _mm512_set1_ps(offset);
     const __m512 vmaxc = _mm512_set1_ps((float)LOG_V_MAX), floor_ = _mm512_set1_ps(-(float)av);
     const __m512i avv = _mm512_set1_epi32(av), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
-    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), infb = _mm512_set1_epi32((int)INF_BITS);
     float* restrict p32 = (float*)p_;
     uint16_t* restrict pbf = (uint16_t*)p_;
     const float* restrict g32 = (const float*)g_;
@@ -770,7 +779,7 @@ AI void update_group_log_v(char* p_, const char* g_, const int8_t* restrict qm,
         _mm512_storeu_ps(m_out + i, mn);
         _mm512_storeu_ps(v_out + i, vn);
         __m512i vb = _mm512_and_si512(_mm512_castps_si512(vn), absm);
-        avx = _mm512_max_epu32(avx, vb);
+        avx = _mm512_mask_max_epu32(avx, _mm512_cmple_epu32_mask(vb, infb), avx, vb); /* no NaN */
         avn = _mm512_mask_min_epu32(avn, _mm512_cmpge_epu32_mask(vb, fmin), avn, vb);
     }
     red[0] = _mm512_reduce_max_epu32(avx);
@@ -783,7 +792,7 @@ AI uint32_t requant_log_v_v(float* restrict mb, const float* restrict vb, uint8_
     const __m512 evv = _mm512_set1_ps(ev), slv = _mm512_set1_ps(slope), ofv = _mm512_set1_ps(offset);
     const __m512 vmaxc = _mm512_set1_ps((float)LOG_V_MAX), zero = _mm512_setzero_ps();
     const __m512i vmx = _mm512_set1_epi32((int32_t)vmax), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
-    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), infb = _mm512_set1_epi32((int)INF_BITS);
     const __m512 unit = _mm512_set1_ps(LOG_SR_UNIT);
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i dh = _mm512_set1_epi32((int)(16u * (uint32_t)LOG_WEYL));
@@ -804,11 +813,13 @@ AI uint32_t requant_log_v_v(float* restrict mb, const float* restrict vb, uint8_
         }
         c = _mm512_max_ps(c, zero);
         c = _mm512_min_ps(c, vmaxc);
-        c = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(a, fmin), c);
+        c = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(a, fmin) & _mm512_cmple_epi32_mask(a, infb),
+                                c); /* zero and NaN: code 0 */
         _mm_storeu_si128((__m128i*)(qv + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(c)));
         __m512 mn = _mm512_mul_ps(_mm512_loadu_ps(mb + i), log_m_scale_v(c, slv, ofv, 1));
         _mm512_storeu_ps(mb + i, mn);
-        mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(mn), absm));
+        __m512i mbits = _mm512_and_si512(_mm512_castps_si512(mn), absm);
+        mmax = _mm512_mask_max_epu32(mmax, _mm512_cmple_epu32_mask(mbits, infb), mmax, mbits);
     }
     for (int64_t i = n; i < gs; ++i) qv[i] = 0;
     return _mm512_reduce_max_epu32(mmax);
@@ -838,7 +849,7 @@ AI void requant_log_m_v(const float* restrict mb, int8_t* restrict qm, float inv
         }
         q = _mm512_max_ps(q, lo);
         q = _mm512_min_ps(q, hi);
-        q = _mm512_maskz_mov_ps(keep, q);
+        q = _mm512_maskz_mov_ps(keep & _mm512_cmp_ps_mask(t, t, _CMP_ORD_Q), q); /* NaN: 0 */
         _mm_storeu_si128((__m128i*)(qm + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
     }
     for (int64_t i = n; i < gs; ++i) qm[i] = 0;
@@ -880,7 +891,8 @@ AI void update_group_log(char* p_, const char* g_, const int8_t* restrict qm,
         m_out[i] = mn;
         v_out[i] = vn;
         uint32_t b = f2b(vn) & 0x7FFFFFFFu;
-        avx = (b > avx) ? b : avx;
+        uint32_t bf = (b <= INF_BITS) ? b : 0u; /* NaN: not the maximum */
+        avx = (bf > avx) ? bf : avx;
         uint32_t bn = (b >= FLT_MIN_BITS) ? b : INF_BITS;
         avn = (bn < avn) ? bn : avn;
     }
@@ -899,7 +911,8 @@ AI float log_v_exponent(uint32_t vmax, uint32_t vmin) {
 }
 
 /* Requantize v of one group (codes from its amax bits and k) and, in the same loop, m·2^-e
-   from the new codes (in place in mb); returns the bit pattern of max |m·2^-e|. */
+   from the new codes (in place in mb); returns the bit pattern of max |m·2^-e| (NaN left
+   out). A NaN v gets code 0. */
 AI uint32_t requant_log_v(float* restrict mb, const float* restrict vb, uint8_t* restrict qv,
                           uint32_t vmax, float ev, float slope, float offset, int64_t n,
                           int64_t gs, uint32_t key_v, const int SRV) {
@@ -915,11 +928,12 @@ AI uint32_t requant_log_v(float* restrict mb, const float* restrict vb, uint8_t*
         float c = SRV ? floorf(t + log_uniform(key_v, i)) : rintf(t);
         c = (c > 0.0f) ? c : 0.0f; /* clamps written as max / min */
         c = (c < (float)LOG_V_MAX) ? c : (float)LOG_V_MAX;
-        c = (a >= (int32_t)FLT_MIN_BITS) ? c : 0.0f;
+        c = ((a >= (int32_t)FLT_MIN_BITS) & (a <= (int32_t)INF_BITS)) ? c : 0.0f; /* 0, NaN */
         qv[i] = (uint8_t)(int32_t)c;
         float mn = mb[i] * log_m_scale(c, slope, offset, 1);
         mb[i] = mn;
         uint32_t b = f2b(mn) & 0x7FFFFFFFu;
+        b = (b <= INF_BITS) ? b : 0u; /* NaN: not the maximum */
         mmax = (b > mmax) ? b : mmax;
     }
     for (uint32_t i = (uint32_t)n; i < (uint32_t)gs; ++i) qv[i] = 0;
@@ -940,7 +954,7 @@ AI void requant_log_m(const float* restrict mb, int8_t* restrict qm, float inv, 
         float q = SRM ? copysignf(floorf(fabsf(t) + log_uniform(key_m, i)), t) : rintf(t);
         q = (q > -(float)LOG_M_MAX) ? q : -(float)LOG_M_MAX;
         q = (q < (float)LOG_M_MAX) ? q : (float)LOG_M_MAX;
-        qm[i] = (int8_t)(int32_t)(valid ? q : 0.0f);
+        qm[i] = (int8_t)(int32_t)((valid & (t == t)) ? q : 0.0f); /* NaN: code 0 */
     }
     for (uint32_t i = (uint32_t)n; i < (uint32_t)gs; ++i) qm[i] = 0;
 }
@@ -1006,6 +1020,7 @@ AI void log_chunk(const int64_t* t, int64_t g0, const int nb, float* restrict mb
     }
     for (int j = 0; j < nb; ++j) {
         am[j] = b2f(mmax[j]);
+        am[j] = (am[j] < LOG_M_SAT) ? am[j] : LOG_M_SAT; /* inf / huge m·2^-e saturates */
         int valid = am[j] >= LOG_M_MIN;
         inv[j] = (float)LOG_M_MAX / (valid ? am[j] : 1.0f);
         ms[g0 + j] = valid ? am[j] / (float)LOG_M_MAX : 0.0f;
