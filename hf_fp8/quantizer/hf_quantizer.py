@@ -200,10 +200,13 @@ class Fp8HfQuantizer(HfQuantizer):
             )
         # a layer offloaded to disk never reaches its module: its scales are read and checked
         # while loading (get_new_dtype); otherwise only after loading, where all are in memory
-        self.may_offload_to_disk = (
-            isinstance(device_map, dict) and "disk" in set(map(str, device_map.values()))
-        ) or device_map in ("auto", "balanced", "balanced_low_0", "sequential")
         to_disk = isinstance(device_map, dict) and "disk" in set(map(str, device_map.values()))
+        self.may_offload_to_disk = to_disk or device_map in (
+            "auto",
+            "balanced",
+            "balanced_low_0",
+            "sequential",
+        )
         if to_disk and not self.pre_quantized:
             raise ValueError(
                 "on-the-fly FP8 quantization cannot offload to disk; quantize and save first "
