@@ -27,6 +27,7 @@ _LAZY = {
     "calibrate": "hf_fp8.calibration",
     "export": "hf_fp8.serialization",
     "fully_shard_fp8": "hf_fp8.fsdp",
+    "ignore_fp8_for_ddp": "hf_fp8.ddp",
     "import_checkpoint": "hf_fp8.serialization",
     "inspect_checkpoint": "hf_fp8.serialization",
     "quantize_model": "hf_fp8.quantizer",
@@ -48,6 +49,7 @@ __all__ = [
     "calibrate",
     "export",
     "fully_shard_fp8",
+    "ignore_fp8_for_ddp",
     "import_checkpoint",
     "inspect_checkpoint",
     "quantize_model",
@@ -57,6 +59,7 @@ __all__ = [
 if TYPE_CHECKING:
     from hf_fp8.calibration import calibrate
     from hf_fp8.config import Fp8Config
+    from hf_fp8.ddp import ignore_fp8_for_ddp
     from hf_fp8.fsdp import fully_shard_fp8
     from hf_fp8.hub import set_card_info
     from hf_fp8.modules import Fp8Linear

@@ -17,6 +17,9 @@ patch                  what it changes                              public alter
 ``accelerate_fsdp2``   ``accelerator.prepare`` under FSDP2 with a    ``hf_fp8.fully_shard_fp8(model)``
                        casting ``mixed_precision`` shards FP8       before ``accelerator.prepare``
                        modules in fp8-keeping groups first
+``accelerate_ddp``     ``accelerator.prepare`` in DDP mode          ``hf_fp8.ignore_fp8_for_ddp(model)``
+                       (``MULTI_CPU`` / ``MULTI_GPU``) keeps fp8    before ``accelerator.prepare``
+                       codes out of DDP, broadcasts them as bytes
 ``fp8_without_config`` ``from_pretrained`` of a local folder whose   keep ``config.json``'s
                        fp8 weights have scales but whose config     ``quantization_config``; pass no
                        has no ``quantization_config``: refused      base-model ``config=``
@@ -88,6 +91,13 @@ PATCHES: dict[str, Patch] = {
         ("transformers.modeling_utils",),
         "model.half() / model.float() on hf_fp8 models",
         "model.to(torch.float16) / model.to(torch.float32)",
+    ),
+    "accelerate_ddp": Patch(
+        "hf_fp8.patches.accelerate_ddp",
+        ("accelerate.accelerator",),
+        "DistributedDataParallel of FP8 models by accelerator.prepare (MULTI_CPU / MULTI_GPU)",
+        "model.to(accelerator.device); hf_fp8.ignore_fp8_for_ddp(model) before "
+        "accelerator.prepare(model, ...)",
     ),
     "fp8_without_config": Patch(
         "hf_fp8.patches.fp8_without_config",
