@@ -88,6 +88,26 @@ def _fallback(observers: dict[str, Observer], current: dict[str, float | None]) 
     return scales
 
 
+def _refuse_offloaded(layers: dict[str, Fp8Linear], experts: dict[str, ExpertsObservation]) -> None:
+    """Refuse static layers whose tensors are on the meta device (offloaded by accelerate's
+    hooks, which read them from disk / CPU at forward time): a scale written into such a
+    module would not be used by the forward nor saved."""
+    offloaded = [name for name, m in layers.items() if m.weight.is_meta]
+    offloaded += [
+        name
+        for name, obs in experts.items()
+        if any(getattr(obs.module, proj).is_meta for proj in obs.module.layout.projections)
+    ]
+    if offloaded:
+        raise ValueError(
+            f"calibrate: {len(offloaded)} static layer(s) are offloaded (their tensors are on "
+            f"the meta device, read from disk or CPU at forward time): {_names(offloaded)}. "
+            "New input scales cannot be written into an offloaded layer (the forward and "
+            "save_pretrained would keep the old ones). Calibrate the model loaded without "
+            "offloading, save_pretrained it, then reload the saved folder with this device_map"
+        )
+
+
 def calibrate(
     model: nn.Module,
     batches: Any,
@@ -117,6 +137,8 @@ def calibrate(
     Static ``Fp8Experts`` get one scale per expert and projection, from the rows routed to
     that expert (an expert no token reached falls back as above).
     Returns the scales by module name (``"<experts>.<proj>[<expert>]"`` for experts).
+    A model with offloaded static layers (``device_map`` with ``"disk"``, CPU offload) is
+    refused before any batch runs: calibrate it without offloading, save, and reload.
     """
     with torch.no_grad():
         return _calibrate(model, batches, observer, progress, observer_kwargs)
@@ -142,6 +164,7 @@ def _calibrate(
             "the model has no static FP8 layers to calibrate: load or quantize it with "
             "Fp8Config('static')"
         )
+    _refuse_offloaded(layers, experts)
     observers = {name: make(fp8_dtype(m.fp8_format)) for name, m in layers.items()}
     current: dict[str, float | None] = {
         name: None if m.input_scale is None or m.input_scale.is_meta else float(m.input_scale)

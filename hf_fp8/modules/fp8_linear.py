@@ -104,6 +104,8 @@ class Fp8Linear(RecipeWords, nn.Linear):
         self.register_parameter("bias", None if bias_hp is None else nn.Parameter(bias_hp))
         self.register_parameter("input_scale", None)
         if input_scale is not None:
+            if weight.is_meta:  # deferred init (init_empty_weights, FSDP2): the load fills it
+                input_scale = self._checked_scale(input_scale).to("meta")
             self.set_input_scale(input_scale)
 
     # -- the recipe: resolved once, read through these properties --------------------------------
@@ -156,18 +158,34 @@ class Fp8Linear(RecipeWords, nn.Linear):
     def reset_parameters(self) -> None:
         """No-op: FP8 weights come from ``from_linear`` or a checkpoint, never random init."""
 
-    def set_input_scale(self, scale: float | torch.Tensor) -> None:
-        """Set the static activation scale (``x ≈ x_fp8 * scale``)."""
+    def _checked_scale(self, scale: float | torch.Tensor) -> torch.Tensor:
+        """``scale`` as fp32 ``[1]``: a static layer only, positive and finite (a meta value
+        cannot be checked)."""
         if not self.recipe.is_static:
             raise ValueError(
                 f"input_scale is only used by activation_scheme='static', this layer is "
                 f"{self.activation_scheme!r}"
             )
         scale = torch.as_tensor(scale, dtype=torch.float32).reshape(1)
-        if not scale.is_meta:  # a meta value cannot be checked (nor a meta layer hold one)
+        if not scale.is_meta:
             value = float(scale.detach().cpu())
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"input_scale must be a positive finite number, got {value}")
+        return scale
+
+    def set_input_scale(self, scale: float | torch.Tensor) -> None:
+        """Set the static activation scale (``x ≈ x_fp8 * scale``). A value is refused on
+        a layer whose weight is on the meta device (offloaded): it could not be kept there;
+        a meta layer takes a meta scale (built before loading)."""
+        scale = self._checked_scale(scale)
+        if not scale.is_meta and self.weight.is_meta:
+            raise ValueError(
+                f"{self.__dict__.get('fp8_name') or 'this layer'}: the weight is on the meta "
+                "device (offloaded by accelerate's device_map to disk or CPU, or not loaded "
+                "yet), so an input_scale set here would be dropped, not used nor saved. Set "
+                "it on the model loaded without offloading, save_pretrained it, and reload the "
+                "saved folder with the device_map"
+            )
         scale = scale.detach().to(self.weight.device, copy=True)
         self.input_scale = nn.Parameter(scale, requires_grad=False)
 
