@@ -50,3 +50,28 @@ def test_calibrate_refuses_disk_offloaded_static_layers(static_dir, tmp_path):
     assert _scales(model) == before  # nothing half-written
     with torch.no_grad():
         assert torch.equal(model(**model_inputs("llama")).logits, reference)
+
+
+def test_calibrate_refuses_disk_offloaded_static_experts(tmp_path):
+    from tests.tiny_models import tiny_mixtral
+
+    torch.manual_seed(0)
+    source = tmp_path / "mixtral"
+    tiny_mixtral().save_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, quantization_config=Fp8Config("static", activation_scale=0.05)
+    )
+    static = tmp_path / "static"
+    model.save_pretrained(static)
+    device_map = {"model.layers.1": "disk"} | {
+        name: "cpu"
+        for name in ("model.embed_tokens", "model.layers.0", "model.norm", "model.rotary_emb")
+    }
+    device_map["lm_head"] = "cpu"
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        static, device_map=device_map, offload_folder=str(tmp_path / "offload")
+    )
+    experts = offloaded.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.is_meta  # really offloaded
+    with pytest.raises(ValueError, match=r"offloaded.*model\.layers\.1\.mlp\.experts"):
+        hf_fp8.calibrate(offloaded, [model_inputs("llama")], progress=False)
