@@ -2,13 +2,15 @@
 
 Besides adapters, peft trains whole modules: ``modules_to_save`` (a trainable copy per adapter,
 ``ModulesToSaveWrapper``; ``task_type="SEQ_CLS"`` adds the classifier head ``classifier`` /
-``score`` itself) and ``trainable_token_indices`` (token rows written into the layer's weight,
-``TrainableTokensWrapper``). On an FP8 layer (``Fp8Linear``, ``Fp8Experts``, or a block that
-holds one) neither can work: the copy's fp8 codes and scales take no gradient, so it trains
-nothing (silently once ``freeze_fp8`` is called), an adapter's saved high-precision copy would
-load into fp8 codes without its scales, and token rows cannot be written into fp8 codes. The
-``peft_lora`` patch (``hf_fp8.patches.peft_lora``) calls :func:`check_trainable_copy` before
-peft builds either wrapper (``get_peft_model``, ``add_adapter``, ``PeftModel.from_pretrained``).
+``score`` itself) and trainable tokens (token rows written into the layer's weight:
+``trainable_token_indices`` through ``TrainableTokensWrapper``, or the method of its own,
+``TrainableTokensConfig``, through ``TrainableTokensLayer``). On an FP8 layer (``Fp8Linear``,
+``Fp8Experts``, or a block that holds one) none can work: the copy's fp8 codes and scales take
+no gradient, so it trains nothing (silently once ``freeze_fp8`` is called), an adapter's saved
+high-precision copy would load into fp8 codes without its scales, and token rows cannot be
+written into fp8 codes. The ``peft_lora`` patch (``hf_fp8.patches.peft_lora``) calls
+:func:`check_trainable_copy` before peft builds any of them (``get_peft_model``,
+``add_adapter``, ``PeftModel.from_pretrained``).
 High-precision modules (``lm_head`` and classifier heads are kept so by default) are untouched.
 """
 
@@ -26,6 +28,7 @@ _WHAT_PEFT_DOES = {
     "trainable_token_indices": "peft would write trained token rows into its fp8 codes, which "
     "take no gradient and have no per-token scale",
 }
+_WHAT_PEFT_DOES["TrainableTokensConfig target_modules"] = _WHAT_PEFT_DOES["trainable_token_indices"]
 
 
 def fp8_parts(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -45,8 +48,8 @@ def _full_name(parts: list[tuple[str, nn.Module]]) -> str:
 
 
 def check_trainable_copy(what: str, module: nn.Module) -> None:
-    """Raise ``ValueError`` when peft's ``what`` (``"modules_to_save"`` /
-    ``"trainable_token_indices"``) targets ``module`` and it is, or holds, an FP8 layer."""
+    """Raise ``ValueError`` when peft's ``what`` (``"modules_to_save"``,
+    ``"trainable_token_indices"``, ...) targets ``module`` and it is, or holds, an FP8 layer."""
     parts = fp8_parts(module)
     if not parts:
         return

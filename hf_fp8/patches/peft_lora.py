@@ -11,9 +11,10 @@ fp8 weights and DoRA fails. ``Fp8Experts`` is mapped to ``hf_fp8.lora.refuse_lor
 LoRA on FP8 experts is refused when ``get_peft_model`` reaches them, with the fix.
 
 It also checks, before peft builds one, every ``AuxiliaryTrainingWrapper`` (``modules_to_save``,
-``trainable_token_indices``): on an FP8 layer it is refused at ``get_peft_model`` with the fix
-(``hf_fp8.peft_trainable``), for every peft method. If that wrapper class changed, only this
-check turns off (one warning); the LoRA registration stays.
+``trainable_token_indices``) and ``TrainableTokensLayer`` (``TrainableTokensConfig``): on an FP8
+layer it is refused at ``get_peft_model`` with the fix (``hf_fp8.peft_trainable``), for every
+peft method. If those classes changed, only this check turns off (one warning); the LoRA
+registration stays.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 TRIGGER = "peft.tuners.lora.config"
 WRAPPERS = "peft.utils.other"  # AuxiliaryTrainingWrapper (modules_to_save, trainable tokens)
+TOKENS = "peft.tuners.trainable_tokens.layer"  # TrainableTokensLayer (TrainableTokensConfig)
 
 
 def register(config) -> None:
@@ -46,30 +48,56 @@ def applied() -> bool:
     return bool(getattr(getattr(config_cls, "__post_init__", None), "_hf_fp8", False))
 
 
-def guard_trainable_copies() -> None:
-    """Wrap ``AuxiliaryTrainingWrapper.__init__`` once: refuse FP8 layers before peft copies
-    them (``hf_fp8.peft_trainable.check_trainable_copy``)."""
-    import importlib
-
-    wrapper_cls = importlib.import_module(WRAPPERS).AuxiliaryTrainingWrapper
-    original = wrapper_cls.__init__
+def _guard_init(cls: type, what: str | None) -> None:
+    """Wrap ``cls.__init__`` once: refuse an FP8 first argument (the module peft wraps) before
+    peft copies it or reads its weight (``hf_fp8.peft_trainable.check_trainable_copy``)."""
+    original = cls.__init__
     if getattr(original, "_hf_fp8", False):
         return
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        module = args[0] if args else kwargs.get("module_to_save")
+        module = args[0] if args else kwargs.get("module_to_save", kwargs.get("base_layer"))
         if isinstance(module, nn.Module):
             from hf_fp8.peft_trainable import check_trainable_copy
 
             # peft's own word for the option ("modules_to_save", "trainable_token_indices")
             name_of = getattr(type(self), "_error_message_name", None)
-            what = name_of(self) if callable(name_of) else type(self).__name__
-            check_trainable_copy(what, module)
+            option = what or (name_of(self) if callable(name_of) else type(self).__name__)
+            check_trainable_copy(option, module)
         original(self, *args, **kwargs)
 
     __init__._hf_fp8 = True
-    wrapper_cls.__init__ = __init__
+    cls.__init__ = __init__
+
+
+def guard_trainable_copies() -> None:
+    """Refuse FP8 layers in peft's ``AuxiliaryTrainingWrapper`` (``modules_to_save``,
+    ``trainable_token_indices``) now, and in ``TrainableTokensLayer`` (the trainable-tokens
+    method) once peft imports it."""
+    import importlib
+
+    import _hf_fp8_autoload
+
+    _guard_init(importlib.import_module(WRAPPERS).AuxiliaryTrainingWrapper, None)
+    _hf_fp8_autoload.when_imported(TOKENS, _guard_tokens)
+
+
+def _guard_tokens(module) -> None:
+    try:
+        _guard_init(module.TrainableTokensLayer, "TrainableTokensConfig target_modules")
+    except Exception as exc:
+        _partly_off(exc)
+
+
+def _partly_off(exc: Exception) -> None:
+    from hf_fp8.patches import disable
+
+    disable(
+        "peft_lora",
+        f"the check refusing peft modules_to_save / trainable tokens on FP8 layers is off: {exc!r}",
+        partly=True,
+    )
 
 
 def apply() -> None:
@@ -77,14 +105,7 @@ def apply() -> None:
     try:
         guard_trainable_copies()
     except Exception as exc:  # the LoRA registration below works without it
-        from hf_fp8.patches import disable
-
-        disable(
-            "peft_lora",
-            f"the check refusing peft modules_to_save / trainable_token_indices on FP8 layers "
-            f"is off: {exc!r}",
-            partly=True,
-        )
+        _partly_off(exc)
     module = sys.modules.get(TRIGGER)
     if module is None:
         import importlib

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import transformers as tf
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, TrainableTokensConfig, get_peft_model
 
 import hf_fp8
 from hf_fp8 import Fp8Config, Fp8Linear, quantize_model
@@ -77,6 +77,16 @@ def test_trainable_token_indices_on_an_fp8_lm_head_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"trainable_token_indices.*lm_head.*FP8") as err:
         get_peft_model(_llama(fp8_heads=True), config)
     _fix_named(err, "trainable_token_indices", "lm_head")
+
+
+@pytest.mark.parametrize("target", ["lm_head", "o_proj"])
+def test_trainable_tokens_method_on_an_fp8_layer_is_refused_with_the_fix(target):
+    """peft's standalone trainable-tokens method (TrainableTokensConfig) made fp8 token rows
+    trainable and failed in the first forward (``index_copy`` of fp8), naming nothing."""
+    config = TrainableTokensConfig(target_modules=[target], token_indices=[1, 2])
+    with pytest.raises(ValueError, match=rf"TrainableTokensConfig.*{target}.*FP8") as err:
+        get_peft_model(_llama(fp8_heads=True), config)
+    _fix_named(err, "TrainableTokensConfig", target)
 
 
 def test_modules_to_save_on_fp8_experts_is_refused():
@@ -152,6 +162,30 @@ def test_modules_to_save_of_a_high_precision_head_trains_as_without_fp8(cls, hea
         assert torch.equal(wrapper.original_module.weight, before)  # the original did not
         copies.append(trained - before)
     torch.testing.assert_close(copies[0], copies[1], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["trainable_token_indices", "TrainableTokensConfig"])
+def test_trainable_tokens_of_the_high_precision_embedding_train_as_without_fp8(method):
+    """Token rows of the embedding (never FP8) train as on the dequantized model."""
+    fp8 = _llama(scheme="weight_only")
+    dense = copy.deepcopy(fp8).dequantize()
+    labels = model_inputs("llama")["input_ids"]
+    deltas = []
+    for model in (fp8, dense):
+        if method == "TrainableTokensConfig":
+            config = TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[3, 5])
+        else:
+            config = LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5])
+        torch.manual_seed(1)
+        peft_model = get_peft_model(model, config)
+        embed = peft_model.base_model.model.model.embed_tokens
+        layer = getattr(embed, "token_adapter", embed)
+        before = layer.trainable_tokens_delta["default"].detach().clone()
+        _train(peft_model, labels)
+        delta = layer.trainable_tokens_delta["default"].detach() - before
+        assert delta.abs().sum() > 0
+        deltas.append(delta)
+    torch.testing.assert_close(deltas[0], deltas[1], rtol=1e-3, atol=1e-5)
 
 
 def test_patch_status_stays_on():
