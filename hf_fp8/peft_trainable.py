@@ -32,8 +32,13 @@ _WHAT_PEFT_DOES["TrainableTokensConfig target_modules"] = _WHAT_PEFT_DOES["train
 
 
 def fp8_parts(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The FP8 modules in ``module`` (itself included, named ``""``), by name relative to it."""
-    return [(n, m) for n, m in module.named_modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+    """The FP8 modules in ``module`` (itself included, named ``""``), by name relative to it
+    (peft's ``base_layer`` steps left out: ``q_proj``, not ``q_proj.base_layer``)."""
+    return [
+        (".".join(p for p in n.split(".") if p and p != "base_layer"), m)
+        for n, m in module.named_modules()
+        if isinstance(m, (Fp8Linear, Fp8Experts))
+    ]
 
 
 def _full_name(parts: list[tuple[str, nn.Module]]) -> str:
