@@ -485,6 +485,8 @@ class Fp8Experts(RecipeWords, nn.Module):
                 )
         new._set_config_input_scales(config, prefix)
         new._carry_over(module)
+        if module_name:
+            new.__dict__["fp8_name"] = module_name  # named in errors, as Fp8Linear.from_linear
         return new
 
     @classmethod
