@@ -203,21 +203,29 @@ def merge_card(existing: str | None, info: CardInfo, **render_kwargs) -> str:
 def same_model(previous: CardInfo, info: CardInfo) -> bool:
     """Whether an earlier card describes the model ``info`` describes, so that its facts
     (base model, measured fidelity) still hold: the same format and scheme, and the same base
-    model and architecture where both cards name one. A different model saved into the same
-    folder starts from a card without them."""
+    model, architecture and whole ``quantization_config`` (skips, weight scale method,
+    activation scales, ...) where both cards record one. A different model saved into the
+    same folder, or the same one quantized otherwise, starts from a card without them."""
 
     def norm(value: Any) -> Any:
         return json.loads(json.dumps(value, sort_keys=True))
 
-    def differ(a: str | None, b: str | None) -> bool:
-        return a is not None and b is not None and a != b
+    def differ(a: Any, b: Any) -> bool:
+        return a is not None and b is not None and norm(a) != norm(b)
 
     return (
         previous.format == info.format
         and norm(previous.scheme) == norm(info.scheme)
         and not differ(previous.base_model, info.base_model)
         and not differ(previous.architecture, info.architecture)
+        and not differ(_quantization_config(previous), _quantization_config(info))
     )
+
+
+def _quantization_config(info: CardInfo) -> dict[str, Any] | None:
+    """The ``quantization_config`` a card records (cards rendered from a checkpoint folder,
+    or by an older hf_fp8, record none)."""
+    return getattr(info, "quantization_config", None)
 
 
 _READ = object()

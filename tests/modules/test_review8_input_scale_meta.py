@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_fp8 import Fp8Linear
+from hf_fp8.modules import fp8_experts
 
 
 def _static(device: str) -> Fp8Linear:
@@ -36,3 +37,24 @@ def test_meta_scale_on_a_meta_layer_is_kept_and_real_layers_take_values():
     real = _static("cpu")
     real.set_input_scale(0.25)
     assert float(real.input_scale) == 0.25 and real.input_scale.device.type == "cpu"
+
+
+@pytest.mark.xfail(
+    not hasattr(fp8_experts, "_placeholder"),
+    strict=True,
+    reason="needs the hf_fp8/modules/fp8_experts.py change in HC2's report",
+)
+def test_experts_refuse_a_real_scale_on_meta_weights_and_build_on_meta():
+    from hf_fp8 import Fp8Config
+    from hf_fp8.modules import Fp8Experts
+    from tests.tiny_models import tiny_mixtral
+
+    torch.manual_seed(0)
+    source = tiny_mixtral().model.layers[0].mlp.experts
+    config = Fp8Config("static", activation_scale=0.05)
+    built = Fp8Experts.empty_like(source, config, module_name="e", device="meta")
+    assert built.down_proj_input_scale.is_meta  # the quantizer's swap still builds
+    built.__dict__["fp8_name"] = "model.layers.1.mlp.experts"
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: down_proj.*meta"):
+        built.set_input_scale("down_proj", 0.25)
+    built.set_input_scale("down_proj", torch.empty(built.num_experts, device="meta"))
