@@ -6,9 +6,11 @@ The header is parsed by safetensors itself (``safe_open``: its length limit, its
 limit, its validation, no tensor data read), so what is read here is exactly what the loader
 will accept. A file it refuses (not a regular file, a header longer than the file or than
 100 MB, deep nesting, lists where a tensor entry belongs …) gives ``None``: not checkable, and
-the loader that reads it next reports that in its own words. No Python object is built from a
-header (a hostile one cost a RecursionError or +532 MB before); safetensors' parse costs what
-the load that follows costs. A symlink is read like the loader reads it (its target).
+the loader that reads it next reports that in its own words; so does any other error reading
+the file (a ``ValueError``, a name that is not UTF-8, R9 2), while an error of safetensors' API
+(an ``AttributeError`` …) is let out: it is the check's own failure. No Python object is built
+from a header (a hostile one cost a RecursionError or +532 MB before); safetensors' parse costs
+what the load that follows costs. A symlink is read like the loader reads it (its target).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def tensor_dtypes(path: str | os.PathLike) -> dict[str, str] | None:
         if not _header_fits(path):
             return None
         handle = safe_open(os.fspath(path), "pt")
-    except (OSError, SafetensorError):
+    except (OSError, SafetensorError, ValueError, struct.error):  # a damaged file (R9 2)
         return None
     with handle as f:
         return {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118
