@@ -6,7 +6,9 @@
   config). transformers builds plain ``nn.Linear`` layers, reads the fp8 codes into them as
   plain values and drops every ``weight_scale`` as UNEXPECTED: the model loads and its outputs
   are garbage (logits off by 1.43 relative). :func:`check_fp8_has_config` raises when an fp8
-  tensor has a ``*weight_scale`` (or ``*weight_scale_inv``) sibling.
+  tensor has a ``*weight_scale`` (or ``*weight_scale_inv``) sibling, or lies under a module
+  that holds a merged experts scale (``experts.gate_up_proj_weight_scale``: hf_fp8 saves the
+  expert codes one per expert, ``experts.0.w1.weight``, and their scales merged, R9 1).
 * transformers' own ``fp8`` quantizer (FineGrainedFP8) on a per-tensor vLLM ``fp8`` export:
   it reads ``weight_scale_inv`` only, so the export's ``weight_scale`` is dropped the same way.
   :func:`check_fp8_scales_for_finegrained` raises when an fp8 tensor has a ``weight_scale``
@@ -42,6 +44,9 @@ from hf_fp8.utils.safetensors_header import tensor_dtypes
 FP8_DTYPE_NAMES = ("F8_E4M3", "F8_E5M2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 STATE_DICT = "the state_dict= passed"  # what messages name as the "file" of a state dict
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
+# the scale leaves of merged (fused 3-D) experts parameters: hf_fp8's Fp8Experts
+# (``gate_up_proj_weight_scale``), transformers' FP8Experts (``gate_up_proj_scale_inv``)
+_MERGED_SCALE_SUFFIXES = ("_weight_scale", "_weight_scale_inv", "_scale_inv")
 # scale names transformers' FineGrainedFP8 reads (it renames .scale / .qscale_weight)
 _FINEGRAINED_SCALES = ("weight_scale_inv", "qscale_weight", "scale")
 _FIX_PER_TENSOR = (
@@ -56,6 +61,19 @@ class _Headers:
 
     fp8: list[tuple[str, str, str]] = field(default_factory=list)  # (tensor, dtype, file)
     scales: dict[str, dict[str, str]] = field(default_factory=dict)  # prefix -> {leaf: name}
+    merged: dict[str, list[str]] = field(default_factory=dict)  # experts module -> its scales
+
+    def scale_of(self, name: str) -> str | None:
+        """A scale stored for the fp8 tensor ``name``: a sibling (same module), or a merged
+        experts scale of a module above it (its codes saved per expert, R9 1)."""
+        prefix = name.rpartition(".")[0]
+        if prefix in self.scales:
+            return next(iter(self.scales[prefix].values()))
+        while prefix:
+            prefix = prefix.rpartition(".")[0]
+            if prefix in self.merged:
+                return " / ".join(sorted(self.merged[prefix]))
+        return None
 
 
 def _file_dtypes(file: str) -> dict[str, str] | None:
@@ -87,7 +105,10 @@ def _read_headers(files: Iterable[str], state_dict: Any = None) -> _Headers:
     for file, dtypes in _sources(files, state_dict):
         for name, dtype in dtypes.items():
             prefix, _, leaf = name.rpartition(".")
-            if leaf.endswith(_SCALE_SUFFIXES) or leaf in _FINEGRAINED_SCALES:
+            merged = leaf.endswith(_MERGED_SCALE_SUFFIXES) and leaf not in _SCALE_SUFFIXES
+            if merged:
+                found.merged.setdefault(prefix, []).append(name)
+            if merged or leaf.endswith(_SCALE_SUFFIXES) or leaf in _FINEGRAINED_SCALES:
                 found.scales.setdefault(prefix, {}).setdefault(leaf, name)
             elif dtype in FP8_DTYPE_NAMES:
                 found.fp8.append((name, dtype, file))
@@ -143,11 +164,10 @@ def check_fp8_has_config(
     message: with no quantizer, a ``quantization_config`` on it is one transformers did not act
     on (an unknown ``quant_method``)."""
     found = _read_headers(files or (), state_dict)
-    hit = next(((n, d, f) for n, d, f in found.fp8 if n.rpartition(".")[0] in found.scales), None)
+    hit = next(((n, d, f, s) for n, d, f in found.fp8 if (s := found.scale_of(n))), None)
     if hit is None:
         return
-    name, dtype, file = hit
-    scale = next(iter(found.scales[name.rpartition(".")[0]].values()))
+    name, dtype, file, scale = hit
     if quantizing is not None:
         how = (
             f"with quantization_config quant_method={quantizing!r}, which quantizes on the fly "
