@@ -7,6 +7,7 @@ References are computed here on the full data (torch's own cast, ``torch.quantil
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,8 +17,8 @@ E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (OCP FP8 spec)
 
 
-def _outlier_channel(tokens: int, hidden: int, channel: int = 7, gain: float = 60.0):
-    gen = torch.Generator().manual_seed(0)
+def _outlier_channel(tokens: int, hidden: int, channel: int = 7, gain: float = 60.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen)
     x[:, channel] *= gain  # LLM activations have a few channels far larger than the rest
     return x
@@ -67,3 +68,41 @@ def test_minmax_still_sees_every_value():
     obs = make_observer("minmax", E4M3)
     obs.update(x)
     assert float(obs.amax()) == 1e4
+
+
+def _full_data_best(x: torch.Tensor) -> float:
+    top = float(x.abs().max())
+    return min(_fake_quant_mse(x, top * f) for f in np.linspace(0.3, 1.0, 50))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mse_observer_sees_the_outlier_channel_of_a_power_of_two_input(seed):
+    # 1M values, the per-batch sample is 32k: the old stride 32 saw channels 0, 32, 64, ...
+    x = _outlier_channel(1024, 1024, seed=seed)
+    obs = make_observer("mse", E4M3)
+    obs.update(x)
+    chosen = float(obs.amax())
+    # old code: clip 0.47 x amax, 33x the best full-data MSE, 7 % of channel 7 clipped
+    assert _fake_quant_mse(x, chosen) <= _full_data_best(x) * 1.2, chosen / float(x.abs().max())
+    assert float((x[:, 7].abs() > chosen).float().mean()) < 0.01
+
+
+def test_mse_observer_over_many_batches_matches_the_full_data_choice():
+    # 12 batches of 256k values: more kept than ``sample``, so the estimate is thinned
+    batches = [_outlier_channel(256, 1024, seed=s) for s in range(12)]
+    obs = make_observer("mse", E4M3)
+    for x in batches:
+        obs.update(x)
+    everything = torch.cat(batches)
+    assert _fake_quant_mse(everything, float(obs.amax())) <= _full_data_best(everything) * 1.2
+
+
+def test_mse_sample_with_nonfinite_values_still_covers_every_channel():
+    # a NaN drops the row structure (the finite values are flattened): sampled value by value
+    x = _outlier_channel(1024, 1024, seed=3)
+    x[3, 5] = float("nan")
+    obs = make_observer("mse", E4M3)
+    obs.update(x)
+    finite = torch.nan_to_num(x, nan=0.0)
+    assert _fake_quant_mse(finite, float(obs.amax())) <= _full_data_best(finite) * 1.2
+    assert obs.nonfinite == 1
