@@ -19,6 +19,7 @@ linear per expert and projection), so the format code handles experts like any l
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,8 +186,14 @@ def model_name(model_type: str | None, key: str) -> str:
     """``key`` (a checkpoint tensor name) under the model's own module names: transformers'
     renamings for ``model_type`` applied (Mixtral's ``block_sparse_moe`` → ``mlp``,
     GraniteMoE's ``input_linear.weight`` → ``experts.gate_up_proj``); unchanged without any."""
+    return model_names(model_type, [key])[key]
+
+
+def model_names(model_type: str | None, keys: Iterable[str]) -> dict[str, str]:
+    """``{key: model_name(model_type, key)}`` of many keys, transformers' mapping read once."""
+    keys = list(keys)
     if not model_type:
-        return key
+        return {k: k for k in keys}
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, apply_renamings
 
@@ -195,7 +202,7 @@ def model_name(model_type: str | None, key: str) -> str:
         for c in get_checkpoint_conversion_mapping(model_type) or []
         if isinstance(c, WeightRenaming)
     ]
-    return apply_renamings(key, renamings) if renamings else key
+    return {k: apply_renamings(k, renamings) if renamings else k for k in keys}
 
 
 # leaves of the fused 3-D expert parameters of transformers' experts modules
@@ -277,18 +284,25 @@ def high_precision_fused_experts(
     the checkpoint's config, e.g. on the meta device) that the checkpoint ``tensors`` hold in
     high precision and not one linear per expert: fused 3-D parameters (Llama-4, gpt-oss) or
     renamed ones (GraniteMoE's ``input_linear``). An experts module is FP8 on disk when a scale
-    is stored under its name (hf_fp8 keeps every experts scale there, also for experts whose
-    codes are saved per expert). ``per_expert`` (:func:`high_precision_experts`) lists those
-    found per expert already."""
+    or an fp8 tensor is stored under its name (hf_fp8 keeps every experts scale there, also for
+    experts whose codes are saved per expert), the stored names read as the model's
+    (transformers' renamings: MiniMax and Mixtral store ``block_sparse_moe``, the model says
+    ``mlp``, R9 4). ``per_expert`` (:func:`high_precision_experts`) lists those found per expert
+    already."""
     from hf_fp8.modules import is_experts_module
 
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fp8_owners = set()
+    for key, name in model_names(model_type, tensors).items():
+        if "_scale" in name.rpartition(".")[2] or tensors[key].dtype in FP8_DTYPE_NAMES:
+            parts = name.split(".")
+            fp8_owners.update(".".join(parts[:i]) for i in range(1, len(parts)))
     covered = set(per_expert.values())
     found = {}
     for name, module in model.named_modules():
         if not name or name in covered or not is_experts_module(module):
             continue
-        prefix = name + "."
-        if not any(k.startswith(prefix) and "_scale" in k for k in tensors):
+        if name not in fp8_owners:
             found[name] = _num_experts(module)
     return found
 

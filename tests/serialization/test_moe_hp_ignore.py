@@ -59,6 +59,18 @@ FAMILIES = {
         dict(moe_intermediate_size=32, num_experts=4),
         "model.layers.{i}.mlp.experts",
     ),
+    # stored block_sparse_moe, the model's mlp; lightning attention keeps 3-D float buffers
+    # (slope_rate, query_decay, key_decay) that are not experts
+    "minimax": (
+        tf.MiniMaxConfig,
+        dict(
+            intermediate_size=32,
+            num_local_experts=4,
+            block_size=16,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+        "model.layers.{i}.block_sparse_moe.experts",
+    ),
 }
 CT = "compressed-tensors"
 # per-tensor weights and activations: a recipe both formats hold
@@ -120,6 +132,23 @@ def test_fp8_experts_next_to_high_precision_ones_stay_quantized(family_dir, tmp_
     assert not ct_ignores_moe(ct, "model.layers.1.mlp.experts")
     assert not ct_old_ignores_moe(ct, "model.layers.1.mlp.experts")
     assert not fp8_skips_moe(fp8, "model.layers.1.mlp.experts")
+
+
+@pytest.mark.parametrize("family", ["minimax", "mixtral"])
+def test_all_fp8_experts_are_not_ignored(family, family_dir, tmp_path):
+    """R9 4: an all-FP8 MiniMax export listed its FP8 experts as high precision (26 of 27
+    ignore entries): its 3-D buffers made the exporter look on the model for fused experts,
+    and it looked for their scales under the model's names (``mlp``) among the stored ones
+    (``block_sparse_moe``). Nothing but what is kept in high precision is ignored."""
+    model = _quantized(family_dir(family), [])
+    assert any(type(m).__name__ == "Fp8Experts" for m in model.modules())
+    ct = _export(model, tmp_path / "ct", CT)
+    fp8 = _export(model, tmp_path / "fp8", "vllm-fp8")
+    assert not [x for x in ct + fp8 if "experts" in x], (ct, fp8)
+    for i in range(SIZES["num_hidden_layers"]):
+        layer = FAMILIES[family][2].format(i=i)
+        assert not ct_ignores_moe(ct, layer) and not ct_old_ignores_moe(ct, layer)
+        assert not fp8_skips_moe(fp8, layer)
 
 
 @pytest.mark.parametrize("family", ["llama4_text", "gpt_oss"])
