@@ -11,6 +11,11 @@ high-precision copy would load into fp8 codes without its scales, and token rows
 written into fp8 codes. The ``peft_lora`` patch (``hf_fp8.patches.peft_lora``) calls
 :func:`check_trainable_copy` before peft builds any of them (``get_peft_model``,
 ``add_adapter``, ``PeftModel.from_pretrained``).
+
+peft's methods other than LoRA (IA3, LoHa, LoKr, AdaLoRA, OFT, BOFT, VeRA, LN-tuning, ...) read
+or write the base weight directly, so on FP8 layers they are refused the same way, per target,
+by :func:`check_peft_method` (LoRA has ``hf_fp8.lora.Fp8LoraLinear``; BEFT touches only the
+high-precision bias and works).
 High-precision modules (``lm_head`` and classifier heads are kept so by default) are untouched.
 """
 
@@ -52,6 +57,33 @@ def _full_name(parts: list[tuple[str, nn.Module]]) -> str:
     return ""
 
 
+def _describe(parts: list[tuple[str, nn.Module]], name: str, module: nn.Module) -> str:
+    """``name, an FP8 layer (Fp8Linear)`` or ``name, which holds FP8 layers (...)``."""
+    kinds = sorted({type(m).__name__ for _, m in parts})
+    if parts[0][0] == "":
+        return f"{name + ', ' if name else ''}an FP8 layer ({kinds[0]})"
+    held = ", ".join(rel for rel, _ in parts[:4]) + (", ..." if len(parts) > 4 else "")
+    return f"{name or type(module).__name__}, which holds FP8 layers ({held}: {', '.join(kinds)})"
+
+
+def _lora_fix(parts: list[tuple[str, nn.Module]], short: str) -> str:
+    """LoRA where hf_fp8 supports it: on the FP8 linears, around FP8 experts."""
+    if any(isinstance(m, Fp8Experts) for _, m in parts):
+        return (
+            "train LoRA adapters on the attention and dense layers instead "
+            "(LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']))"
+        )
+    leaves = list(dict.fromkeys(rel.rpartition(".")[2] or short for rel, _ in parts))
+    return f"train LoRA adapters on it instead: LoraConfig(target_modules={leaves!r})"
+
+
+def _keep_high(short: str) -> str:
+    return (
+        f"hf_fp8.Fp8Config(..., modules_to_not_convert=[{short!r}]) or quantize with "
+        f"hf_fp8.quantize_model(model, config, skip=[{short!r}])"
+    )
+
+
 def check_trainable_copy(what: str, module: nn.Module) -> None:
     """Raise ``ValueError`` when peft's ``what`` (``"modules_to_save"``,
     ``"trainable_token_indices"``, ...) targets ``module`` and it is, or holds, an FP8 layer."""
@@ -60,24 +92,67 @@ def check_trainable_copy(what: str, module: nn.Module) -> None:
         return
     name = _full_name(parts)
     short = name.rpartition(".")[2] or "<its name>"
-    kinds = sorted({type(m).__name__ for _, m in parts})
-    if parts[0][0] == "":
-        target = f"{name + ', ' if name else ''}an FP8 layer ({kinds[0]})"
-    else:
-        held = ", ".join(rel for rel, _ in parts[:4]) + (", ..." if len(parts) > 4 else "")
-        kind = ", ".join(kinds)
-        target = f"{name or type(module).__name__}, which holds FP8 layers ({held}: {kind})"
-    if any(isinstance(m, Fp8Experts) for _, m in parts):
-        lora = (
-            "or train LoRA adapters on the attention and dense layers instead "
-            "(LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']))"
-        )
-    else:  # LoRA on the FP8 linears themselves (a block is no LoRA target)
-        leaves = list(dict.fromkeys(rel.rpartition(".")[2] or short for rel, _ in parts))
-        lora = f"or train LoRA adapters on it instead: LoraConfig(target_modules={leaves!r})"
     raise ValueError(
-        f"peft {what} names {target}: {_WHAT_PEFT_DOES.get(what, 'peft would train it')}. "
-        f"Keep it in high precision to train it fully: load with hf_fp8.Fp8Config(..., "
-        f"modules_to_not_convert=[{short!r}]) or quantize with hf_fp8.quantize_model(model, "
-        f"config, skip=[{short!r}]); {lora}, and drop it from {what}."
+        f"peft {what} names {_describe(parts, name, module)}: "
+        f"{_WHAT_PEFT_DOES.get(what, 'peft would train it')}. "
+        f"Keep it in high precision to train it fully: load with {_keep_high(short)}; "
+        f"or {_lora_fix(parts, short)}, and drop it from {what}."
+    )
+
+
+# peft methods (``PeftType`` values) whose layers work on FP8 layers as on high-precision ones:
+# LoRA through ``hf_fp8.lora.Fp8LoraLinear``; BEFT trains a bias delta only (forward adds it to
+# the FP8 layer's output, merge adds it to its high-precision bias, the fp8 codes are untouched).
+FP8_SAFE_METHODS = frozenset({"LORA", "BEFT"})
+# ... and those refused elsewhere with their own words (``check_trainable_copy``), or that only
+# wrap adapters of a method above (X-LoRA mixes LoRA adapters; its model injects nothing itself)
+_CHECKED_ELSEWHERE = frozenset({"TRAINABLE_TOKENS", "XLORA"})
+
+# what was seen of a method on FP8 layers (tests/integration/test_peft_methods.py's docstring)
+_ROTATES = "its merge rotates the fp8 codes in place without their scales (silently wrong)"
+_ADDS = "its merge adds into the fp8 codes, which fails in peft ('Promotion for Float8 Types')"
+_WHAT_METHODS_DO = {
+    "OFT": _ROTATES,
+    "BOFT": _ROTATES,
+    "HRA": "its forward and merge reflect the fp8 codes of the weight as numbers (silently wrong)",
+    "IA3": "its merge scales the fp8 codes, which fails in peft ('Promotion for Float8 Types')",
+    **dict.fromkeys(
+        ("LOHA", "LOKR", "ADALORA", "VERA", "FOURIERFT", "MISS", "VBLORA", "GRALORA"), _ADDS
+    ),
+}
+
+
+def check_peft_method(config: object, module: nn.Module, key: str) -> None:
+    """Raise ``ValueError`` when a peft method other than LoRA (and BEFT) targets ``module``,
+    the module ``key`` of the model, and it is, or holds, an FP8 layer.
+
+    peft's other methods read or write ``base_layer.weight`` directly (in their init, forward or
+    merge), which on an FP8 layer is fp8 codes without their scales: merges fail in peft (IA3,
+    LoHa, LoKr, AdaLoRA, VeRA, ...) or rewrite the codes silently (OFT, BOFT, HRA), and some
+    forwards read the codes as numbers. ``hf_fp8.patches.peft_lora`` calls this before peft
+    builds each layer (``get_peft_model``, ``add_adapter``, ``PeftModel.from_pretrained``).
+    """
+    peft_type = getattr(config, "peft_type", None)
+    method = str(getattr(peft_type, "value", peft_type))
+    if method in FP8_SAFE_METHODS or method in _CHECKED_ELSEWHERE:
+        return
+    parts = fp8_parts(module)
+    if not parts:
+        return
+    name = key or _full_name(parts)
+    short = name.rpartition(".")[2] or "<its name>"
+    config_name = type(config).__name__
+    why = _WHAT_METHODS_DO.get(
+        method,
+        "its layers read or write the base weight directly (init, forward or merge), which "
+        "here is fp8 codes without their scales",
+    )
+    raise ValueError(
+        f"peft {method} ({config_name}) targets {_describe(parts, name, module)}: hf_fp8 "
+        f"supports LoRA (and BEFT) on FP8 linear layers, not {method}: {why}. Either {_lora_fix(parts, short)}; "
+        f"or run {method} on a high-precision model (from_pretrained(..., quantization_config="
+        f"hf_fp8.Fp8Config(..., dequantize=True)) for an FP8 checkpoint, or no "
+        f"quantization_config), merge it (merge_and_unload()) and quantize the merged model "
+        f"afterwards with hf_fp8.quantize_model(model, hf_fp8.Fp8Config(...)); or keep this "
+        f"layer in high precision: load with {_keep_high(short)}."
     )

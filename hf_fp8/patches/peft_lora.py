@@ -13,8 +13,10 @@ LoRA on FP8 experts is refused when ``get_peft_model`` reaches them, with the fi
 It also checks, before peft builds one, every ``AuxiliaryTrainingWrapper`` (``modules_to_save``,
 ``trainable_token_indices``) and ``TrainableTokensLayer`` (``TrainableTokensConfig``): on an FP8
 layer it is refused at ``get_peft_model`` with the fix (``hf_fp8.peft_trainable``), for every
-peft method. If those classes changed, only this check turns off (one warning); the LoRA
-registration stays.
+peft method. And it wraps ``BaseTuner.inject_adapter`` so that each target of a method other
+than LoRA (and BEFT) is checked before the method builds its layer there: on an FP8 layer it is
+refused with the fix (``hf_fp8.peft_trainable.check_peft_method``). If those classes changed,
+only the check concerned turns off (one warning); the LoRA registration stays.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 TRIGGER = "peft.tuners.lora.config"
 WRAPPERS = "peft.utils.other"  # AuxiliaryTrainingWrapper (modules_to_save, trainable tokens)
 TOKENS = "peft.tuners.trainable_tokens.layer"  # TrainableTokensLayer (TrainableTokensConfig)
+TUNERS = "peft.tuners.tuners_utils"  # BaseTuner.inject_adapter (every method's layers)
 
 
 def register(config) -> None:
@@ -90,12 +93,47 @@ def _guard_tokens(module) -> None:
         _partly_off(exc)
 
 
-def _partly_off(exc: Exception) -> None:
+def guard_other_methods() -> None:
+    """Refuse peft methods other than LoRA on FP8 layers: ``BaseTuner.inject_adapter`` checks
+    each target (``hf_fp8.peft_trainable.check_peft_method``) before the method's own
+    ``_create_and_replace`` builds its layer there."""
+    import importlib
+
+    tuner_cls = importlib.import_module(TUNERS).BaseTuner
+    original = tuner_cls.inject_adapter
+    if getattr(original, "_hf_fp8", False):
+        return
+    if not callable(getattr(tuner_cls, "_create_and_replace", None)):
+        raise RuntimeError("peft's BaseTuner._create_and_replace is gone")
+
+    @functools.wraps(original)
+    def inject_adapter(self, *args, **kwargs):
+        if "_create_and_replace" in self.__dict__:  # an override calling super(): checked once
+            return original(self, *args, **kwargs)
+        create = self._create_and_replace  # the method's own, bound
+
+        def checked(config, adapter_name, target, target_name, parent, *rest, **kw):
+            from hf_fp8.peft_trainable import check_peft_method
+
+            check_peft_method(config, target, kw.get("current_key") or target_name)
+            return create(config, adapter_name, target, target_name, parent, *rest, **kw)
+
+        self.__dict__["_create_and_replace"] = checked  # the instance's, for this call only
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del self.__dict__["_create_and_replace"]
+
+    inject_adapter._hf_fp8 = True
+    tuner_cls.inject_adapter = inject_adapter
+
+
+def _partly_off(exc: Exception, what: str = "modules_to_save / trainable tokens") -> None:
     from hf_fp8.patches import disable
 
     disable(
         "peft_lora",
-        f"the check refusing peft modules_to_save / trainable tokens on FP8 layers is off: {exc!r}",
+        f"the check refusing peft {what} on FP8 layers is off: {exc!r}",
         partly=True,
     )
 
@@ -106,6 +144,10 @@ def apply() -> None:
         guard_trainable_copies()
     except Exception as exc:  # the LoRA registration below works without it
         _partly_off(exc)
+    try:
+        guard_other_methods()
+    except Exception as exc:  # as above
+        _partly_off(exc, "methods other than LoRA (IA3, LoHa, OFT, ...)")
     module = sys.modules.get(TRIGGER)
     if module is None:
         import importlib
