@@ -212,3 +212,41 @@ def test_methods_on_high_precision_layers_of_an_fp8_model_train_as_without_fp8(c
     for name, value in trained[0].items():
         torch.testing.assert_close(value, trained[1][name], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(merged[0], merged[1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_method_in_a_mixed_peft_model_on_fp8_layers_is_refused():
+    """peft's mixed models inject through the same tuners. (transformers 5.24's
+    ``model.add_adapter`` needs peft >= 0.22; it goes through ``inject_adapter`` too.)"""
+    with pytest.raises(ValueError, match=r"peft LOKR \(LoKrConfig\).*q_proj, an FP8 layer"):
+        get_peft_model(_llama(), _config("LOKR", ["q_proj"]), mixed=True)
+
+
+@pytest.mark.slow
+def test_missing_peft_tuner_api_turns_only_the_method_check_off():
+    """The check fails alone: LoRA (and its merge registration) and the modules_to_save check
+    keep working, one warning."""
+    from tests.patches.helpers import check, patch_warnings, run_python
+
+    result = run_python(
+        """
+        import hf_fp8.patches.peft_lora as patch  # before peft: the patch waits for it
+        patch.TUNERS = "peft.tuners.moved"  # as if peft moved BaseTuner
+        import hf_fp8, torch
+        from peft import LoraConfig, get_peft_model
+        from tests.tiny_models import TINY
+        config_cls, model_cls, kwargs = TINY["llama"]
+        model = hf_fp8.quantize_model(model_cls(config_cls(**kwargs)), hf_fp8.Fp8Config())
+        config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["o_proj"])
+        try:
+            get_peft_model(model, config)
+        except ValueError as exc:
+            print("refused" if "modules_to_save" in str(exc) else exc)
+        config = LoraConfig(r=4, target_modules=["q_proj"])
+        layer = get_peft_model(model, config).base_model.model.model.layers[0].self_attn.q_proj
+        print(type(layer).__name__, hf_fp8.patches.status()["peft_lora"])
+        """
+    )
+    out = check(result)
+    (warning,) = patch_warnings(result.stderr)
+    assert "partly disabled" in warning and "methods other than LoRA" in warning
+    assert out.startswith("refused\nFp8LoraLinear partly off: ")
