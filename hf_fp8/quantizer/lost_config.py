@@ -8,7 +8,9 @@
   are garbage (logits off by 1.43 relative). :func:`check_fp8_has_config` raises when an fp8
   tensor has a ``*weight_scale`` (or ``*weight_scale_inv``) sibling, or lies under a module
   that holds a merged experts scale (``experts.gate_up_proj_weight_scale``: hf_fp8 saves the
-  expert codes one per expert, ``experts.0.w1.weight``, and their scales merged, R9 1).
+  expert codes one per expert, ``experts.0.w1.weight``, and their scales merged, R9 1), or at
+  all when the files hold fp8 tensors and merged experts scales (only FP8 quantizers write
+  those; GraniteMoE's codes are stored as ``input_linear.weight``).
 * transformers' own ``fp8`` quantizer (FineGrainedFP8) on a per-tensor vLLM ``fp8`` export:
   it reads ``weight_scale_inv`` only, so the export's ``weight_scale`` is dropped the same way.
   :func:`check_fp8_scales_for_finegrained` raises when an fp8 tensor has a ``weight_scale``
@@ -165,6 +167,11 @@ def check_fp8_has_config(
     on (an unknown ``quant_method``)."""
     found = _read_headers(files or (), state_dict)
     hit = next(((n, d, f, s) for n, d, f in found.fp8 if (s := found.scale_of(n))), None)
+    if hit is None and found.fp8 and found.merged:
+        # merged experts scales are written only by FP8 quantizers: their codes may be stored
+        # under another module (GraniteMoE saves them as input_linear.weight, R9 1)
+        name, dtype, file = found.fp8[0]
+        hit = (name, dtype, file, " / ".join(sorted(next(iter(found.merged.values())))))
     if hit is None:
         return
     name, dtype, file, scale = hit
