@@ -101,7 +101,7 @@ EXP2_COEFFS = (
 SR_DROP_BITS = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
 SR_MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e5m2: 2.0**-14}
 SR_SUBNORMAL_STEPS = {torch.float8_e4m3fn: 512.0, torch.float8_e5m2: 65536.0}
-# the smallest non-zero code's value (1 / SR_SUBNORMAL_STEPS): where keep_nonzero rounds up to
+# the value of the smallest non-zero code (1 / SR_SUBNORMAL_STEPS), the one keep_nonzero writes
 MIN_SUBNORMAL = {dtype: 1.0 / steps for dtype, steps in SR_SUBNORMAL_STEPS.items()}
 HASH_MUL = (0x7FEB352D, 0x846CA68B)  # lowbias32 multipliers
 SR_WEYL = 0x9E3779B1  # 2^32 / golden ratio: the element counter's multiplier
@@ -241,11 +241,14 @@ def quantize_groups(
     if not dynamic_range_expansion:
         safe_scale = torch.where(valid, scale.unsqueeze(-1), torch.ones_like(xf))
         q = torch.where(valid & number, xf / safe_scale, zero).clamp(-fmax, fmax)
-        if keep_nonzero:  # |x| >= FLT_MIN implies valid and not NaN
-            q = torch.where(ax >= FLT_MIN, torch.clamp(q, min=MIN_SUBNORMAL[fp8_dtype]), q)
         if stochastic_bits is not None:
             q = torch.copysign(stochastic_round_magnitude(q.abs(), stochastic_bits, fp8_dtype), q)
-        return q.to(fp8_dtype), scale, None
+        codes = q.to(fp8_dtype)
+        if keep_nonzero:  # zero code (0x00) of a non-zero x: the smallest subnormal (0x01)
+            b = codes.view(torch.uint8)
+            b = torch.where((b == 0) & (ax >= FLT_MIN), torch.ones_like(b), b)
+            codes = b.view(fp8_dtype)
+        return codes, scale, None
     nonzero = ax >= FLT_MIN
     amin = torch.where(nonzero, ax, torch.full_like(ax, math.inf)).amin(dim=-1)
     k = expansion_exponent(amax, amin, fp8_dtype)

@@ -119,7 +119,11 @@ class AdamWFp8(Optimizer):
         # public Trainer route, independent of transformers' internals:
         Trainer(model, args, optimizer_cls_and_kwargs=(hf_fp8.AdamWFp8, {"lr": 3e-4}))
 
-    Non-finite gradients give non-finite parameters, as with ``torch.optim.AdamW``. Moments
+    Non-finite gradients give non-finite parameters, as with ``torch.optim.AdamW``: one NaN or
+    inf gradient element makes that one weight non-finite, never its group (a NaN element is
+    left out of the group's maxima and stores zero codes; an inf saturates the group's
+    maximum), and the state stays finite and reloads. Plain FP8 never stores a non-zero
+    second moment as 0 (it rounds up to the smallest code: no ``m / eps`` update). Moments
     and the update are fp32 for every parameter dtype; float64 weights are decayed and updated
     in float64 (never rounded to fp32), but float64 gradients beyond the fp32 range
     (``|g| > 3.4e38``) overflow the fp32 moments: NaN weights. A refused step (a sparse gradient, or a tensor

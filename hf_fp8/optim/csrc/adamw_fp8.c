@@ -54,6 +54,9 @@
 
 AI float b2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 AI uint32_t f2b(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+/* All ones for the bit pattern a (sign cleared) of a number, 0 for NaN: `a & not_nan(a)` leaves
+   NaN out of a max reduction (written as a mask, not a select: the loops still vectorize). */
+AI uint32_t not_nan(uint32_t a) { return 0u - (uint32_t)(a <= INF_BITS); }
 
 AI float flog2(float x) {
     uint32_t b = f2b(x);
@@ -387,14 +390,34 @@ AI float expansion_k(float amax, float amin, float steps) {
     return k;
 }
 
+/* The plain (absmax) codes of buf[0:n] with the divisor ss: a NaN element gets code 0; NZ: a
+   non-zero element (|x| >= FLT_MIN) at least the smallest subnormal code (coat.quantize_groups'
+   keep_nonzero). */
+AI void requant_plain(const float* restrict buf, uint8_t* restrict q, int64_t n, float ss,
+                      int valid, uint32_t key, const int E5, const int SR, const int NZ) {
+    const float F = E5 ? E5M2_MAX : E4M3_MAX;
+    for (uint32_t i = 0; i < (uint32_t)n; ++i) {
+        float x = buf[i];
+        float v = x / ss; /* computed unconditionally and masked: the loop vectorizes */
+        v = (v < -F) ? -F : v;
+        v = (v > F) ? F : v;
+        v = (valid & (x == x)) ? v : 0.0f;
+        if (SR) v = copysignf(sr_mag(fabsf(v), sr_bits(key, i), E5), v);
+        uint8_t c = enc_fp8(v, E5);
+        if (NZ) c = ((c == 0u) & (fabsf(x) >= FLT_MIN_F)) ? 1u : c; /* never the zero code */
+        q[i] = c;
+    }
+}
+
 /* Quantize one group held in fp32 in buf[0:n] with its exponent k and log2(amax) (EX) or
-   its amax (plain); codes n..gs-1 are set to 0. Plain: a NaN element gets code 0; NZ (the
-   second moment): a non-zero element (|x| >= FLT_MIN) at least the smallest subnormal code
-   (coat.quantize_groups' keep_nonzero). EX writes code 0 for NaN (nz is false) and never
-   rounds a non-zero element to 0. */
+   its amax (plain); codes n..gs-1 are set to 0. Plain: see requant_plain; NZ (the second
+   moment) applies to groups whose smallest non-zero element (amin, the bit-pattern min of
+   |x| >= FLT_MIN, inf if none) falls below the smallest code: elsewhere it is a no-op (x / ss
+   is monotone), and the common loop keeps its cost. EX writes code 0 for NaN (nz is false)
+   and never rounds a non-zero element to 0. */
 AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
-                float k, float lmax, float amax, uint32_t key, const int E5, const int EX,
-                const int SR, const int NZ) {
+                float k, float lmax, float amax, float amin, uint32_t key, const int E5,
+                const int EX, const int SR, const int NZ) {
     const float F = E5 ? E5M2_MAX : E4M3_MAX;
     const float LOG2F = E5 ? E5M2_LOG2MAX : E4M3_LOG2MAX;
     int valid = amax >= FLT_MIN_F;
@@ -425,18 +448,12 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
                 q[i] = enc_fp8_mag(mag, (f2b(x) >> 24) & 0x80u, E5);
         }
     } else {
-        const float sub = E5 ? E5M2_MIN_SUB : E4M3_MIN_SUB;
         float s = amax / F;
         float ss = valid ? s : 1.0f;
-        for (uint32_t i = 0; i < (uint32_t)n; ++i) {
-            float x = buf[i];
-            float v = (valid & (x == x)) ? x / ss : 0.0f;
-            v = (v < -F) ? -F : v;
-            v = (v > F) ? F : v;
-            if (NZ) v = (fabsf(x) >= FLT_MIN_F) ? ((v > sub) ? v : sub) : v;
-            if (SR) v = copysignf(sr_mag(fabsf(v), sr_bits(key, i), E5), v);
-            q[i] = enc_fp8(v, E5);
-        }
+        if (NZ && amin / ss < (E5 ? E5M2_MIN_SUB : E4M3_MIN_SUB))
+            requant_plain(buf, q, n, ss, valid, key, E5, SR, 1);
+        else
+            requant_plain(buf, q, n, ss, valid, key, E5, SR, 0);
     }
     for (int64_t i = n; i < gs; ++i) q[i] = 0;
 }
@@ -527,7 +544,7 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
         float vs_ = SQ ? rt : vn;
         v_out[i] = vs_;
         uint32_t a = f2b(mn) & 0x7FFFFFFFu, b = f2b(vs_) & 0x7FFFFFFFu;
-        uint32_t af = (a <= INF_BITS) ? a : 0u, bf = (b <= INF_BITS) ? b : 0u; /* NaN: out */
+        uint32_t af = a & not_nan(a), bf = b & not_nan(b); /* NaN: not the maximum */
         amx = (af > amx) ? af : amx;
         avx = (bf > avx) ? bf : avx;
         /* NaN bits exceed INF_BITS, the min's start: never the minimum */
@@ -556,7 +573,6 @@ AI void update_group_ex_v(char* p_, const char* g_, const uint8_t* restrict qm,
     const __m512 am = _mm512_loadu_ps(tam), bm = _mm512_loadu_ps(tbm);
     const __m512 av = _mm512_loadu_ps(tav), bv = _mm512_loadu_ps(tbv);
     const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
-    const __m512i infb = _mm512_set1_epi32((int)INF_BITS);
     float* restrict p32 = (float*)p_;
     uint16_t* restrict pbf = (uint16_t*)p_;
     const float* restrict g32 = (const float*)g_;
@@ -581,8 +597,10 @@ AI void update_group_ex_v(char* p_, const char* g_, const uint8_t* restrict qm,
         _mm512_storeu_ps(v_out + i, vs);
         __m512i a = _mm512_and_si512(_mm512_castps_si512(mn), absm);
         __m512i b = _mm512_and_si512(_mm512_castps_si512(vs), absm);
-        amx = _mm512_mask_max_epu32(amx, _mm512_cmple_epu32_mask(a, infb), amx, a); /* no NaN */
-        avx = _mm512_mask_max_epu32(avx, _mm512_cmple_epu32_mask(b, infb), avx, b);
+        /* vmaxps(x, acc) returns acc where x is NaN: NaN left out of the max for free (on
+           non-negative floats the float max is the bit-pattern max) */
+        amx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(amx)));
+        avx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(avx)));
         amn = _mm512_mask_min_epu32(amn, _mm512_cmpge_epu32_mask(a, fmin), amn, a);
         avn = _mm512_mask_min_epu32(avn, _mm512_cmpge_epu32_mask(b, fmin), avn, b);
     }
@@ -676,9 +694,9 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
             const uint32_t e0 = (uint32_t)((g0 + j) * gs); /* flat index of the group */
             prefetch_group(pbase, gbase, mq, vq, g0 + CHUNK + j, ngroups, cols, gs, psz, gsz);
             requant(mb + j * gs, mq + (g0 + j) * gs, nn[j], gs, EX ? km[j] : 0.0f,
-                    EX ? lm[j] : 0.0f, am[j], key_m + e0, E5, EX, SRM, 0);
+                    EX ? lm[j] : 0.0f, am[j], b2f(mmin[j]), key_m + e0, E5, EX, SRM, 0);
             requant(vb + j * gs, vq + (g0 + j) * gs, nn[j], gs, EX ? kv[j] : 0.0f,
-                    EX ? lv[j] : 0.0f, av[j], key_v + e0, E5, EX, SRV, 1);
+                    EX ? lv[j] : 0.0f, av[j], b2f(vmin[j]), key_v + e0, E5, EX, SRV, 1);
         }
     }
 }
@@ -751,7 +769,7 @@ AI void update_group_log_v(char* p_, const char* g_, const int8_t* restrict qm,
     const __m512 slv = _mm512_set1_ps(slope), ofv = _mm512_set1_ps(offset);
     const __m512 vmaxc = _mm512_set1_ps((float)LOG_V_MAX), floor_ = _mm512_set1_ps(-(float)av);
     const __m512i avv = _mm512_set1_epi32(av), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
-    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), infb = _mm512_set1_epi32((int)INF_BITS);
+    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF);
     float* restrict p32 = (float*)p_;
     uint16_t* restrict pbf = (uint16_t*)p_;
     const float* restrict g32 = (const float*)g_;
@@ -779,7 +797,8 @@ AI void update_group_log_v(char* p_, const char* g_, const int8_t* restrict qm,
         _mm512_storeu_ps(m_out + i, mn);
         _mm512_storeu_ps(v_out + i, vn);
         __m512i vb = _mm512_and_si512(_mm512_castps_si512(vn), absm);
-        avx = _mm512_mask_max_epu32(avx, _mm512_cmple_epu32_mask(vb, infb), avx, vb); /* no NaN */
+        /* vmaxps(x, acc): acc where x is NaN (NaN left out of the max, no extra instruction) */
+        avx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(vb), _mm512_castsi512_ps(avx)));
         avn = _mm512_mask_min_epu32(avn, _mm512_cmpge_epu32_mask(vb, fmin), avn, vb);
     }
     red[0] = _mm512_reduce_max_epu32(avx);
@@ -818,8 +837,8 @@ AI uint32_t requant_log_v_v(float* restrict mb, const float* restrict vb, uint8_
         _mm_storeu_si128((__m128i*)(qv + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(c)));
         __m512 mn = _mm512_mul_ps(_mm512_loadu_ps(mb + i), log_m_scale_v(c, slv, ofv, 1));
         _mm512_storeu_ps(mb + i, mn);
-        __m512i mbits = _mm512_and_si512(_mm512_castps_si512(mn), absm);
-        mmax = _mm512_mask_max_epu32(mmax, _mm512_cmple_epu32_mask(mbits, infb), mmax, mbits);
+        __m512 ma = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mn), absm));
+        mmax = _mm512_castps_si512(_mm512_max_ps(ma, _mm512_castsi512_ps(mmax))); /* NaN: out */
     }
     for (int64_t i = n; i < gs; ++i) qv[i] = 0;
     return _mm512_reduce_max_epu32(mmax);
@@ -847,9 +866,11 @@ AI void requant_log_m_v(const float* restrict mb, int8_t* restrict qm, float inv
         } else {
             q = RINT_V(t);
         }
-        q = _mm512_max_ps(q, lo);
-        q = _mm512_min_ps(q, hi);
-        q = _mm512_maskz_mov_ps(keep & _mm512_cmp_ps_mask(t, t, _CMP_ORD_Q), q); /* NaN: 0 */
+        /* clamps with q second: a NaN q stays NaN, vcvttps2dq makes it 0x80000000 and the
+           truncation to 8 bits code 0 (the scalar loop's t == t test) */
+        q = _mm512_max_ps(lo, q);
+        q = _mm512_min_ps(hi, q);
+        q = _mm512_maskz_mov_ps(keep, q);
         _mm_storeu_si128((__m128i*)(qm + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
     }
     for (int64_t i = n; i < gs; ++i) qm[i] = 0;
@@ -891,7 +912,7 @@ AI void update_group_log(char* p_, const char* g_, const int8_t* restrict qm,
         m_out[i] = mn;
         v_out[i] = vn;
         uint32_t b = f2b(vn) & 0x7FFFFFFFu;
-        uint32_t bf = (b <= INF_BITS) ? b : 0u; /* NaN: not the maximum */
+        uint32_t bf = b & not_nan(b); /* NaN: not the maximum */
         avx = (bf > avx) ? bf : avx;
         uint32_t bn = (b >= FLT_MIN_BITS) ? b : INF_BITS;
         avn = (bn < avn) ? bn : avn;
@@ -933,7 +954,7 @@ AI uint32_t requant_log_v(float* restrict mb, const float* restrict vb, uint8_t*
         float mn = mb[i] * log_m_scale(c, slope, offset, 1);
         mb[i] = mn;
         uint32_t b = f2b(mn) & 0x7FFFFFFFu;
-        b = (b <= INF_BITS) ? b : 0u; /* NaN: not the maximum */
+        b &= not_nan(b); /* NaN: not the maximum */
         mmax = (b > mmax) ? b : mmax;
     }
     for (uint32_t i = (uint32_t)n; i < (uint32_t)gs; ++i) qv[i] = 0;
