@@ -38,6 +38,9 @@ class CardInfo:
     fp8_share: float | None = None  # share of the parameters stored in FP8 (scales excluded)
     # what stays in high precision and why: [{"what", "parameters", "why"}] (from a checkpoint)
     high_precision_parts: list[dict[str, Any]] = field(default_factory=list)
+    # the model's whole quantization_config (from a loaded model): a later card carries this
+    # card's figures over only for the same one (hf_fp8.hub.card.same_model)
+    quantization_config: dict[str, Any] | None = None
     hf_fp8_version: str = field(default_factory=lambda: _version())
 
     @property
@@ -145,6 +148,7 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
         bytes_after=after,
         fidelity=dict(extra.get("fidelity") or {}),
         fp8_share=share,
+        quantization_config=qc.to_dict(),
     )
     for key, value in overrides.items():
         setattr(info, key, value)

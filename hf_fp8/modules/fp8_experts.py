@@ -408,7 +408,7 @@ class Fp8Experts(RecipeWords, nn.Module):
             self.register_parameter(f"{proj}_bias", None if bias is None else nn.Parameter(bias))
             self.register_parameter(f"{proj}_input_scale", None)
             if input_scale is not None:
-                self.set_input_scale(proj, input_scale)
+                self.set_input_scale(proj, _placeholder(input_scale, weight))
 
     # -- recipe -------------------------------------------------------------------------
 
@@ -443,6 +443,14 @@ class Fp8Experts(RecipeWords, nn.Module):
                 f"{scale.tolist()[:8]}"
             )
         device = getattr(self, projection).device
+        if device.type == "meta" and not scale.is_meta:
+            raise ValueError(
+                f"{self.__dict__.get('fp8_name') or 'these experts'}: {projection} is on the "
+                "meta device (offloaded by accelerate's device_map to disk or CPU, or not "
+                "loaded yet), so input scales set here would be dropped, not used nor saved. "
+                "Set them on the model loaded without offloading, save_pretrained it, and "
+                "reload the saved folder with the device_map"
+            )
         setattr(
             self,
             f"{projection}_input_scale",
@@ -518,7 +526,7 @@ class Fp8Experts(RecipeWords, nn.Module):
         for proj in self.layout.projections:
             scale = config.activation_scale_for(f"{prefix}{proj}")
             if scale is not None:
-                self.set_input_scale(proj, scale)
+                self.set_input_scale(proj, _placeholder(scale, getattr(self, proj)))
 
     def _carry_over(self, module: nn.Module) -> None:
         """Take the source's plain attributes and parameter-free (or norm) children."""
@@ -736,3 +744,11 @@ def bytes_per_parameter(module: Fp8Experts) -> float:
     elements = sum(math.prod(getattr(module, p).shape) for p in module.layout.projections)
     stored = sum(t.numel() * t.element_size() for t in module._frozen())
     return stored / elements
+
+
+def _placeholder(scale: float | torch.Tensor, weight: torch.Tensor) -> float | torch.Tensor:
+    """A meta stand-in for ``scale`` when ``weight`` is on meta (built before loading, e.g.
+    the quantizer's swap or ``init_empty_weights``): the load fills it."""
+    if not weight.is_meta:
+        return scale
+    return torch.as_tensor(scale, dtype=torch.float32, device="meta")
