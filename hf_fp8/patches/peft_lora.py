@@ -21,6 +21,7 @@ only the check concerned turns off (one warning); the LoRA registration stays.
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 
@@ -107,25 +108,58 @@ def guard_other_methods() -> None:
         raise RuntimeError("peft's BaseTuner._create_and_replace is gone")
 
     @functools.wraps(original)
-    def inject_adapter(self, *args, **kwargs):
+    def inject_adapter(self, model, adapter_name, *args, **kwargs):
         if "_create_and_replace" in self.__dict__:  # an override calling super(): checked once
-            return original(self, *args, **kwargs)
+            return original(self, model, adapter_name, *args, **kwargs)
+        from hf_fp8.peft_trainable import check_peft_method
+
+        if kwargs.get("state_dict", args[2] if len(args) > 2 else None) is None:
+            config = self.peft_config[adapter_name]
+            for key, module in _config_targets(self, model, config):  # before peft wraps any
+                check_peft_method(config, module, key)
         create = self._create_and_replace  # the method's own, bound
 
         def checked(config, adapter_name, target, target_name, parent, *rest, **kw):
-            from hf_fp8.peft_trainable import check_peft_method
-
             check_peft_method(config, target, kw.get("current_key") or target_name)
             return create(config, adapter_name, target, target_name, parent, *rest, **kw)
 
         self.__dict__["_create_and_replace"] = checked  # the instance's, for this call only
         try:
-            return original(self, *args, **kwargs)
+            return original(self, model, adapter_name, *args, **kwargs)
         finally:
             del self.__dict__["_create_and_replace"]
 
     inject_adapter._hf_fp8 = True
     tuner_cls.inject_adapter = inject_adapter
+
+
+def _config_targets(tuner, model: nn.Module, config) -> list[tuple[str, nn.Module]]:
+    """The modules holding FP8 layers that ``config`` targets, matched as peft's
+    ``inject_adapter`` will (its own default targets, ``all-linear`` and matcher), so that a
+    refusal comes before peft wraps any layer. Empty for LoRA and BEFT, and where peft's helpers
+    fail (peft reports its own errors; each target is checked again as peft wraps it)."""
+    from hf_fp8.peft_trainable import FP8_SAFE_METHODS, fp8_parts
+
+    peft_type = getattr(config, "peft_type", None)
+    if str(getattr(peft_type, "value", peft_type)) in FP8_SAFE_METHODS:
+        return []
+    try:
+        from peft.tuners import tuners_utils
+
+        config = tuner._prepare_adapter_config(copy.copy(config), tuner.get_model_config(model))
+        config = tuners_utils._maybe_include_all_linear_layers(config, model)
+        modules = list(model.named_modules())
+        wrapped = tuple(k + "." for k, m in modules if isinstance(m, tuners_utils.BaseTunerLayer))
+        matched = []
+        for key, module in modules:
+            if not key or (wrapped and key.startswith(wrapped)):
+                continue
+            found = tuner._check_target_module_exists(config, key)
+            if found and not isinstance(found, tuners_utils._ExcludedModule):
+                matched.append((key, module))
+    except Exception:  # a best-effort early look; the per-target check stays
+        return []
+    return [(key, module) for key, module in matched if fp8_parts(module)]
 
 
 def _partly_off(exc: Exception, what: str = "modules_to_save / trainable tokens") -> None:

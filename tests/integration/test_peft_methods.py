@@ -111,6 +111,24 @@ def test_method_on_fp8_layers_is_refused_with_the_fix(method):
     assert not any(type(m).__module__.startswith("peft") for m in model.modules())  # untouched
 
 
+@pytest.mark.parametrize(
+    ("config", "skip"),
+    [
+        (IA3Config(target_modules=["q_proj", "v_proj"], feedforward_modules=[]), "q_proj"),
+        (IA3Config(), "k_proj"),  # peft's default IA3 targets for Llama: k_proj, v_proj, down_proj
+        (LoHaConfig(target_modules="all-linear"), ("q_proj", "k_proj")),
+    ],
+    ids=["list", "peft-defaults", "all-linear"],
+)
+def test_refusal_comes_before_peft_wraps_any_layer(config, skip):
+    """A high-precision target ahead of an FP8 one was wrapped before the refusal, leaving the
+    model half converted; now every target is checked first."""
+    model = _llama(skip=(skip,) if isinstance(skip, str) else skip)
+    with pytest.raises(ValueError, match=r"v_proj, an FP8 layer"):
+        get_peft_model(model, config)
+    assert not any(type(m).__module__.startswith("peft") for m in model.modules())
+
+
 def test_method_on_a_block_holding_fp8_layers_is_refused():
     """LN-tuning trains a full copy of the module it targets: a block of FP8 linears too."""
     with pytest.raises(ValueError, match=r"peft LN_TUNING.*self_attn, which holds FP8") as err:
