@@ -115,6 +115,8 @@ _WHAT_METHODS_DO = {
     "OFT": _ROTATES,
     "BOFT": _ROTATES,
     "HRA": "its forward and merge reflect the fp8 codes of the weight as numbers (silently wrong)",
+    "LN_TUNING": "it would train a full copy of the module, whose fp8 codes and scales take "
+    "no gradient",
     "IA3": "its merge scales the fp8 codes, which fails in peft ('Promotion for Float8 Types')",
     **dict.fromkeys(
         ("LOHA", "LOKR", "ADALORA", "VERA", "FOURIERFT", "MISS", "VBLORA", "GRALORA"), _ADDS
@@ -149,8 +151,8 @@ def check_peft_method(config: object, module: nn.Module, key: str) -> None:
     )
     raise ValueError(
         f"peft {method} ({config_name}) targets {_describe(parts, name, module)}: hf_fp8 "
-        f"supports LoRA (and BEFT) on FP8 linear layers, not {method}: {why}. Either {_lora_fix(parts, short)}; "
-        f"or run {method} on a high-precision model (from_pretrained(..., quantization_config="
+        f"supports LoRA (and BEFT) on FP8 linear layers, not {method}: {why}. "
+        f"Either {_lora_fix(parts, short)}; or run {method} on a high-precision model (from_pretrained(..., quantization_config="
         f"hf_fp8.Fp8Config(..., dequantize=True)) for an FP8 checkpoint, or no "
         f"quantization_config), merge it (merge_and_unload()) and quantize the merged model "
         f"afterwards with hf_fp8.quantize_model(model, hf_fp8.Fp8Config(...)); or keep this "
