@@ -83,7 +83,7 @@ PATCHES: dict[str, Patch] = {
         "hf_fp8.patches.peft_lora",
         ("peft.tuners.lora.config",),
         "merge_and_unload() of LoRA adapters on FP8 layers; refusing peft modules_to_save / "
-        "trainable tokens / LoRA on experts on FP8 layers",
+        "trainable tokens / LoRA on experts / methods other than LoRA on FP8 layers",
         "lora_config._register_custom_module({hf_fp8.Fp8Linear: hf_fp8.lora.Fp8LoraLinear}) "
         "before get_peft_model, or merge into model.dequantize()",
     ),
