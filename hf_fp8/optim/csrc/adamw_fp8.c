@@ -404,7 +404,10 @@ AI void requant_plain(const float* restrict buf, uint8_t* restrict q, int64_t n,
         v = (valid & (x == x)) ? v : 0.0f;
         if (SR) v = copysignf(sr_mag(fabsf(v), sr_bits(key, i), E5), v);
         uint8_t c = enc_fp8(v, E5);
-        if (NZ) c = ((c == 0u) & (fabsf(x) >= FLT_MIN_F)) ? 1u : c; /* never the zero code */
+        if (NZ) { /* never the zero code: max(c, 1) for |x| >= FLT_MIN (one vector max) */
+            uint8_t nz = fabsf(x) >= FLT_MIN_F;
+            c = (c > nz) ? c : nz;
+        }
         q[i] = c;
     }
 }
