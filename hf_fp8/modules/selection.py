@@ -222,6 +222,23 @@ def convertible_modules(
     return found
 
 
+def task_heads(model: nn.Module) -> list[str]:
+    """Names of the linear layers of ``model`` outside its ``base_model`` (transformers' body:
+    ``model.model``, ``model.bert`` ...): the task heads (``lm_head``, ``score``,
+    ``classifier``, ``classifier.out_proj``, ``qa_outputs`` ...), in module order. ``[]`` when
+    ``model`` has no separate base model (``AutoModel``: the body itself, or not a transformers
+    model). A module shared with the base model is part of it."""
+    base = getattr(model, "base_model", model)
+    if base is model or not isinstance(base, nn.Module):
+        return []
+    in_base = {id(m) for m in base.modules()}
+    return [
+        name
+        for name, module in model.named_modules()
+        if (isinstance(module, nn.Linear) or is_conv1d(module)) and id(module) not in in_base
+    ]
+
+
 def unmatched_patterns(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     """The ``patterns`` that match no module name of ``model`` (typos in ``--skip`` /
     ``modules_to_not_convert``)."""

@@ -3,8 +3,10 @@
 Loading an FP8 CausalLM folder with ``AutoModelForSequenceClassification`` builds a ``score``
 head the checkpoint never had. transformers initialises such a layer as new (and says so in its
 load report); as an ``Fp8Linear`` it would have no fp8 weight and no scale to load, so it is kept
-in high precision, as an on-the-fly load keeps it. A layer whose fp8 weight is stored without its
-scale is not new: it stays FP8 and is refused after loading, named.
+in high precision, as an on-the-fly load keeps it (task heads are default skips). Only a task
+head (a layer outside ``model.base_model``: ``hf_fp8.modules.selection.task_heads``) can be new:
+a body layer the checkpoint lacks (a damaged or truncated file) stays FP8 and is refused after
+loading, named, as is a layer whose fp8 weight is stored without its scale.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from hf_fp8.modules import convertible_modules
+from hf_fp8.modules.selection import task_heads
 
 
 def loaded_names(model: nn.Module, names: Iterable[str]) -> set[str]:
@@ -44,17 +47,19 @@ def loaded_names(model: nn.Module, names: Iterable[str]) -> set[str]:
 
 
 def layers_not_stored(model: nn.Module, names: set[str] | None, skip: list[str]) -> list[str]:
-    """The layers to convert (``skip`` aside) of which the checkpoint tensor ``names`` store
-    neither ``weight`` nor ``weight_scale``, under the names the loader gives them. ``[]``
+    """The task heads to convert (``skip`` aside; layers outside ``model.base_model``) of which
+    the checkpoint tensor ``names`` store neither ``weight`` nor ``weight_scale``, under the
+    names the loader gives them; a body layer is never new (refused after loading). ``[]``
     when ``names`` is ``None`` (not readable) or no layer is found at all (keys the loader
     renames in a way not followed here: the checks after loading decide, as before)."""
     if names is None:
         return []
     targets = [name for name, _, _ in convertible_modules(model, skip=skip)]
     stored = loaded_names(model, (k for k in names if k.endswith((".weight", ".weight_scale"))))
+    heads = set(task_heads(model))
     missing = [
         name
         for name in targets
-        if f"{name}.weight" not in stored and f"{name}.weight_scale" not in stored
+        if name in heads and f"{name}.weight" not in stored and f"{name}.weight_scale" not in stored
     ]
     return missing if len(missing) < len(targets) else []
