@@ -128,21 +128,48 @@ class PercentileObserver(Observer):
         return self._sum / self.batches
 
 
+def _priority_sample(
+    values: torch.Tensor, weights: torch.Tensor, size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``size`` of the weighted ``values``, re-weighted so that weighted sums stay unbiased.
+
+    Priority sampling (Duffield, Lund, Thorup 2007): priority ``w / u`` with ``u`` uniform in
+    ``(0, 1]``, keep the ``size`` highest, new weight ``max(w, tau)`` with ``tau`` the next
+    priority. A value that stands for many (a large weight) is kept before one that stands
+    for itself, and the kept weights come out about equal (the lowest-variance split).
+    """
+    if values.numel() <= size:
+        return values, weights
+    if size <= 0:
+        return values[:0], weights[:0]
+    u = 1.0 - torch.rand(values.numel(), generator=generator, dtype=torch.float64)
+    priority, index = torch.topk(weights / u, size + 1)
+    index = index[:size]
+    return values[index], weights[index].clamp(min=float(priority[size]))
+
+
 class MseObserver(Observer):
     """Clipping ``amax`` that minimises the fake-quantization MSE of all inputs, estimated.
 
     Candidates: ``candidates`` values of ``amax = f * max|x|``, ``f`` evenly in
-    ``[0.3, 1]``. Each batch over ``sample // 8`` values keeps two strata of ``|x|``: its
+    ``[0.3, 1]``. Each batch over ``sample // 8`` values gives two strata of ``|x|``: its
     largest ``sample // 16`` exactly (the clipped values, which dominate the error of a
     low clip: an outlier channel is never missed) and whole tokens at random for the rest
-    (weighted by how many values they stand for). Past ``sample`` kept values, the
-    estimate runs on a random share of each stratum, re-weighted.
+    (weighted by how many values they stand for). At most ``sample`` values are kept over
+    all batches: the largest ``sample // 2`` of the exact ones stay exact (never thinned,
+    however many batches), the others (the random tokens and the exact values they
+    displaced) are thinned by priority sampling, re-weighted so that the error estimate of
+    all inputs stays unbiased. Seeded: the same batches give the same scale.
     """
 
     def __init__(self, fp8_dtype: torch.dtype, candidates: int = 50, sample: int = 1 << 18) -> None:
         super().__init__(fp8_dtype)
+        if sample < 2:
+            raise ValueError(f"sample must be at least 2 (values kept), got {sample}")
         self.candidates, self.sample = candidates, sample
-        self._parts: list[tuple[torch.Tensor, float]] = []  # (|x| values, values each stands for)
+        self._top = torch.zeros(0)  # the largest |x| kept, each stands for itself
+        self._rest = torch.zeros(0)  # other |x| kept, each stands for ``_rest_weight`` values
+        self._rest_weight = torch.zeros(0, dtype=torch.float64)
         self._count = 0  # finite values seen
         self._max = torch.zeros(())
         self._generator = _generator()
@@ -153,30 +180,35 @@ class MseObserver(Observer):
         n, budget = magnitude.numel(), max(2, self.sample // 8)
         self._count += n
         if n <= budget:
-            self._parts.append((magnitude.reshape(-1).cpu(), 1.0))
+            self._keep(magnitude.reshape(-1).cpu(), torch.zeros(0), 1.0)
             return
         top = torch.topk(magnitude.reshape(-1), budget // 2, sorted=False).values
         threshold = top.min()
         rest = _subsample(magnitude, budget - top.numel(), self._generator)
         rest = rest[rest < threshold]  # a uniform sample of the values outside the top
-        self._parts.append((top.cpu(), 1.0))
-        if rest.numel():
-            self._parts.append((rest.cpu(), (n - top.numel()) / rest.numel()))
+        weight = (n - top.numel()) / rest.numel() if rest.numel() else 1.0
+        self._keep(top.cpu(), rest.cpu(), weight)
+
+    def _keep(self, top: torch.Tensor, rest: torch.Tensor, weight: float) -> None:
+        """Merge one batch's strata into the kept values, at most ``sample`` of them."""
+        exact = torch.cat([self._top, top]).sort(descending=True).values
+        exact, displaced = exact[: self.sample // 2], exact[self.sample // 2 :]
+        values = torch.cat([self._rest, rest, displaced])
+        weights = torch.cat(
+            [
+                self._rest_weight,
+                torch.full((rest.numel(),), weight, dtype=torch.float64),
+                torch.ones(displaced.numel(), dtype=torch.float64),
+            ]
+        )
+        room = self.sample - exact.numel()
+        self._top = exact
+        self._rest, self._rest_weight = _priority_sample(values, weights, room, self._generator)
 
     def _estimate_set(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept values and their weights, thinned to about ``sample`` values."""
-        kept = sum(values.numel() for values, _ in self._parts)
-        share = min(1.0, self.sample / kept)
-        generator = _generator()
-        values, weights = [], []
-        for part, weight in self._parts:
-            if share < 1.0:
-                keep = max(1, round(part.numel() * share))
-                index = torch.randperm(part.numel(), generator=generator)[:keep]
-                weight, part = weight * part.numel() / keep, part[index]
-            values.append(part)
-            weights.append(torch.full_like(part, weight))
-        return torch.cat(values), torch.cat(weights)
+        """The kept values (at most ``sample``) and how many values each stands for."""
+        weights = torch.cat([torch.ones(self._top.numel(), dtype=torch.float64), self._rest_weight])
+        return torch.cat([self._top, self._rest]), weights
 
     def amax(self) -> torch.Tensor:
         x, weight = self._estimate_set()
