@@ -97,3 +97,23 @@ def test_percentile_observer_has_no_many_batch_budget():
         obs.update(x)
     reference = np.mean([float(torch.quantile(x.abs().reshape(-1), 0.999)) for x in batches])
     assert float(obs.amax()) == pytest.approx(reference, rel=1e-5)
+
+
+def test_mse_observer_keeps_the_largest_values_of_all_batches_exactly():
+    # every batch's own top (sample // 16 values) is exact, so the largest sample // 16 of all
+    # the data are too, however many batches came after them
+    torch.manual_seed(7)
+    batches = _student_t_batches(64, 7)
+    obs = make_observer("mse", E4M3, sample=SAMPLE)
+    for x in batches:
+        obs.update(x)
+    values, weights = obs._estimate_set()
+    exact = values[weights == 1.0]
+    everything = torch.cat([x.abs().reshape(-1) for x in batches])
+    largest = torch.topk(everything, SAMPLE // 16).values
+    assert torch.isin(largest, exact).all()
+
+
+def test_mse_observer_refuses_a_sample_below_two():
+    with pytest.raises(ValueError, match="sample must be at least 2"):
+        make_observer("mse", E4M3, sample=1)
