@@ -16,7 +16,8 @@ peft's methods other than LoRA (IA3, LoHa, LoKr, AdaLoRA, OFT, BOFT, VeRA, LN-tu
 or write the base weight directly, so on FP8 layers they are refused the same way, per target,
 by :func:`check_peft_method` (LoRA has ``hf_fp8.lora.Fp8LoraLinear``; BEFT touches only the
 high-precision bias and works).
-High-precision modules (``lm_head`` and classifier heads are kept so by default) are untouched.
+High-precision modules (``lm_head`` and every task head outside ``model.base_model``:
+``score``, ``classifier``, ``qa_outputs`` ..., kept so by default) are untouched.
 """
 
 from __future__ import annotations

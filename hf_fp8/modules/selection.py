@@ -227,11 +227,18 @@ def task_heads(model: nn.Module) -> list[str]:
     ``model.model``, ``model.bert`` ...): the task heads (``lm_head``, ``score``,
     ``classifier``, ``classifier.out_proj``, ``qa_outputs`` ...), in module order. ``[]`` when
     ``model`` has no separate base model (``AutoModel``: the body itself, or not a transformers
-    model). A module shared with the base model is part of it."""
+    model). A module shared with the base model is part of it, and so is a whole transformers
+    sub-model held beside it (Kyutai's ``codec_model``, a ``MimiModel``): a body, not a head."""
     base = getattr(model, "base_model", model)
     if base is model or not isinstance(base, nn.Module):
         return []
-    in_base = {id(m) for m in base.modules()}
+    bodies = [base]
+    bodies += [
+        m
+        for m in model.modules()
+        if m is not model and hasattr(type(m), "base_model_prefix") and hasattr(m, "config")
+    ]
+    in_base = {id(m) for body in bodies for m in body.modules()}
     return [
         name
         for name, module in model.named_modules()
@@ -283,6 +290,10 @@ HIGH_PRECISION_WHY = {
     "MoE routers": (
         "kept in high precision on purpose: they pick the experts, and a flipped top-k "
         "choice costs more than the tiny matmul saves"
+    ),
+    "task heads": (
+        "a task head (a linear outside the base model: score, classifier, qa_outputs ...) is "
+        "kept by default: small, and trained with the task (peft's SEQ_CLS modules_to_save)"
     ),
     "convolutions": (
         "nn.Conv1d/2d/3d, not linears: hf_fp8 converts nn.Linear (and plain subclasses), "
@@ -347,6 +358,7 @@ def high_precision_parts(
                 if not pname.endswith("bias"):
                     will_convert.add(id(p))
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = {id(model.get_submodule(name)) for name in task_heads(model)}
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     seen: set[int] = set()
     for name, module, parent, _ in _walk(model, "", None, False):
@@ -364,6 +376,8 @@ def high_precision_parts(
                         "to FP8 rounding, and often tied to the input embeddings"
                     ),
                 )
+            elif id(module) in heads and pname == "weight":
+                what, why = "task heads", HIGH_PRECISION_WHY["task heads"]
             else:
                 what, why = _what_and_why(module, name, pname, parent, skip)
             group = groups.setdefault((what, why), {"what": what, "why": why, "parameters": 0})

@@ -23,6 +23,7 @@ from hf_fp8.modules import (
 )
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.modules.replace import linear_shape
+from hf_fp8.modules.selection import task_heads
 from hf_fp8.numerics import fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.quantizer.experts import (
@@ -36,7 +37,7 @@ from hf_fp8.quantizer.experts import (
 )
 from hf_fp8.quantizer.input_scales import StoredInputScales
 from hf_fp8.quantizer.kept_modules import file_tensor_names, skip_list_hint
-from hf_fp8.quantizer.new_layers import layers_not_stored
+from hf_fp8.quantizer.new_layers import heads_stored_fp8, layers_not_stored
 from hf_fp8.quantizer.validation import (
     FP8_LINEAR_TENSORS,
     check_bias,
@@ -78,16 +79,19 @@ def _is_fp8_on_disk(param: Any) -> bool:
 
 
 def default_skipped_modules(model: nn.Module) -> list[str]:
-    """What an on-the-fly ``from_pretrained`` load keeps in high precision besides the
-    config's ``modules_to_not_convert``: transformers' default skips (tied weights, the output
-    embeddings, the last module) and the model's ``_keep_in_fp32_modules`` (T5's ``wo``).
-    ``[]`` for a module that is not a transformers ``PreTrainedModel``."""
+    """What an on-the-fly ``from_pretrained`` load (and ``quantize_model``) keeps in high
+    precision besides the config's ``modules_to_not_convert``: transformers' default skips
+    (tied weights, the output embeddings, the last module), the model's
+    ``_keep_in_fp32_modules`` (T5's ``wo``) and every task head, the linears outside
+    ``model.base_model`` (``score``, BERT's ``classifier``, RoBERTa's ``classifier.dense`` /
+    ``classifier.out_proj``, ``qa_outputs``: small, and trained with the task, e.g. as peft's
+    SEQ_CLS ``modules_to_save``). ``[]`` for a module that is not a transformers
+    ``PreTrainedModel``."""
     if not isinstance(model, PreTrainedModel):
         return []
     keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    return sorted(
-        HfQuantizer.get_modules_to_not_convert(model, [], keep_fp32, add_default_skips=True)
-    )
+    defaults = HfQuantizer.get_modules_to_not_convert(model, [], keep_fp32, add_default_skips=True)
+    return sorted({*defaults, *task_heads(model)})
 
 
 def _offloaded_dequantize(what: str) -> str:
@@ -231,7 +235,8 @@ class Fp8HfQuantizer(HfQuantizer):
     # -- before loading: swap modules on the meta device ---------------------------------------
     def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, **kwargs):
         config = self.quantization_config
-        if self.pre_quantized and config.modules_to_not_convert is not None:
+        saved_skips = config.modules_to_not_convert is not None
+        if self.pre_quantized and saved_skips:
             skip = list(config.modules_to_not_convert)  # what the saved model actually kept
         else:
             warn_unmatched(model, config.modules_to_not_convert or [], "modules_to_not_convert")
@@ -248,6 +253,12 @@ class Fp8HfQuantizer(HfQuantizer):
             self.checkpoint_root = check_loaded_files(self.checkpoint_root, self.checkpoint_files)
         if self.pre_quantized:
             self.stored_names = file_tensor_names(self.checkpoint_files)
+            if not saved_skips:  # a hand-written config: the default skips, but a task head
+                stored_fp8 = heads_stored_fp8(model, self.stored_names)  # stored FP8 is FP8
+                skip = sorted(set(skip) - set(stored_fp8))
+                config = config.replace(modules_to_not_convert=skip)
+                self.quantization_config = config
+                self.modules_to_not_convert = skip
             new_layers = layers_not_stored(model, self.stored_names, skip)
             if new_layers:  # a new task head: high precision, initialised by transformers
                 skip = sorted({*skip, *new_layers})

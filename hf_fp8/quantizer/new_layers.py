@@ -63,3 +63,13 @@ def layers_not_stored(model: nn.Module, names: set[str] | None, skip: list[str])
         if name in heads and f"{name}.weight" not in stored and f"{name}.weight_scale" not in stored
     ]
     return missing if len(missing) < len(targets) else []
+
+
+def heads_stored_fp8(model: nn.Module, names: set[str] | None) -> list[str]:
+    """The task heads of ``model`` whose ``weight_scale`` the checkpoint tensor ``names`` store
+    (under the loader's names): FP8 heads of a checkpoint whose config lists no
+    ``modules_to_not_convert`` (a hand-written one), which the default skips must not keep."""
+    if names is None:
+        return []
+    stored = loaded_names(model, (k for k in names if k.endswith(".weight_scale")))
+    return [name for name in task_heads(model) if f"{name}.weight_scale" in stored]
