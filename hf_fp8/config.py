@@ -40,8 +40,8 @@ class Fp8Config(QuantizationConfigMixin):
         fp8_format: ``"e4m3"`` (default) or ``"e5m2"``.
         block_size: ``[rows, cols]`` of a weight block (default ``[128, 128]``).
         modules_to_not_convert: module names (or dotted name parts) kept in high precision,
-            on top of transformers' default skips (output embeddings, tied weights,
-            ``_keep_in_fp32_modules``). A loaded model stores the resolved list here, so a
+            on top of the default skips (output embeddings, tied weights, task heads outside
+            the base model, ``_keep_in_fp32_modules``). A loaded model stores the resolved list here, so a
             saved checkpoint reloads exactly the layers it has (``[]``: all of them FP8).
         activation_scale: static scale used by every layer.
         activation_scales: static scales per module name (override ``activation_scale``).

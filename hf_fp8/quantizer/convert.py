@@ -126,8 +126,9 @@ def quantize_model(
     On a transformers ``PreTrainedModel``, ``default_skips=True`` also keeps what
     ``from_pretrained(..., quantization_config=config)`` keeps (the same function,
     ``default_skipped_modules``): tied weights, the output embeddings (``lm_head``), the last
-    module and ``_keep_in_fp32_modules`` (T5's ``wo``). ``default_skips=False`` converts an
-    untied ``lm_head`` too. A layer whose weight is shared with another module (tied) is
+    module, ``_keep_in_fp32_modules`` (T5's ``wo``) and every task head (the linears outside
+    ``model.base_model``: ``score``, ``classifier``, ``qa_outputs`` ...). ``default_skips=False``
+    converts an untied ``lm_head`` and the task heads too. A layer whose weight is shared with another module (tied) is
     refused (``ValueError``) on any model: converting it would break the tie.
 
     A model that already holds ``Fp8Linear`` layers (a LoRA ``merge_and_unload`` leaves the

@@ -332,8 +332,9 @@ def high_precision_reason(
         ]
         if any(module == s or module.endswith(f".{s}") for s in skipped):
             return "modules_to_not_convert", (
-                "named in modules_to_not_convert (lm_head by default: the output head is the "
-                "layer most sensitive to FP8 rounding)"
+                "named in modules_to_not_convert (lm_head and task heads such as score / "
+                "classifier by default: the output head is the layer most sensitive to FP8 "
+                "rounding; a task head is small and trained with the task)"
             )
         return "high-precision linears", (
             "a linear the checkpoint stores in high precision (kept by hf_fp8.modules.selection "
