@@ -143,9 +143,10 @@ def _priority_sample(
     if size <= 0:
         return values[:0], weights[:0]
     u = 1.0 - torch.rand(values.numel(), generator=generator, dtype=torch.float64)
-    priority, index = torch.topk(weights / u, size + 1)
-    index = index[:size]
-    return values[index], weights[index].clamp(min=float(priority[size]))
+    dropped = torch.topk(weights / u, values.numel() - size, largest=False)  # the few lowest
+    keep = torch.ones(values.numel(), dtype=torch.bool)
+    keep[dropped.indices] = False
+    return values[keep], weights[keep].clamp(min=float(dropped.values.max()))
 
 
 class MseObserver(Observer):
@@ -191,8 +192,12 @@ class MseObserver(Observer):
 
     def _keep(self, top: torch.Tensor, rest: torch.Tensor, weight: float) -> None:
         """Merge one batch's strata into the kept values, at most ``sample`` of them."""
-        exact = torch.cat([self._top, top]).sort(descending=True).values
-        exact, displaced = exact[: self.sample // 2], exact[self.sample // 2 :]
+        exact, displaced = torch.cat([self._top, top]), torch.zeros(0)
+        if exact.numel() > self.sample // 2:  # the smallest of them join the thinned values
+            smallest = torch.topk(exact, exact.numel() - self.sample // 2, largest=False)
+            keep = torch.ones(exact.numel(), dtype=torch.bool)
+            keep[smallest.indices] = False
+            exact, displaced = exact[keep], smallest.values
         values = torch.cat([self._rest, rest, displaced])
         weights = torch.cat(
             [
