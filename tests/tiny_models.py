@@ -18,6 +18,8 @@ _DECODER = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
+# one decoder layer, untied head: the peft tests' tiny Llama
+LLAMA_ONE_LAYER = {**_DECODER, "num_hidden_layers": 1, "tie_word_embeddings": False}
 
 TINY = {
     "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, _DECODER),

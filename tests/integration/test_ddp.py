@@ -188,22 +188,9 @@ def test_accelerate_prepare_builds_ddp_and_matches(accelerator):
 
 
 def test_accelerate_lora_on_fp8_llama_matches(accelerator):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
+    from tests.integration.test_ddp_two_ranks import lora_fp8_llama
 
-    from hf_fp8.utils.tiny import tiny_llama_config
-
-    def build():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(tiny_llama_config(64, 2, 32))
-        hf_fp8.quantize_model(model, hf_fp8.Fp8Config("dynamic"), skip=["lm_head"])
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-        for name, module in model.named_modules():  # LoRA B starts at 0: give it a value
-            if name.endswith("lora_B.default"):
-                nn.init.normal_(module.weight, std=0.02)
-        return model
-
-    model, reference = build(), build()
+    model, reference = lora_fp8_llama(), lora_fp8_llama()
     assert len(fp8_tensors(model)) == 14  # 7 linears x 2 layers
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)

@@ -24,7 +24,8 @@ STEPS = 3
 LR = 0.5
 
 
-def _build() -> nn.Module:
+def lora_fp8_llama() -> nn.Module:
+    """A tiny FP8 Llama (lm_head kept) with LoRA on q/v whose B is non-zero (seeded)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
@@ -73,7 +74,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 
     if not accelerate_ddp.applied():  # registered patches are applied on import already
         accelerate_ddp.apply()
-    model = _build()
+    model = lora_fp8_llama()
     if rank == 1:  # other fp8 codes and adapters: DDP's construction must replace both
         inner = model.base_model.model.model.layers[0].self_attn
         with torch.no_grad():
@@ -105,7 +106,7 @@ def test_two_ranks_match_one_process(tmp_path):
 
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    reference = _build()
+    reference = lora_fp8_llama()
     initial = _state(reference)
     opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR)
     ids = _ids()

@@ -14,19 +14,9 @@ from peft import LoraConfig, PeftModel, TrainableTokensConfig, get_peft_model
 
 import hf_fp8
 from hf_fp8 import Fp8Config, Fp8Linear, quantize_model
-from tests.tiny_models import VOCAB, model_inputs
+from tests.tiny_models import LLAMA_ONE_LAYER, model_inputs
 
-_CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+_CONFIG = {**LLAMA_ONE_LAYER, "pad_token_id": 0}
 
 
 def _llama(cls=tf.LlamaForCausalLM, scheme="dynamic", *, fp8_heads=False):

@@ -33,18 +33,9 @@ from peft.tuners.tuners_utils import BaseTuner
 
 from hf_fp8 import Fp8Config, Fp8Linear, quantize_model
 from hf_fp8.peft_trainable import FP8_SAFE_METHODS
-from tests.tiny_models import VOCAB, model_inputs
+from tests.tiny_models import LLAMA_ONE_LAYER, model_inputs
 
-_CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+_CONFIG = LLAMA_ONE_LAYER
 # what the tiny model needs beyond target_modules (small blocks, sizes that divide 64)
 _EXTRA = {
     "ADALORA": dict(total_step=10),
