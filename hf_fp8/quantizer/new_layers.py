@@ -3,10 +3,14 @@
 Loading an FP8 CausalLM folder with ``AutoModelForSequenceClassification`` builds a ``score``
 head the checkpoint never had. transformers initialises such a layer as new (and says so in its
 load report); as an ``Fp8Linear`` it would have no fp8 weight and no scale to load, so it is kept
-in high precision, as an on-the-fly load keeps it (task heads are default skips). Only a task
-head (a layer outside ``model.base_model``: ``hf_fp8.modules.selection.task_heads``) can be new:
-a body layer the checkpoint lacks (a damaged or truncated file) stays FP8 and is refused after
-loading, named, as is a layer whose fp8 weight is stored without its scale.
+in high precision, as an on-the-fly load keeps it (task heads are default skips). A task head
+(a layer outside ``model.base_model``: ``hf_fp8.modules.selection.task_heads``) can be new; a
+body layer only when the checkpoint was saved from another class (``config.architectures``)
+and stores nothing at all under the module holding it (a masked-LM checkpoint has no
+``bert.pooler``; an encoder loaded as a decoder has no ``crossattention``), as transformers
+initialises it. A body layer the checkpoint of the same class lacks, or whose siblings it stores
+(a damaged or truncated file), stays FP8 and is refused after loading, named, as is a layer
+whose fp8 weight is stored without its scale.
 """
 
 from __future__ import annotations
@@ -47,21 +51,26 @@ def loaded_names(model: nn.Module, names: Iterable[str]) -> set[str]:
 
 
 def layers_not_stored(model: nn.Module, names: set[str] | None, skip: list[str]) -> list[str]:
-    """The task heads to convert (``skip`` aside; layers outside ``model.base_model``) of which
-    the checkpoint tensor ``names`` store neither ``weight`` nor ``weight_scale``, under the
-    names the loader gives them; a body layer is never new (refused after loading). ``[]``
+    """The layers to convert (``skip`` aside) that are new (see the module docstring): the
+    checkpoint tensor ``names`` store neither their ``weight`` nor ``weight_scale``, under the
+    names the loader gives them. ``[]``
     when ``names`` is ``None`` (not readable) or no layer is found at all (keys the loader
     renames in a way not followed here: the checks after loading decide, as before)."""
     if names is None:
         return []
     targets = [name for name, _, _ in convertible_modules(model, skip=skip)]
-    stored = loaded_names(model, (k for k in names if k.endswith((".weight", ".weight_scale"))))
+    stored = loaded_names(model, names)
+    holders = {key[:i] for key in stored for i, char in enumerate(key) if char == "."}
     heads = set(task_heads(model))
-    missing = [
-        name
-        for name in targets
-        if name in heads and f"{name}.weight" not in stored and f"{name}.weight_scale" not in stored
-    ]
+    architectures = getattr(getattr(model, "config", None), "architectures", None) or []
+    other_class = bool(architectures) and type(model).__name__ not in architectures
+
+    def new(name: str) -> bool:
+        if f"{name}.weight" in stored or f"{name}.weight_scale" in stored:
+            return False
+        return name in heads or (other_class and name.rpartition(".")[0] not in holders)
+
+    missing = [name for name in targets if new(name)]
     return missing if len(missing) < len(targets) else []
 
 
