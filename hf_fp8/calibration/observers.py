@@ -181,17 +181,25 @@ class MseObserver(Observer):
         n, budget = magnitude.numel(), max(2, self.sample // 8)
         self._count += n
         if n <= budget:
-            self._keep(magnitude.reshape(-1).cpu(), torch.zeros(0), 1.0)
+            self._keep(magnitude.reshape(-1).cpu(), torch.zeros(0), torch.zeros(0))
             return
         top = torch.topk(magnitude.reshape(-1), budget // 2, sorted=False).values
         threshold = top.min()
+        # values equal to the threshold that the top did not take (saturated inputs: ReLU6)
+        tied = int((magnitude == threshold).sum()) - int((top == threshold).sum())
         rest = _subsample(magnitude, budget - top.numel(), self._generator)
-        rest = rest[rest < threshold]  # a uniform sample of the values outside the top
-        weight = (n - top.numel()) / rest.numel() if rest.numel() else 1.0
-        self._keep(top.cpu(), rest.cpu(), weight)
+        rest = rest[rest < threshold]  # a uniform sample of the values below the top
+        below = n - top.numel() - tied
+        weight = below / rest.numel() if rest.numel() else 1.0
+        weights = torch.full((rest.numel(),), weight, dtype=torch.float64)
+        if tied:  # one value standing for all of them, exactly
+            rest = torch.cat([rest, threshold.reshape(1)])
+            weights = torch.cat([weights, torch.tensor([float(tied)], dtype=torch.float64)])
+        self._keep(top.cpu(), rest.cpu(), weights)
 
-    def _keep(self, top: torch.Tensor, rest: torch.Tensor, weight: float) -> None:
-        """Merge one batch's strata into the kept values, at most ``sample`` of them."""
+    def _keep(self, top: torch.Tensor, rest: torch.Tensor, weights: torch.Tensor) -> None:
+        """Merge one batch's strata into the kept values, at most ``sample`` of them
+        (``weights``: how many values each of ``rest`` stands for)."""
         exact, displaced = torch.cat([self._top, top]), torch.zeros(0)
         if exact.numel() > self.sample // 2:  # the smallest of them join the thinned values
             smallest = torch.topk(exact, exact.numel() - self.sample // 2, largest=False)
@@ -202,7 +210,7 @@ class MseObserver(Observer):
         weights = torch.cat(
             [
                 self._rest_weight,
-                torch.full((rest.numel(),), weight, dtype=torch.float64),
+                weights,
                 torch.ones(displaced.numel(), dtype=torch.float64),
             ]
         )
