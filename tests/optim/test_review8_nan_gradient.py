@@ -18,8 +18,8 @@ import torch
 from hf_fp8.optim import AdamWFp8
 from hf_fp8.utils import native
 from tests.bitwise import assert_states_bit_equal
+from tests.optim.test_review8_log_inf_group import SPOT, spiked_run
 
-SPOT = (3, 7)
 IMPLEMENTATIONS = ["reference"] + (["cpu_kernel"] if native.compiler() else [])
 FORMATS = {
     "coat": {},
@@ -31,16 +31,8 @@ FORMATS = {
 
 
 def nan_run(make, steps: int, cols: int = 256, nan: float = float("nan")):
-    g = torch.Generator().manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(64, cols, generator=g))
-    opt = make([p])
-    for step in range(steps):
-        grad = torch.randn(64, cols, generator=g)
-        if step == 0:
-            grad[SPOT] = nan
-        p.grad = grad
-        opt.step()
-    return p.detach(), opt
+    """Steps of a [64, cols] weight whose first gradient holds ``nan`` at SPOT."""
+    return spiked_run(make, nan, steps=steps, cols=cols)
 
 
 def state_of(opt):
