@@ -27,11 +27,6 @@ from tests.tiny_models import TINY
 
 Q = "model.layers.0.self_attn.q_proj"
 DOWN = "model.layers.1.mlp.experts.down_proj"
-# The callers (hf_fp8/quantizer/hf_quantizer.py, hf_fp8/quantizer/convert.py, not owned by this
-# change) call check_activation_scales once per model; until they do, these tests xfail.
-NEEDS_CALL_SITE = pytest.mark.xfail(
-    strict=True, reason="check_activation_scales is not called by the quantizer / convert yet"
-)
 
 
 def _llama() -> nn.Module:
