@@ -359,12 +359,19 @@ def transformers_unfused_experts(model: nn.Module, fused: dict[str, int]) -> dic
     return out
 
 
+def unfused_expert_name(owner: str, expert: int, projection: str) -> str:
+    """The tensor name of one projection (``VLLM_EXPERT_PROJECTIONS``) of one expert of the
+    bmm experts ``owner`` written one linear per expert: ``<owner>.<e>.gate_proj.weight``."""
+    return f"{owner}.{expert}.{projection}.weight"
+
+
 def unfuse_experts(
     tensors: dict[str, torch.Tensor], unfused: dict[str, int]
 ) -> dict[str, torch.Tensor]:
     """One shard with the ``unfused`` experts (:func:`transformers_unfused_experts`) written one
     linear per expert: ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj.weight``
-    ``[out, in]``, the names llm-compressor writes and vLLM and transformers read."""
+    ``[out, in]``, the names llm-compressor writes and vLLM and transformers read.
+    :func:`fuse_unfused_experts` is the reverse."""
     out = {}
     for key, value in tensors.items():
         owner, _, leaf = key.rpartition(".")
@@ -374,11 +381,31 @@ def unfuse_experts(
             continue
         for e in range(value.shape[0]):
             if leaf == "down_proj":
-                out[f"{owner}.{e}.down_proj.weight"] = value[e].t().contiguous()
+                out[unfused_expert_name(owner, e, "down_proj")] = value[e].t().contiguous()
             else:
-                out[f"{owner}.{e}.gate_proj.weight"] = value[e, :, :inter].t().contiguous()
-                out[f"{owner}.{e}.up_proj.weight"] = value[e, :, inter:].t().contiguous()
+                gate, up = value[e, :, :inter], value[e, :, inter:]
+                out[unfused_expert_name(owner, e, "gate_proj")] = gate.t().contiguous()
+                out[unfused_expert_name(owner, e, "up_proj")] = up.t().contiguous()
     return out
+
+
+def fuse_unfused_experts(
+    owner: str, num_experts: int, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The reverse of :func:`unfuse_experts` for the experts ``owner``: its per-expert
+    ``gate_proj`` / ``up_proj`` ``[I, H]`` and ``down_proj`` ``[H, I]`` weights (all of them,
+    checked by the caller) as the bmm layout's ``<owner>.gate_up_proj`` ``[E, H, 2I]`` (gate
+    first) and ``<owner>.down_proj`` ``[E, I, H]``, bit for bit."""
+
+    def weight(e: int, projection: str) -> torch.Tensor:
+        return tensors[unfused_expert_name(owner, e, projection)].t()
+
+    experts = range(num_experts)
+    gate_up = [torch.cat([weight(e, "gate_proj"), weight(e, "up_proj")], dim=1) for e in experts]
+    return {
+        f"{owner}.gate_up_proj": torch.stack(gate_up).contiguous(),
+        f"{owner}.down_proj": torch.stack([weight(e, "down_proj") for e in experts]).contiguous(),
+    }
 
 
 def expert_modules(groups: dict[str, ExpertGroup]) -> dict[str, tuple[str, int, int]]:

@@ -17,8 +17,15 @@ from hf_fp8.serialization.checkpoint import (
 )
 from hf_fp8.serialization.experts import ExpertMerger, expert_modules, experts_view
 from hf_fp8.serialization.formats import EXPORT_FORMATS, FORMATS, format_of
-from hf_fp8.serialization.layers import plan_layers
+from hf_fp8.serialization.layers import build_meta_model, plan_layers
 from hf_fp8.serialization.tensors import check_complete, compute_dtype_of
+from hf_fp8.serialization.unfused_experts import (
+    ExpertFuser,
+    UnfusedExperts,
+    find_unfused_experts,
+    fused_view,
+    has_unfused_candidates,
+)
 
 
 def _renamed(names, renames: dict[str, str]) -> list[str]:
@@ -27,6 +34,16 @@ def _renamed(names, renames: dict[str, str]) -> list[str]:
         module, _, leaf = name.rpartition(".")
         out.append(f"{module}.{renames.get(leaf, leaf)}")
     return out
+
+
+def _unfused_experts(checkpoint: Checkpoint) -> dict[str, UnfusedExperts]:
+    """Llama-4-style bmm experts stored one high-precision linear per expert (as a
+    compressed-tensors export writes them), checked whole against the model the config builds;
+    the model is only built when some tensor is named like a per-expert linear."""
+    tensors = checkpoint.tensors()
+    if not has_unfused_candidates(tensors):
+        return {}
+    return find_unfused_experts(build_meta_model(checkpoint.config), tensors)
 
 
 def import_config(checkpoint: Checkpoint) -> tuple[str, Fp8Config]:
@@ -62,7 +79,11 @@ def import_checkpoint(
 
     fp8 weights are copied bit for bit; MoE experts stored one linear per expert (the
     ``fp8`` block checkpoints of Qwen3-MoE-FP8 / DeepSeek-V3) are merged into the fused
-    ``[E, ...]`` tensors of ``Fp8Experts`` as transformers' conversion mapping says; scales become fp32 (exact) in hf_fp8's shapes. Every
+    ``[E, ...]`` tensors of ``Fp8Experts`` as transformers' conversion mapping says; Llama-4's
+    experts kept in high precision, which a compressed-tensors export writes one linear per
+    expert, become its fused ``gate_up_proj`` / ``down_proj`` again (the whole per-expert set
+    checked first: every expert and projection, one dtype, the config's shapes, nothing fused
+    or FP8 beside it). Scales become fp32 (exact) in hf_fp8's shapes. Every
     fp8 weight and scale is checked first (dtype, shape, finite, > 0): a bad one raises
     ``CheckpointTensorError`` naming it, and nothing is written. Then
     ``import hf_fp8; AutoModel…from_pretrained(out_dir)`` gives ``Fp8Linear`` layers with the
@@ -71,7 +92,9 @@ def import_checkpoint(
     """
     src = Checkpoint(resolve_checkpoint(checkpoint))
     fmt_name, scheme = import_config(src)
-    tensors, groups = experts_view(src.config.get("model_type"), src.tensors())
+    unfused = _unfused_experts(src)
+    tensors = fused_view(src.tensors(), unfused)
+    tensors, groups = experts_view(src.config.get("model_type"), tensors)
     plan = plan_layers(src.config, tensors, experts=expert_modules(groups))
     config = Fp8Config(
         scheme.activation_scheme,
@@ -86,10 +109,14 @@ def import_checkpoint(
     with output_folder(out) as tmp:
         dtype = compute_dtype_of(src.config)
         merge = ExpertMerger(groups, config)  # per-expert fp8 linears -> Fp8Experts' names
-        rewrite_tensors(
-            src, tmp, lambda t: merge(fmt.import_tensors(t, plan, config, compute_dtype=dtype))
-        )
+        fuse = ExpertFuser(unfused)  # per-expert high-precision linears -> bmm experts' names
+
+        def convert(shard):
+            return merge(fmt.import_tensors(fuse(shard), plan, config, compute_dtype=dtype))
+
+        rewrite_tensors(src, tmp, convert)
         merge.finish()
+        fuse.finish()
         copy_other_files(src, tmp)
         write_config(tmp, {**src.config, "quantization_config": config.to_dict()})
     return out

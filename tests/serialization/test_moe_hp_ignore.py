@@ -164,24 +164,14 @@ def test_fused_high_precision_experts_export_loads_with_same_outputs(family, fam
     assert fp32_close(got, want) <= 1e-5 * float(want.abs().max())
 
 
-LLAMA4_CT_XFAIL = pytest.mark.xfail(
-    strict=True, reason="written one linear per expert for transformers; import does not fuse them"
-)
-
-
-@pytest.mark.parametrize(
-    ("family", "fmt"),
-    [
-        pytest.param(f, fmt, marks=LLAMA4_CT_XFAIL if (f, fmt) == ("llama4_text", CT) else ())
-        for f in FAMILIES
-        for fmt in (CT, "vllm-fp8")
-    ],
-)
+@pytest.mark.parametrize("fmt", [CT, "vllm-fp8"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_high_precision_experts_import_back_bit_exact(family, fmt, family_dir, tmp_path):
     """``hf-fp8 import`` of the export keeps the experts in high precision under the model's
     own names (Mixtral's checkpoint says ``block_sparse_moe``, the model ``mlp``; gpt-oss,
     Llama-4 and GraniteMoE store them fused): same logits. Before, the import quantized
-    them on load and failed on the missing scales."""
+    them on load and failed on the missing scales. Llama-4's compressed-tensors export writes
+    them one linear per expert (for stock transformers): the import fuses them back."""
     model = _quantized(family_dir(family), ["experts"])
     _export(model, tmp_path / "out", fmt)
     back = tf.AutoModelForCausalLM.from_pretrained(
