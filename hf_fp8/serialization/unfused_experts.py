@@ -20,6 +20,7 @@ from torch import nn
 from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.serialization.checkpoint import FP8_DTYPE_NAMES, TensorInfo
 from hf_fp8.serialization.experts import (
+    SCALE_LEAVES,
     VLLM_EXPERT_PROJECTIONS,
     fuse_unfused_experts,
     model_name,
@@ -87,13 +88,19 @@ def _check(owner: str, layout, tensors: dict[str, TensorInfo]) -> UnfusedExperts
             f"linears such as {min(mine)}: fused and per-expert experts mixed, the model "
             "cannot tell which to load; re-export it"
         )
-    not_weight = sorted(n for n in mine if not n.endswith(".weight"))
-    fp8 = sorted(n for n in mine if under[n].dtype in FP8_DTYPE_NAMES)
-    if not_weight or fp8:
+    leaves = {n: n.rpartition(".")[2] for n in mine}
+    fp8 = sorted(n for n in mine if under[n].dtype in FP8_DTYPE_NAMES or leaves[n] in SCALE_LEAVES)
+    if fp8:
         raise CheckpointTensorError(
-            f"{where}: {_shown(not_weight or fp8)} are FP8 expert tensors; hf_fp8 imports "
+            f"{where}: {_shown(fp8)} are FP8 expert tensors (codes or scales); hf_fp8 imports "
             "Llama-4-style experts stored one linear per expert in high precision only "
             "(FP8 ones: keep the checkpoint for vLLM, or export from hf_fp8)"
+        )
+    other = sorted(n for n in mine if leaves[n] != "weight")
+    if other:
+        raise CheckpointTensorError(
+            f"{where}: {_shown(other)}: the model's experts have no such tensor (only the "
+            "weights of gate_proj / up_proj / down_proj); the checkpoint belongs to another model"
         )
     dtypes = {under[n].dtype for n in mine}
     if len(dtypes) != 1 or not dtypes <= set(_FLOAT_DTYPES):

@@ -125,6 +125,10 @@ HOSTILE = {
         [f"{L1}.gate_up_proj", "mixed"],
     ),
     "fp8": (_fp8_expert, [f"{L1}.1.gate_proj.weight", "FP8", "high precision only"]),
+    "bias": (
+        lambda t: t.update({f"{L1}.0.up_proj.bias": torch.zeros(16)}),
+        [f"{L1}.0.up_proj.bias", "no such tensor"],
+    ),
 }
 
 
