@@ -323,7 +323,8 @@ def high_precision_reason(
             "kept in high precision on purpose: they pick the experts, and a flipped top-k "
             "choice costs more than the tiny matmul saves"
         )
-    if module in high:
+    fused_experts = "experts" in name and len(info.shape) == 3
+    if module in high or fused_experts:
         qc = qc or {}
         skipped = [
             *(qc.get("modules_to_not_convert") or []),
@@ -336,11 +337,12 @@ def high_precision_reason(
                 "classifier by default: the output head is the layer most sensitive to FP8 "
                 "rounding; a task head is small and trained with the task)"
             )
+    if module in high:
         return "high-precision linears", (
             "a linear the checkpoint stores in high precision (kept by hf_fp8.modules.selection "
             "or not quantized by the tool that wrote it)"
         )
-    if "experts" in name and len(info.shape) == 3:
+    if fused_experts:
         return "experts not in FP8", (
             "MoE experts that Fp8Experts cannot carry (hf_fp8.modules.fp8_experts."
             "unsupported_reason names why)"

@@ -102,3 +102,23 @@ def test_inspect_and_card_accept_block_scales_straddling_gate_and_up(tmp_path) -
     save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointTensorError, match=name):
         inspect_checkpoint(src)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4_text", "granitemoe"])
+def test_inspect_names_experts_kept_by_modules_to_not_convert(family: str, tmp_path) -> None:
+    """Experts the user kept in high precision (``modules_to_not_convert=["experts"]``) are
+    reported as kept by that option, not as "MoE experts that Fp8Experts cannot carry"
+    (which sent the user looking for a limitation that was not there)."""
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_cls(**SIZES, num_experts_per_tok=2, **extra)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hp")
+    fp8 = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hp",
+        quantization_config=Fp8Config("dynamic", modules_to_not_convert=["experts"]),
+    )
+    fp8.save_pretrained(tmp_path / "fp8")
+    summary = inspect_checkpoint(tmp_path / "fp8")
+    kinds = {part["what"] for part in summary.high_precision_parts}
+    assert "modules_to_not_convert" in kinds
+    assert "experts not in FP8" not in kinds
