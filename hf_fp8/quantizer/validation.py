@@ -115,31 +115,51 @@ def fitting_granularity(
 
 
 def check_weight_scale_shape(
-    key: str, shape: tuple[int, ...], features: tuple[int, int], recipe: Any, *, root: str
+    key: str, shape: tuple[int, ...], features: tuple[int, ...], recipe: Any, *, root: str
 ) -> None:
-    """Refuse a stored ``weight_scale`` (``key``, of an ``[out, in] = features`` weight) whose
-    ``shape`` is not what the config's ``weight_granularity`` / ``block_size`` give, before
-    loading, naming the granularity the file holds (transformers' own size report advises
-    ``ignore_mismatched_sizes=True``, which would re-initialise the scales)."""
+    """Refuse a stored weight scale (``key``) whose ``shape`` is not what the config's
+    ``weight_granularity`` / ``block_size`` give, before loading, naming the granularity the
+    file holds (transformers' own size report advises ``ignore_mismatched_sizes=True``, which
+    would re-initialise the scales). ``features``: ``(out, in)`` of an ``Fp8Linear`` weight
+    (its ``weight_scale``), or ``(E, out, in)`` of an ``Fp8Experts`` projection (its
+    ``<proj>_weight_scale``, one scale per expert: ``[E, *weight scale]``)."""
     granularity = str(getattr(recipe.weight_granularity, "value", recipe.weight_granularity))
-    expected = weight_scale_shape(*features, granularity, recipe.block_size)
+    experts, (out_features, in_features) = features[:-2], features[-2:]
+    per_weight = weight_scale_shape(out_features, in_features, granularity, recipe.block_size)
+    expected = (*experts, *per_weight)
     if tuple(shape) == tuple(expected):
         return
     config = os.path.join(root, "config.json") if root and os.path.isdir(root) else "config.json"
-    fits = fitting_granularity(tuple(shape), *features, recipe.block_size)
+    fits = None
+    if tuple(shape[: len(experts)]) == tuple(experts):
+        fits = fitting_granularity(
+            tuple(shape[len(experts) :]), out_features, in_features, recipe.block_size
+        )
+    weight = f"a {[out_features, in_features]} weight" + (
+        f" of {experts[0]} experts" if experts else ""
+    )
     fix = (
         f"The stored scales are {fits}: set that in the quantization_config of {config} "
         "(save_pretrained writes the one the scales were made with)"
         if fits
-        else f"That shape fits no weight granularity of a {list(features)} weight: re-export "
+        else f"That shape fits no weight granularity of {weight}: re-export "
         "the checkpoint with hf_fp8 (save_pretrained)"
     )
     raise CheckpointTensorError(
         f"{key}: stored with shape {list(shape)} in {checkpoint_file(root, key)}, but the "
         f"quantization_config of {config} says {_describe(granularity, recipe.block_size)} "
-        f"(a weight_scale of shape {list(expected)}). {fix}. ignore_mismatched_sizes=True "
+        f"(a weight scale of shape {list(expected)}). {fix}. ignore_mismatched_sizes=True "
         "does not apply: it would re-initialise the scales"
     )
+
+
+def experts_weight_features(name: str, module: Fp8Experts) -> dict[str, tuple[int, int, int]]:
+    """Checkpoint key of each projection's weight scale of one ``Fp8Experts`` (``name``) ->
+    ``(E, out, in)`` of its weights: the ``features`` of :func:`check_weight_scale_shape`."""
+    return {
+        f"{name}.{proj}_weight_scale": tuple(module.layout.shape(proj))
+        for proj in module.layout.projections
+    }
 
 
 def checkpoint_file(root: str, key: str) -> str:
