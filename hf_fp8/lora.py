@@ -21,7 +21,9 @@ init seen changing the dequantized copy) are refused: the FP8 base is frozen fp8
 
 LoRA on FP8 MoE experts (``Fp8Experts``: ``target_parameters`` on their 3-D weights, or
 ``target_modules`` naming them) is refused at ``get_peft_model`` by
-:func:`refuse_lora_on_experts`; experts kept in high precision take it as usual.
+:func:`refuse_lora_on_experts`; experts kept in high precision take it as usual. Both refusals
+come before peft changes the model (``hf_fp8.peft_preflight``, called by the ``peft_lora``
+patch); should one come at its target after all, the patch puts the model back as it was.
 """
 
 from __future__ import annotations
@@ -227,7 +229,9 @@ def refuse_lora_on_experts(target: nn.Module, adapter_name: str, **kwargs: Any) 
     ``target_modules=['experts']``) is refused when ``get_peft_model`` reaches them."""
     name = kwargs.get("target_name") or "the experts module"
     param = kwargs.get("parameter_name")
-    what = f"{name}.{param} (peft target_parameters)" if param else f"{name} (peft target_modules)"
+    if param and not name.endswith(f".{param}"):  # peft names the parameter's key
+        name = f"{name}.{param}"
+    what = f"{name} (peft target_parameters)" if param else f"{name} (peft target_modules)"
     source = getattr(getattr(target, "layout", None), "source_class", None)
     kind = f"{getattr(source, '__name__', 'MoE experts')} as Fp8Experts"
     raise NotImplementedError(

@@ -9,8 +9,9 @@ Besides adapters, peft trains whole modules: ``modules_to_save`` (a trainable co
 no gradient, so it trains nothing (silently once ``freeze_fp8`` is called), an adapter's saved
 high-precision copy would load into fp8 codes without its scales, and token rows cannot be
 written into fp8 codes. The ``peft_lora`` patch (``hf_fp8.patches.peft_lora``) calls
-:func:`check_trainable_copy` before peft builds any of them (``get_peft_model``,
-``add_adapter``, ``PeftModel.from_pretrained``).
+:func:`check_trainable_copy` for every module peft is about to wrap before peft changes the
+model (``hf_fp8.peft_preflight``), and again before peft builds each wrapper
+(``get_peft_model``, ``add_adapter``, ``PeftModel.from_pretrained``).
 
 peft's methods other than LoRA (IA3, LoHa, LoKr, AdaLoRA, OFT, BOFT, VeRA, LN-tuning, ...) read
 or write the base weight directly, so on FP8 layers they are refused the same way, per target,

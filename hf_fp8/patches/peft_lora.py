@@ -17,11 +17,17 @@ peft method. And it wraps ``BaseTuner.inject_adapter`` so that each target of a 
 than LoRA (and BEFT) is checked before the method builds its layer there: on an FP8 layer it is
 refused with the fix (``hf_fp8.peft_trainable.check_peft_method``). If those classes changed,
 only the check concerned turns off (one warning); the LoRA registration stays.
+
+On a model holding FP8 layers, that wrapper first runs every one of these refusals on the targets
+peft is about to match (``hf_fp8.peft_preflight``: LoRA on FP8 experts, base-rewriting LoRA
+inits, other methods, trainable tokens, ``modules_to_save``), so they come before peft changes
+the model; and if ``inject_adapter`` fails part-way all the same (a target the early look could
+not match, or peft's own error), it puts the model back as it was (``hf_fp8.peft_rollback``:
+module tree, attributes, ``requires_grad``, config) before the error propagates.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import sys
 
@@ -95,9 +101,11 @@ def _guard_tokens(module) -> None:
 
 
 def guard_other_methods() -> None:
-    """Refuse peft methods other than LoRA on FP8 layers: ``BaseTuner.inject_adapter`` checks
-    each target (``hf_fp8.peft_trainable.check_peft_method``) before the method's own
-    ``_create_and_replace`` builds its layer there."""
+    """Wrap ``BaseTuner.inject_adapter``: on a model with FP8 layers, every hf_fp8 refusal is
+    decided before peft changes the model (``hf_fp8.peft_preflight``); each target of a method
+    other than LoRA is checked again (``hf_fp8.peft_trainable.check_peft_method``) before the
+    method's own ``_create_and_replace`` builds its layer there; and a failure part-way puts the
+    model back as it was (``hf_fp8.peft_rollback``)."""
     import importlib
 
     tuner_cls = importlib.import_module(TUNERS).BaseTuner
@@ -111,55 +119,38 @@ def guard_other_methods() -> None:
     def inject_adapter(self, model, adapter_name, *args, **kwargs):
         if "_create_and_replace" in self.__dict__:  # an override calling super(): checked once
             return original(self, model, adapter_name, *args, **kwargs)
+        from hf_fp8.peft_preflight import check_before_injection, has_fp8
+        from hf_fp8.peft_rollback import ModelSnapshot
         from hf_fp8.peft_trainable import check_peft_method
 
-        if kwargs.get("state_dict", args[2] if len(args) > 2 else None) is None:
-            config = self.peft_config[adapter_name]
-            for key, module in _config_targets(self, model, config):  # before peft wraps any
-                check_peft_method(config, module, key)
+        if not has_fp8(model):  # nothing hf_fp8 refuses: peft as it is
+            return original(self, model, adapter_name, *args, **kwargs)
+        try:
+            snapshot = ModelSnapshot(model, self)  # before peft changes anything
+        except Exception:  # never break get_peft_model: only the rollback is lost
+            snapshot = None
         create = self._create_and_replace  # the method's own, bound
 
         def checked(config, adapter_name, target, target_name, parent, *rest, **kw):
             check_peft_method(config, target, kw.get("current_key") or target_name)
             return create(config, adapter_name, target, target_name, parent, *rest, **kw)
 
-        self.__dict__["_create_and_replace"] = checked  # the instance's, for this call only
         try:
-            return original(self, model, adapter_name, *args, **kwargs)
-        finally:
-            del self.__dict__["_create_and_replace"]
+            state_dict = kwargs.get("state_dict", args[2] if len(args) > 2 else None)
+            config = self.peft_config[adapter_name]
+            check_before_injection(self, model, config, adapter_name, state_dict)
+            self.__dict__["_create_and_replace"] = checked  # the instance's, for this call only
+            try:
+                return original(self, model, adapter_name, *args, **kwargs)
+            finally:
+                del self.__dict__["_create_and_replace"]
+        except Exception:
+            if snapshot is not None:
+                snapshot.restore()  # a refusal (or peft's error) part-way: the model as it was
+            raise
 
     inject_adapter._hf_fp8 = True
     tuner_cls.inject_adapter = inject_adapter
-
-
-def _config_targets(tuner, model: nn.Module, config) -> list[tuple[str, nn.Module]]:
-    """The modules holding FP8 layers that ``config`` targets, matched as peft's
-    ``inject_adapter`` will (its own default targets, ``all-linear`` and matcher), so that a
-    refusal comes before peft wraps any layer. Empty for LoRA and BEFT, and where peft's helpers
-    fail (peft reports its own errors; each target is checked again as peft wraps it)."""
-    from hf_fp8.peft_trainable import FP8_SAFE_METHODS, fp8_parts
-
-    peft_type = getattr(config, "peft_type", None)
-    if str(getattr(peft_type, "value", peft_type)) in FP8_SAFE_METHODS:
-        return []
-    try:
-        from peft.tuners import tuners_utils
-
-        config = tuner._prepare_adapter_config(copy.copy(config), tuner.get_model_config(model))
-        config = tuners_utils._maybe_include_all_linear_layers(config, model)
-        modules = list(model.named_modules())
-        wrapped = tuple(k + "." for k, m in modules if isinstance(m, tuners_utils.BaseTunerLayer))
-        matched = []
-        for key, module in modules:
-            if not key or (wrapped and key.startswith(wrapped)):
-                continue
-            found = tuner._check_target_module_exists(config, key)
-            if found and not isinstance(found, tuners_utils._ExcludedModule):
-                matched.append((key, module))
-    except Exception:  # a best-effort early look; the per-target check stays
-        return []
-    return [(key, module) for key, module in matched if fp8_parts(module)]
 
 
 def _partly_off(exc: Exception, what: str = "modules_to_save / trainable tokens") -> None:
