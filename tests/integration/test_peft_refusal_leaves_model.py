@@ -300,3 +300,11 @@ def test_refused_second_adapter_leaves_the_peft_model(early_look, monkeypatch):
     }
     assert list(model.peft_config) == ["default"]
     assert torch.equal(_logits(model), _logits(reference))
+
+
+def test_peft_own_error_part_way_leaves_the_fp8_model(no_early_look):
+    """peft's own refusal of a target it cannot wrap (after q_proj took LoRA) is undone too."""
+    model = _llama()
+    config = LoraConfig(r=4, target_modules=["q_proj", "rotary_emb"])
+    _, reference = _refused(model, config, ValueError, r"LlamaRotaryEmbedding\(\) is not supported")
+    assert_retry_as_fresh(model, reference, LORA_FIX)
