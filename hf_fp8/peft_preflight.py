@@ -53,9 +53,7 @@ def config_targets(
         wrapped = tuple(k + "." for k, m in modules if isinstance(m, tuners_utils.BaseTunerLayer))
         candidates = [(k, m) for k, m in modules if k and not (wrapped and k.startswith(wrapped))]
         if state_dict is not None:
-            from peft.utils.constants import PEFT_TYPE_TO_PREFIX_MAPPING
-
-            prefix = "." + PEFT_TYPE_TO_PREFIX_MAPPING[config.peft_type]
+            prefix = "." + tuners_utils.PEFT_TYPE_TO_PREFIX_MAPPING[config.peft_type]
             names = {k.rsplit(prefix, 1)[0].removeprefix("_orig_mod.") for k in state_dict}
             return [(k, m) for k, m in candidates if k.removeprefix("_orig_mod.") in names]
         config = tuner._prepare_adapter_config(copy.copy(config), tuner.get_model_config(model))

@@ -308,3 +308,20 @@ def test_peft_own_error_part_way_leaves_the_fp8_model(no_early_look):
     config = LoraConfig(r=4, target_modules=["q_proj", "rotary_emb"])
     _, reference = _refused(model, config, ValueError, r"LlamaRotaryEmbedding\(\) is not supported")
     assert_retry_as_fresh(model, reference, LORA_FIX)
+
+
+def test_adapter_injected_from_a_state_dict_is_refused_before_any_change(no_rollback):
+    """peft's ``inject_adapter_in_model(state_dict=...)`` matches targets by the state dict's
+    keys (the high-precision q_proj first): refused before it wraps q_proj."""
+    from peft import inject_adapter_in_model
+
+    model = _llama(skip=["q_proj"])
+    reference = copy.deepcopy(model)
+    prefix = "model.layers.0.self_attn"
+    state = {
+        f"{prefix}.{n}.ia3_l.default": torch.ones(d, 1) for n, d in (("q_proj", 64), ("v_proj", 32))
+    }
+    config = IA3Config(target_modules=["q_proj", "v_proj"], feedforward_modules=[])
+    with pytest.raises(ValueError, match=r"peft IA3 .*v_proj, an FP8 layer"):
+        inject_adapter_in_model(config, model, state_dict=state)
+    assert_untouched(model, reference)
