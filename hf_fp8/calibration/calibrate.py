@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +17,11 @@ from hf_fp8.calibration.observers import Observer, make_observer
 from hf_fp8.calibration.recipes import observing_recipe
 from hf_fp8.modules import Fp8Linear
 from hf_fp8.numerics import fp8_dtype
+
+# ``hook(model)`` run after ``calibrate`` set new static scales. Upper layers add theirs
+# (hf_fp8.hub: fidelity figures measured with the old scales leave the model card), so this
+# layer imports none of them.
+CALIBRATED_HOOKS: list[Callable[[nn.Module], None]] = []
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -215,4 +220,6 @@ def _calibrate(
         m.set_input_scale(scales[name])
     for name, obs in experts.items():
         obs.apply(name, scales)
+    for hook in CALIBRATED_HOOKS:
+        hook(model)
     return scales

@@ -179,10 +179,14 @@ def is_user_card(text: str | None) -> bool:
     return read_card_info(text) is None and not any(p in text for p in _PLACEHOLDERS)
 
 
-def merge_card(existing: str | None, info: CardInfo, **render_kwargs) -> str:
+def merge_card(
+    existing: str | None, info: CardInfo, *, carry_figures: bool = True, **render_kwargs
+) -> str:
     """The card to upload: a fresh rendering that keeps the existing card's tags and the
-    facts an earlier hf_fp8 card recorded (base model, fidelity); a card the user wrote is
-    kept as written, with hf_fp8's metadata added."""
+    facts an earlier hf_fp8 card recorded (base model, fidelity) when it describes the same
+    model (:func:`same_model`); a card the user wrote is kept as written, with hf_fp8's
+    metadata added. ``carry_figures=False``: never the earlier card's fidelity figures (an
+    export takes its source's, not those of the folder it replaces)."""
     old_tags: list[str] = []
     if existing:
         card = ModelCard(existing, ignore_metadata_errors=True)
@@ -196,7 +200,8 @@ def merge_card(existing: str | None, info: CardInfo, **render_kwargs) -> str:
         previous = read_card_info(existing)
         if previous is not None and same_model(previous, info):
             info.base_model = info.base_model or previous.base_model
-            info.fidelity = info.fidelity or previous.fidelity
+            if carry_figures:
+                info.fidelity = info.fidelity or previous.fidelity
     return render_model_card(info, tags=old_tags, **render_kwargs)
 
 
@@ -204,8 +209,11 @@ def same_model(previous: CardInfo, info: CardInfo) -> bool:
     """Whether an earlier card describes the model ``info`` describes, so that its facts
     (base model, measured fidelity) still hold: the same format and scheme, and the same base
     model, architecture and whole ``quantization_config`` (skips, weight scale method,
-    activation scales, ...) where both cards record one. A different model saved into the
-    same folder, or the same one quantized otherwise, starts from a card without them."""
+    activation scales, ...) where both cards record one, and the same static input scales
+    when ``info`` records them (a card from a loaded static model: an earlier card that
+    records none, or others, was measured with scales that may be gone, e.g. before a
+    calibration). A different model saved into the same folder, or the same one quantized
+    or calibrated otherwise, starts from a card without them."""
 
     def norm(value: Any) -> Any:
         return json.loads(json.dumps(value, sort_keys=True))
@@ -219,6 +227,7 @@ def same_model(previous: CardInfo, info: CardInfo) -> bool:
         and not differ(previous.base_model, info.base_model)
         and not differ(previous.architecture, info.architecture)
         and not differ(_quantization_config(previous), _quantization_config(info))
+        and info.static_scales in (None, previous.static_scales)
     )
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from itertools import chain
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_fp8.calibration.calibrate import CALIBRATED_HOOKS
 from hf_fp8.config import Fp8Config
 from hf_fp8.modules import Fp8Experts, Fp8Linear, unconverted_linears
 from hf_fp8.serialization.summary import CheckpointSummary, describe_scheme
@@ -18,6 +21,8 @@ from hf_fp8.serialization.summary import CheckpointSummary, describe_scheme
 _SCHEME_KEYS = ("activation_scheme", "weight_granularity", "activation_granularity", "block_size")
 # The built-in model of hf_fp8.utils.minilm, by its Hub id (used for the card's base_model).
 MINILM_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
+# A model's card facts (base model, fidelity) in its __dict__: hf_fp8.hub.hooks' state.
+_STATE = "_hf_fp8_card"
 
 
 @dataclass
@@ -41,6 +46,9 @@ class CardInfo:
     # the model's whole quantization_config (from a loaded model): a later card carries this
     # card's figures over only for the same one (hf_fp8.hub.card.same_model)
     quantization_config: dict[str, Any] | None = None
+    # digest of the model's static input scales (from a loaded static model): figures measured
+    # with other scales (before a calibration) are not carried over (hub.card.same_model)
+    static_scales: str | None = None
     hf_fp8_version: str = field(default_factory=lambda: _version())
 
     @property
@@ -134,7 +142,7 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
         raise ValueError("the model has no hf_fp8 quantization_config: it is not an hf_fp8 model")
     high = unconverted_linears(model)
     before, after, share = model_bytes(model)
-    extra = dict(getattr(model, "_hf_fp8_card", None) or {})
+    extra = dict(getattr(model, _STATE, None) or {})
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     info = CardInfo(
         format="hf_fp8",
@@ -149,10 +157,60 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
         fidelity=dict(extra.get("fidelity") or {}),
         fp8_share=share,
         quantization_config=qc.to_dict(),
+        static_scales=static_scales_digest(model),
     )
     for key, value in overrides.items():
         setattr(info, key, value)
     return info
+
+
+def static_scales_digest(model: nn.Module) -> str | None:
+    """A digest of every static input scale of ``model`` (``Fp8Linear.input_scale``,
+    ``Fp8Experts.<proj>_input_scale``, by name and exact value); ``None`` without any, or
+    when one is offloaded (on meta: unknown)."""
+    digest = hashlib.sha256()
+    found = False
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            scales = [("input_scale", module.input_scale)]
+        elif isinstance(module, Fp8Experts):
+            scales = [
+                (f"{proj}_input_scale", getattr(module, f"{proj}_input_scale", None))
+                for proj in module.layout.projections
+            ]
+        else:
+            continue
+        for key, scale in scales:
+            if scale is None:
+                continue
+            if scale.is_meta:
+                return None
+            value = scale.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            digest.update(f"{name}.{key}:{list(value.shape)}:".encode())
+            digest.update(value.numpy().tobytes())
+            found = True
+    return digest.hexdigest()[:16] if found else None
+
+
+def forget_measured_figures(model: nn.Module) -> None:
+    """After ``hf_fp8.calibrate`` set new static scales: the fidelity figures recorded for
+    ``model``'s card were measured with the old ones, so they leave it (one warning naming
+    them; measure again and record with ``hf_fp8.set_card_info``)."""
+    state = model.__dict__.get(_STATE)
+    figures = state.pop("fidelity", None) if isinstance(state, dict) else None
+    if figures:
+        shown = ", ".join(f"{k} = {v}" for k, v in list(figures.items())[:4])
+        warnings.warn(
+            f"hf_fp8: calibrate set new static input scales; the model card's figures were "
+            f"measured before ({shown}) and no longer hold, so they are dropped. Measure "
+            "again and record them with hf_fp8.set_card_info(model, fidelity={...})",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+if forget_measured_figures not in CALIBRATED_HOOKS:
+    CALIBRATED_HOOKS.append(forget_measured_figures)
 
 
 def info_from_summary(summary: CheckpointSummary, **overrides: Any) -> CardInfo:

@@ -196,7 +196,9 @@ def _card_info(readme: Path):  # -> CardInfo | None
 
 
 def _write_card(tmp: Path, out: Path, base_model: str | None, fidelity: dict | None) -> None:
-    """The model card of the export, merged with a card ``out`` already has."""
+    """The model card of the export, merged with a card ``out`` already has (its tags, and
+    its base model for the same model; its fidelity figures never: they describe what the
+    export replaces, and the export states what its source recorded)."""
     from hf_fp8.hub.card import merge_card
     from hf_fp8.hub.card_info import info_from_summary
     from hf_fp8.serialization.summary import summarize
@@ -205,5 +207,5 @@ def _write_card(tmp: Path, out: Path, base_model: str | None, fidelity: dict | N
     info.fidelity = dict(fidelity or {})
     old = contained(out, CARD_NAME) if out.is_dir() else None
     existing = old.read_text("utf-8") if old is not None and old.is_file() else None
-    text = merge_card(existing, info, model_id=out.resolve().name)
+    text = merge_card(existing, info, carry_figures=False, model_id=out.resolve().name)
     (tmp / CARD_NAME).write_text(text, encoding="utf-8")
