@@ -6,8 +6,10 @@ replaced by adapter layers or wrappers (``_modules``), parameters re-registered
 ``scaling``, ``lora_A`` ...), training flags, hooks, and ``config`` (layer replication). A
 :class:`ModelSnapshot` records all of that, one level deep (no tensor is copied), and
 :meth:`ModelSnapshot.restore` writes it back: same module objects in the same places, same
-attributes, same flags. Tensor values are not recorded: hf_fp8 refuses every configuration whose
-setup writes into a base weight before peft runs (``hf_fp8.peft_preflight``).
+attributes, same flags. Tensor values are not recorded: every setup hf_fp8 knows to write into a
+base weight (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, KaSA) is refused before peft runs
+(``hf_fp8.peft_preflight``). An init or variant only seen writing when it reaches an FP8 target
+(``hf_fp8.lora``: none in peft 0.21.2) leaves its write in a high-precision target handled before.
 """
 
 from __future__ import annotations
