@@ -150,7 +150,7 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
         base_model=extra.get("base_model"),
         compute_dtype=str(getattr(model, "dtype", "")).replace("torch.", "") or None,
         scheme=_scheme_dict(qc),
-        fp8_layers=sum(isinstance(m, Fp8Linear) for m in model.modules()),
+        fp8_layers=fp8_layer_count(model),
         high_precision_layers=high,
         bytes_before=before,
         bytes_after=after,
@@ -162,6 +162,16 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
     for key, value in overrides.items():
         setattr(info, key, value)
     return info
+
+
+def fp8_layer_count(model: nn.Module) -> int:
+    """FP8 linear layers as a checkpoint's summary counts them: each ``Fp8Linear``, and each
+    projection of an ``Fp8Experts`` (``gate_up_proj``, ``down_proj``)."""
+    return sum(
+        1 if isinstance(m, Fp8Linear) else len(m.layout.projections)
+        for m in model.modules()
+        if isinstance(m, (Fp8Linear, Fp8Experts))
+    )
 
 
 def static_scales_digest(model: nn.Module) -> str | None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.modules import Fp8Linear
+from hf_fp8.modules import Fp8Experts, Fp8Linear
 from hf_fp8.serialization.atomic import contained
 from hf_fp8.serialization.checkpoint import (
     CARD_NAME,
@@ -65,7 +65,8 @@ def _check_model(model: nn.Module) -> None:
             f"export needs a transformers model or a folder, got {type(model).__name__}"
         )
     qc = getattr(getattr(model, "config", None), "quantization_config", None)
-    if not isinstance(qc, Fp8Config) or not any(isinstance(m, Fp8Linear) for m in model.modules()):
+    fp8 = any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules())  # experts only too
+    if not isinstance(qc, Fp8Config) or not fp8:
         raise ValueError(
             "the model is not an hf_fp8 model: load it with "
             "quantization_config=hf_fp8.Fp8Config(...) first"

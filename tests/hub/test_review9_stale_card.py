@@ -141,3 +141,30 @@ def test_same_model_compares_the_static_scales():
     assert same_model(first, CardInfo(scheme=dict(first.scheme)))  # folder card: unknown
     older = CardInfo(scheme=dict(first.scheme))  # an older card: scales unknown
     assert not same_model(older, CardInfo(scheme=dict(first.scheme), static_scales="aaaa"))
+
+
+def test_moe_experts_calibrated_drop_the_old_figures(tmp_path):
+    """A static MoE model: calibration changes the per-expert input scales too, and the card's
+    digest follows them (an expert's scale alone changes it)."""
+    from hf_fp8.hub.card_info import static_scales_digest
+    from hf_fp8.modules.fp8_experts import Fp8Experts
+    from tests.serialization.moe_fixtures import tiny_qwen3_moe
+
+    tiny_qwen3_moe().save_pretrained(tmp_path / "hp")
+    config = Fp8Config("static", activation_scale=0.05)
+    model = _quantized(str(tmp_path / "hp"), config, OLD)
+    model.save_pretrained(tmp_path / "static")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "static")
+    reloaded.save_pretrained(tmp_path / "static")  # same scales: the figures stay
+    assert _card(tmp_path / "static").fidelity == OLD
+    digest = _card(tmp_path / "static").static_scales
+    assert digest == static_scales_digest(model)
+    experts = next(m for m in model.modules() if isinstance(m, Fp8Experts))
+    experts.down_proj_input_scale.data[1] *= 2
+    assert static_scales_digest(model) != digest
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="measured before"):
+        hf_fp8.calibrate(reloaded, [{"input_ids": ids}], progress=False)
+    reloaded.save_pretrained(tmp_path / "static")
+    card = _card(tmp_path / "static")
+    assert card.fidelity == {} and card.static_scales not in (None, digest)
