@@ -5,12 +5,14 @@
    bit-identical to the reference. Two families of variants: the fp8 codes (run_groups) and
    moment_format="log" (run_groups_log: no polynomial at all, ~2.6x faster). Loops are
    branch-free so that the compiler vectorizes them; max/min reductions run on the bit patterns
-   of non-negative floats. With AVX-512 (groups whose length is a multiple of 16), hand-written
-   loops do the same operations: E4M3 codes with COAT expansion decode as A[E]·B[j] from two
-   16-entry tables per group (coat.dequantize_groups; dec_coat_v: two permutes and one
-   multiplication per 16 codes) in registers of the update loop (update_group_ex_v), and
-   requantize with the polynomial chains of 8 vectors
-   interleaved (requant_e4m3_ex_v); the next chunk's memory is prefetched while a chunk
+   of non-negative floats. With AVX-512 F + DQ (groups whose length is a multiple of 16),
+   hand-written loops compute the same values: E4M3 codes with COAT expansion decode as
+   ±A[E]·B[j] from per-group tables (coat.dequantize_groups; dec_coat_v: three permutes and one
+   masked multiplication per 16 codes) in registers of the update loop (update_group_ex_v), and
+   requantize with the polynomial chains of 8 vectors interleaved (requant_e4m3_ex_v), where
+   single AVX-512 instructions (vgetexpps, vscalefps, vrangeps, vfpclassps, masked min,
+   conversions with embedded rounding) replace the scalar code's bit manipulations with the
+   same results (checked exhaustively: see requant_e4m3_ex_v); the next chunk's memory is prefetched while a chunk
    requantizes (prefetch_group); the log format has its three loops
    (update_group_log_v, requant_log_v_v, requant_log_m_v). Threads take groups from a shared
    counter; built with -fopenmp (USE_OMP) they are torch's own OpenMP pool.
@@ -28,7 +30,7 @@
 #if defined(USE_OMP)
 #include <omp.h>
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define HAVE_DEC_AVX512 1
 #else
@@ -147,38 +149,54 @@ AI void decode_log2_tables(float* restrict ea, float* restrict db, const int E5)
 #define FLOOR_V(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
 #define RINT_V(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-/* fexp2_nc / fexp2 on 16 lanes, the same fp32 operations in the same order. */
+/* fexp2_nc / fexp2 on 16 lanes, the same values: vscalefps gives poly·2^floor(y), the
+   bit-pattern add (exact: y >= -126 gives a normal result). */
 AI __m512 fexp2_v(__m512 y, const int CLAMP) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    if (CLAMP) y = _mm512_max_ps(y, _mm512_set1_ps(-126.0f)); /* (y < -126) ? -126 : y */
-    __m512 r = FLOOR_V(y);
-    __m512 f = _mm512_sub_ps(y, r);
-    __m512i n = _mm512_cvttps_epi32(r);
+    /* (y < -126) ? -126 : y, written max(-126, y): a NaN y stays NaN */
+    if (CLAMP) y = _mm512_max_ps(_mm512_set1_ps(-126.0f), y);
+    __m512 f = _mm512_sub_ps(y, FLOOR_V(y));
     __m512 acc = _mm512_add_ps(_mm512_mul_ps(f, _mm512_set1_ps(EXP2_C3)), _mm512_set1_ps(EXP2_C2));
     acc = _mm512_add_ps(_mm512_mul_ps(acc, f), _mm512_set1_ps(EXP2_C1));
     acc = _mm512_add_ps(_mm512_mul_ps(acc, f), _mm512_set1_ps(EXP2_C0));
-    __m512 poly = _mm512_add_ps(_mm512_mul_ps(acc, f), one);
-    return _mm512_castsi512_ps(
-        _mm512_add_epi32(_mm512_castps_si512(poly), _mm512_slli_epi32(n, 23)));
+    __m512 poly = _mm512_add_ps(_mm512_mul_ps(acc, f), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(poly, y);
+}
+
+/* A group's decode tables in registers for dec_coat_v: A[E] and -A[E] (a 32-entry table
+   indexed by sign and exponent field: code >> 3), B[j] of the normal codes and B[8 + j] of
+   the subnormal ones, each repeated in both halves (indexed by the code's low 4 bits), the
+   zero code's entry 0. */
+typedef struct {
+    __m512 a, na, bn, bs;
+} dec_tab_t;
+
+AI dec_tab_t dec_tables_v(const float* ta, const float* tb) {
+    dec_tab_t t;
+    __m512 b = _mm512_loadu_ps(tb);
+    t.a = _mm512_loadu_ps(ta);
+    t.na = _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(t.a), _mm512_set1_epi32((int)0x80000000u)));
+    t.bn = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7), b);
+    t.bs = _mm512_maskz_permutexvar_ps(
+        0xFEFE, _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15), b);
+    return t;
 }
 
 /* Decode 16 E4M3 codes with COAT expansion (update_group's EX branch, bit for bit):
-   A[E] · B[j (+8 for a subnormal code)] from the group's two 16-entry tables, two permutes. */
-AI __m512 dec_coat_v(const uint8_t* q, __m512 ta, __m512 tb) {
+   ±A[E] · B[j (+8 for a subnormal code)] from the group's tables (dec_tables_v), three
+   permutes. The sign comes from the table (±A: IEEE multiplication is symmetric in sign),
+   the zero codes ±0x00 decode to ±A[0]·0 = ±0 (the reference's copysign(0, ±0)) and the NaN
+   codes 0x7F / 0xFF to +0 (the reference: ±0; a zero moment's sign changes no result:
+   m' = m + w1·(g - m) and v' = v·β2 + w2·g² are +0 or the same value for m, v = ±0). */
+AI __m512 dec_coat_v(const uint8_t* q, dec_tab_t t) {
     __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-    __m512i a = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
-    __m512i e = _mm512_srli_epi32(a, 3);
-    __m512i j = _mm512_and_si512(a, _mm512_set1_epi32(7));
-    __mmask16 sub = _mm512_testn_epi32_mask(a, _mm512_set1_epi32(0x78));
-    __m512i i = _mm512_mask_or_epi32(j, sub, j, _mm512_set1_epi32(8));
-    __m512 mag = _mm512_mul_ps(_mm512_permutexvar_ps(e, ta), _mm512_permutexvar_ps(i, tb));
-    /* valid: neither the zero code nor the NaN code 0x7F */
-    __mmask16 ok = _mm512_cmpneq_epi32_mask(a, _mm512_setzero_si512()) &
-                   _mm512_cmpneq_epi32_mask(a, _mm512_set1_epi32(0x7F));
-    __m512i mbits = _mm512_maskz_mov_epi32(ok, _mm512_castps_si512(mag));
-    /* | the sign bit (code bit 7 moved to bit 31) */
-    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
-        mbits, _mm512_slli_epi32(c, 24), _mm512_set1_epi32((int)0x80000000u), 0xF8));
+    __m512 a = _mm512_permutex2var_ps(t.a, _mm512_srli_epi32(c, 3), t.na);
+    __mmask16 sub = _mm512_testn_epi32_mask(c, _mm512_set1_epi32(0x78)); /* exponent field 0 */
+    __m512 b = _mm512_permutexvar_ps(c, t.bn);
+    b = _mm512_mask_permutexvar_ps(b, sub, c, t.bs);
+    __mmask16 ok = _mm512_cmpneq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)),
+                                            _mm512_set1_epi32(0x7F));
+    return _mm512_maskz_mul_ps(ok, a, b);
 }
 
 AI __m512 bf16x16_to_f(const uint16_t* h) {
@@ -201,39 +219,53 @@ AI void f_to_bf16x16(uint16_t* out, __m512 f) { /* f_to_bf16 on 16 lanes */
 
 #if HAVE_DEC_AVX512
 /* requant's EX branch for E4M3 codes, U vectors of 16 lanes at a time (n a multiple of 16·U):
-   the same fp32 / uint32 operations as the scalar loop (flog2, fexp2_nc, the clamp to F, then
-   enc_fp8_mag or sr_code), in the same order per element. Each step is applied to the U
-   (<= 8) vectors before the next step: the polynomial chains of U vectors are interleaved,
-   so that the loop is not bound by the latency of one chain (U = 8, a whole 128-element
-   group: 63 -> 40 ns per group round-to-nearest, 68 -> 52 ns stochastic, against the
-   autovectorized scalar loop). */
+   the same values as the scalar loop (flog2, fexp2_nc, the clamp to F, then enc_fp8_mag or
+   sr_code) per element. Each step is applied to the U (<= 8) vectors before the next step:
+   the polynomial chains of U vectors are interleaved, so that the loop is not bound by the
+   latency of one chain (U = 8, a whole 128-element group: 63 -> 40 ns per group
+   round-to-nearest, 68 -> 52 ns stochastic, against the autovectorized scalar loop).
+   AVX-512 instructions that give the scalar loop's exact values in one operation instead of
+   its two or three (the polynomials and every rounded operation are unchanged):
+   - vrangeps min(|x|, FLT_MAX), sign cleared: |x| with inf as FLT_MAX, whose flog2 is the
+     same 128.0 (the one lane it changes; the test test_kernel_requant_exact checks it);
+   - vgetexpps: the unbiased exponent (bits >> 23) - 127 as a float (exact for normal |x|;
+     the other lanes are zeroed by nz);
+   - vscalefps: poly · 2^floor(y), the bit-pattern add of fexp2_nc (exact: normal results);
+   - a zero-masked vminps: nz ? min(mag, F) : 0 in one instruction;
+   - vcvtps2dq with embedded rounding: rint / floor then the integer conversion (exact: the
+     values are integers below 2^24 once rounded);
+   - the SR normal code (mag + low) >> 20 without clearing the low bits first (the shift drops
+     them). */
+#define RANGE_MIN_ABS 0x0A /* vrangeps: the smaller magnitude, sign bit cleared */
+#define FPCLASS_NOT_NZ 0xA7 /* vfpclassps: QNaN, +0, -0, subnormal, SNaN */
 AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
                           float k, float lmax, uint32_t key, const int SR, const int U) {
     const __m512 kv = _mm512_set1_ps(k), lm = _mm512_set1_ps(lmax);
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const uint32_t mask = (1u << E4M3_SR_DROP) - 1u;
     /* (key + i)·SR_WEYL of the 16 lanes, advanced by 16·SR_WEYL per vector */
     const __m512i dh = _mm512_set1_epi32((int)(16u * (uint32_t)SR_WEYL));
     __m512i h = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)key), lanes),
                                    _mm512_set1_epi32((int)(uint32_t)SR_WEYL));
     for (int64_t i0 = 0; i0 < n; i0 += 16 * U) {
-        __m512i xb[8], ab[8], c[8], mb[8]; /* U <= 8 */
-        __m512 x1[8], tm[8], acc[8], y[8], r[8], f[8], mag[8];
+        __m512i xb[8], c[8], mb[8]; /* U <= 8 */
+        __m512 ax[8], tm[8], acc[8], y[8], f[8], mag[8];
         __mmask16 nz[8];
         for (int u = 0; u < U; ++u) {
-            xb[u] = _mm512_castps_si512(_mm512_loadu_ps(buf + i0 + 16 * u));
-            ab[u] = _mm512_and_si512(xb[u], _mm512_set1_epi32(0x7FFFFFFF));
-            nz[u] = _mm512_cmp_ps_mask(_mm512_castsi512_ps(ab[u]), _mm512_set1_ps(FLT_MIN_F),
-                                       _CMP_GE_OQ);
-            /* flog2 of the magnitude itself, not of (nz ? |x| : 1): the lanes it differs in are
-               zeroed below (nz), whatever their log2 */
-            x1[u] = _mm512_castsi512_ps(ab[u]);
+            __m512 x = _mm512_loadu_ps(buf + i0 + 16 * u);
+            xb[u] = _mm512_castps_si512(x);
+            /* |x|, inf as FLT_MAX (flog2 128.0 either way; a NaN lane gets FLT_MAX, zeroed
+               by nz like the zero and subnormal lanes) */
+            ax[u] = _mm512_range_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32((int)FLT_MAX_BITS)),
+                                    RANGE_MIN_ABS);
+            /* |x| >= FLT_MIN: not NaN, zero or subnormal (vfpclassps) */
+            nz[u] = (__mmask16)~_mm512_fpclass_ps_mask(x, FPCLASS_NOT_NZ);
         }
-        /* flog2 */
+        /* flog2 (of the magnitude itself, not of (nz ? |x| : 1): the lanes it differs in are
+           zeroed below, whatever their log2) */
         for (int u = 0; u < U; ++u) {
-            __m512i b = _mm512_castps_si512(x1[u]);
-            __m512i m = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFF)),
-                                        _mm512_set1_epi32(0x3F800000));
+            __m512i m = _mm512_ternarylogic_epi32(_mm512_castps_si512(ax[u]),
+                                                  _mm512_set1_epi32(0x7FFFFF),
+                                                  _mm512_set1_epi32(0x3F800000), 0xEA);
             tm[u] = _mm512_sub_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(1.0f));
         }
         for (int u = 0; u < U; ++u)
@@ -247,16 +279,13 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
         for (int u = 0; u < U; ++u)
             acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], tm[u]), _mm512_set1_ps(LOG2_C0));
         for (int u = 0; u < U; ++u) {
-            __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                _mm512_srli_epi32(_mm512_castps_si512(x1[u]), 23), _mm512_set1_epi32(127)));
-            __m512 lx = _mm512_add_ps(e, _mm512_mul_ps(acc[u], tm[u]));
+            __m512 lx = _mm512_add_ps(_mm512_getexp_ps(ax[u]), _mm512_mul_ps(acc[u], tm[u]));
             y[u] = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(lx, lm), kv),
                                  _mm512_set1_ps(E4M3_LOG2MAX));
         }
         /* fexp2_nc */
         for (int u = 0; u < U; ++u) {
-            r[u] = FLOOR_V(y[u]);
-            f[u] = _mm512_sub_ps(y[u], r[u]);
+            f[u] = _mm512_sub_ps(y[u], FLOOR_V(y[u])); /* rounded like the reference for y in (-1, 0) */
             acc[u] = _mm512_add_ps(_mm512_mul_ps(f[u], _mm512_set1_ps(EXP2_C3)), _mm512_set1_ps(EXP2_C2));
         }
         for (int u = 0; u < U; ++u)
@@ -265,10 +294,9 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
             acc[u] = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(EXP2_C0));
         for (int u = 0; u < U; ++u) {
             __m512 poly = _mm512_add_ps(_mm512_mul_ps(acc[u], f[u]), _mm512_set1_ps(1.0f));
-            __m512i e2 = _mm512_add_epi32(_mm512_castps_si512(poly),
-                                          _mm512_slli_epi32(_mm512_cvttps_epi32(r[u]), 23));
-            mag[u] = _mm512_maskz_mov_ps(nz[u], _mm512_castsi512_ps(e2)); /* nz ? mag : 0 */
-            mag[u] = _mm512_min_ps(_mm512_set1_ps(E4M3_MAX), mag[u]);     /* (mag > F) ? F : mag */
+            /* nz ? min(poly·2^floor(y), F) : 0 */
+            mag[u] = _mm512_maskz_min_ps(nz[u], _mm512_scalef_ps(poly, y[u]),
+                                         _mm512_set1_ps(E4M3_MAX));
             mb[u] = _mm512_castps_si512(mag[u]);
         }
         if (SR) {
@@ -276,16 +304,15 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
                 __m512i low = _mm512_srli_epi32(h, 32 - E4M3_SR_DROP);
                 h = _mm512_add_epi32(h, dh);
                 __m512i cn = _mm512_sub_epi32(
-                    _mm512_srli_epi32(_mm512_andnot_si512(_mm512_set1_epi32((int)mask),
-                                                          _mm512_add_epi32(mb[u], low)),
-                                      E4M3_SR_DROP),
+                    _mm512_srli_epi32(_mm512_add_epi32(mb[u], low), E4M3_SR_DROP),
                     _mm512_set1_epi32(120 << 3));
                 __m512 uu = _mm512_mul_ps(_mm512_cvtepi32_ps(low), _mm512_set1_ps(E4M3_SR_UNIT));
-                __m512i cs = _mm512_cvttps_epi32(FLOOR_V(
-                    _mm512_add_ps(_mm512_mul_ps(mag[u], _mm512_set1_ps(E4M3_SR_STEPS)), uu)));
-                c[u] = _mm512_mask_blend_epi32(
-                    _mm512_cmp_ps_mask(mag[u], _mm512_set1_ps(E4M3_SR_MIN_NORMAL), _CMP_LT_OQ),
-                    cn, cs);
+                __mmask16 sub = _mm512_cmp_ps_mask(mag[u], _mm512_set1_ps(E4M3_SR_MIN_NORMAL),
+                                                   _CMP_LT_OQ);
+                /* sub ? (int)floor(mag·steps + u) : cn */
+                c[u] = _mm512_mask_cvt_roundps_epi32(
+                    cn, sub, _mm512_add_ps(_mm512_mul_ps(mag[u], _mm512_set1_ps(E4M3_SR_STEPS)), uu),
+                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
                 /* no NaN case: mag = min(F, nz ? 2^y : 0) with y <= log2 F + 1e-5 */
                 c[u] = _mm512_min_epu32(c[u], _mm512_set1_epi32(0x7E));
             }
@@ -297,18 +324,17 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
                         _mm512_add_epi32(_mm512_add_epi32(mb[u], _mm512_set1_epi32(0x7FFFF)), lsb),
                         20),
                     _mm512_set1_epi32(120 << 3));
-                __m512i cs = _mm512_sub_epi32(
-                    _mm512_castps_si512(_mm512_add_ps(
-                        _mm512_mul_ps(mag[u], _mm512_set1_ps(512.0f)), _mm512_set1_ps(MAGIC))),
-                    _mm512_set1_epi32((int)MAGIC_BITS));
-                c[u] = _mm512_mask_blend_epi32(
-                    _mm512_cmp_ps_mask(mag[u], _mm512_set1_ps(0.015625f), _CMP_LT_OQ), cn, cs);
+                __mmask16 sub = _mm512_cmp_ps_mask(mag[u], _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+                /* sub ? rint(mag·512) (the MAGIC add of enc_fp8_mag) : cn */
+                c[u] = _mm512_mask_cvt_roundps_epi32(
+                    cn, sub, _mm512_mul_ps(mag[u], _mm512_set1_ps(512.0f)),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             }
         }
-        for (int u = 0; u < U; ++u) {
-            __m512i s = _mm512_and_si512(_mm512_srli_epi32(xb[u], 24), _mm512_set1_epi32(0x80));
-            _mm_storeu_si128((__m128i*)(q + i0 + 16 * u),
-                             _mm512_cvtepi32_epi8(_mm512_or_si512(c[u], s)));
+        for (int u = 0; u < U; ++u) { /* | the sign bit (bit 31 of x moved to bit 7) */
+            __m512i code = _mm512_ternarylogic_epi32(_mm512_srli_epi32(xb[u], 24),
+                                                     _mm512_set1_epi32(0x80), c[u], 0xEA);
+            _mm_storeu_si128((__m128i*)(q + i0 + 16 * u), _mm512_cvtepi32_epi8(code));
         }
     }
     for (int64_t i = n; i < gs; ++i) q[i] = 0;
@@ -464,6 +490,7 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
 /* The decode tables of each group of a chunk (coat.dequantize_groups): ta[j] = A (DEC_NA
    entries: fast_exp2(min(ea·(1/k) + b, DEC_Y_MAX))), tb[j] = B (DEC_NB: fast_exp2(db·(1/k))),
    b = flog2(amax) - (1/k)·log2 F; the inner loops vectorize. */
+#define CHUNK 16 /* groups processed together: their per-group scalars are vectorized */
 #define DEC_NA 32 /* 2^(7 - mb): 16 for E4M3, 32 for E5M2 */
 #define DEC_NB 16 /* 2^(mb + 1): 16 for E4M3, 8 for E5M2 */
 AI void dequant_tables(const float* restrict scale, const float* restrict expo,
@@ -471,10 +498,27 @@ AI void dequant_tables(const float* restrict scale, const float* restrict expo,
                        const float* restrict ea, const float* restrict db, int nb, float F,
                        float LOG2F, const int E5) {
     const int na = E5 ? 32 : 16, nbb = E5 ? 8 : 16;
-    for (int j = 0; j < nb; ++j) {
+    float iks[CHUNK], bs[CHUNK];
+    for (int j = 0; j < nb; ++j) { /* the per-group scalars, vectorized across the groups */
         const float amax = scale[j] * F;
-        const float ik = 1.0f / expo[j];
-        const float b = flog2((amax >= FLT_MIN_F) ? amax : 1.0f) - ik * LOG2F;
+        iks[j] = 1.0f / expo[j];
+        bs[j] = flog2((amax >= FLT_MIN_F) ? amax : 1.0f) - iks[j] * LOG2F;
+    }
+#if HAVE_DEC_AVX512
+    if (!E5) { /* E4M3: one vector of A and one of B per group */
+        const __m512 eav = _mm512_loadu_ps(ea), dbv = _mm512_loadu_ps(db);
+        for (int j = 0; j < nb; ++j) {
+            const __m512 ik = _mm512_set1_ps(iks[j]);
+            __m512 y = _mm512_add_ps(_mm512_mul_ps(eav, ik), _mm512_set1_ps(bs[j]));
+            y = _mm512_min_ps(_mm512_set1_ps(DEC_Y_MAX), y); /* (y > max) ? max : y */
+            _mm512_storeu_ps(ta[j], fexp2_v(y, 1));
+            _mm512_storeu_ps(tb[j], fexp2_v(_mm512_mul_ps(dbv, ik), 1));
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < nb; ++j) {
+        const float ik = iks[j], b = bs[j];
         for (int e = 0; e < na; ++e) {
             float y = ea[e] * ik + b;
             ta[j][e] = fexp2((y > DEC_Y_MAX) ? DEC_Y_MAX : y);
@@ -573,18 +617,20 @@ AI void update_group_ex_v(char* p_, const char* g_, const uint8_t* restrict qm,
     const __m512 w1 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA1]), b2 = _mm512_set1_ps(hp[HP_BETA2]);
     const __m512 w2 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA2]), eps = _mm512_set1_ps(hp[HP_EPS]);
     const __m512 inv_bc2s = _mm512_set1_ps(hp[HP_INV_BC2]);
-    const __m512 am = _mm512_loadu_ps(tam), bm = _mm512_loadu_ps(tbm);
-    const __m512 av = _mm512_loadu_ps(tav), bv = _mm512_loadu_ps(tbv);
+    const dec_tab_t tm = dec_tables_v(tam, tbm), tv = dec_tables_v(tav, tbv);
     const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
     float* restrict p32 = (float*)p_;
     uint16_t* restrict pbf = (uint16_t*)p_;
     const float* restrict g32 = (const float*)g_;
     const uint16_t* restrict gbf = (const uint16_t*)g_;
-    __m512i amx = _mm512_setzero_si512(), amn = _mm512_set1_epi32((int)INF_BITS);
-    __m512i avx = _mm512_setzero_si512(), avn = _mm512_set1_epi32((int)INF_BITS);
+    /* the min-non-zero reductions run on |x| bits - FLT_MIN_BITS (unsigned): zero and
+       subnormal magnitudes wrap above every normal one, NaN stays above INF_BITS - FLT_MIN_BITS,
+       the start; one vpminud instead of a compare and a masked min */
+    __m512i amx = _mm512_setzero_si512(), amn = _mm512_set1_epi32((int)(INF_BITS - FLT_MIN_BITS));
+    __m512i avx = _mm512_setzero_si512(), avn = amn;
     for (int64_t i = 0; i < n; i += 16) {
-        __m512 mo = dec_coat_v(qm + i, am, bm);
-        __m512 vo = dec_coat_v(qv + i, av, bv);
+        __m512 mo = dec_coat_v(qm + i, tm);
+        __m512 vo = dec_coat_v(qv + i, tv);
         if (SQ) vo = _mm512_mul_ps(vo, vo);
         __m512 g = GB ? bf16x16_to_f(gbf + i) : _mm512_loadu_ps(g32 + i);
         __m512 p = PB ? bf16x16_to_f(pbf + i) : _mm512_loadu_ps(p32 + i);
@@ -604,17 +650,16 @@ AI void update_group_ex_v(char* p_, const char* g_, const uint8_t* restrict qm,
            non-negative floats the float max is the bit-pattern max) */
         amx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(amx)));
         avx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(avx)));
-        amn = _mm512_mask_min_epu32(amn, _mm512_cmpge_epu32_mask(a, fmin), amn, a);
-        avn = _mm512_mask_min_epu32(avn, _mm512_cmpge_epu32_mask(b, fmin), avn, b);
+        amn = _mm512_min_epu32(amn, _mm512_sub_epi32(a, fmin));
+        avn = _mm512_min_epu32(avn, _mm512_sub_epi32(b, fmin));
     }
     red[0] = _mm512_reduce_max_epu32(amx);
-    red[1] = _mm512_reduce_min_epu32(amn);
+    red[1] = _mm512_reduce_min_epu32(amn) + FLT_MIN_BITS;
     red[2] = _mm512_reduce_max_epu32(avx);
-    red[3] = _mm512_reduce_min_epu32(avn);
+    red[3] = _mm512_reduce_min_epu32(avn) + FLT_MIN_BITS;
 }
 #endif
 
-#define CHUNK 16 /* groups processed together: their per-group scalars are vectorized */
 
 /* Prefetch (into L2) the parameter, gradient and codes of group gn of a task, if it exists.
    run_groups asks for the group CHUNK ahead while it requantizes the current chunk: the
