@@ -23,14 +23,16 @@ from torch import nn
 from hf_fp8.config import Fp8Config
 from hf_fp8.hub.card import read_card_info, write_model_card
 from hf_fp8.hub.card_info import hub_model_id, info_from_model
-from hf_fp8.modules import Fp8Linear
+from hf_fp8.modules import Fp8Experts, Fp8Linear
 
 _STATE = "_hf_fp8_card"
 
 
 def _is_fp8(model: nn.Module) -> bool:
     qc = getattr(getattr(model, "config", None), "quantization_config", None)
-    return isinstance(qc, Fp8Config) and any(isinstance(m, Fp8Linear) for m in model.modules())
+    return isinstance(qc, Fp8Config) and any(
+        isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules()
+    )
 
 
 def _local_name(path: str | os.PathLike) -> str:

@@ -44,6 +44,7 @@ from hf_fp8.quantizer.validation import (
     check_stored_tensor,
     check_weight_scale_shape,
     checkpoint_file,
+    experts_weight_features,
     is_bias_dtype,
     stored_dtype,
     validate_loaded_model,
@@ -180,8 +181,9 @@ class Fp8HfQuantizer(HfQuantizer):
         self.experts_tensor_names: set[str] = set()
         # checkpoint keys of the biases of FP8 layers: refused as fp8 / integers while loading
         self.bias_names: set[str] = set()
-        # checkpoint key of each Fp8Linear weight scale -> (out, in) of its weight
-        self.weight_features: dict[str, tuple[int, int]] = {}
+        # checkpoint key of each weight scale -> (out, in) of its Fp8Linear weight, or
+        # (E, out, in) of its Fp8Experts projection
+        self.weight_features: dict[str, tuple[int, ...]] = {}
         self.checkpoint_root = ""  # the folder read (root/subfolder): errors name files in it
         self.checkpoint_files: list[str] = []  # what transformers resolved and reads
         self.stored_names: set[str] | None = None  # their tensor names (pre-quantized loads)
@@ -305,6 +307,7 @@ class Fp8HfQuantizer(HfQuantizer):
             model, config, skip=skip, pre_quantized=self.pre_quantized
         ).items():
             self.experts_tensor_names.update(experts_tensor_names(name, experts))
+            self.weight_features.update(experts_weight_features(name, experts))
             self.bias_names.update(
                 f"{name}.{proj}_bias"
                 for proj in experts.layout.projections
@@ -362,13 +365,11 @@ class Fp8HfQuantizer(HfQuantizer):
         for key in targets:
             if key in self.bias_names:  # fp8 bytes are kept as stored (below): refuse them
                 self._check_bias(key, stored_dtype(key, param))
-        ours = [t for t in targets if t in self.fp8_tensor_names]
-        for key in ours:  # before anything is read or offloaded to disk
-            features = self.weight_features.get(key)
+            features = self.weight_features.get(key)  # Fp8Linear and Fp8Experts weight scales
             shape = (
                 param.get_shape() if hasattr(param, "get_shape") else getattr(param, "shape", None)
             )
-            if features is not None and shape is not None:
+            if features is not None and shape is not None:  # before anything is read
                 check_weight_scale_shape(
                     key,
                     tuple(shape),
@@ -376,6 +377,8 @@ class Fp8HfQuantizer(HfQuantizer):
                     self.quantization_config.recipe,
                     root=self.checkpoint_root,
                 )
+        ours = [t for t in targets if t in self.fp8_tensor_names]
+        for key in ours:  # before anything is read or offloaded to disk
             try:
                 check_stored_tensor(
                     key,

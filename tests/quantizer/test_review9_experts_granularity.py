@@ -19,15 +19,6 @@ import transformers as tf
 from hf_fp8 import Fp8Config
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.numerics.checks import CheckpointTensorError
-from hf_fp8.quantizer import hf_quantizer
-
-# The quantizer's load path (hf_quantizer.get_new_dtype) runs validation's shape check on the
-# experts' weight scales once it records them (validation.experts_weight_features); until that
-# wiring is in, the refusals below fail as they did before (transformers' size report).
-WIRED = hasattr(hf_quantizer, "experts_weight_features")
-needs_wiring = pytest.mark.xfail(
-    not WIRED, strict=True, reason="hf_quantizer does not record experts' weight scales yet"
-)
 
 SIZES = dict(
     vocab_size=128,
@@ -116,7 +107,6 @@ def _saved(hp_dir, family: str, path, recipe: dict, claim: dict) -> str:
     return str(path)
 
 
-@needs_wiring
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("ignore", [False, True])
 def test_row_expert_scales_under_a_tensor_config_name_row(hp_dir, tmp_path, family, ignore):
@@ -129,7 +119,6 @@ def test_row_expert_scales_under_a_tensor_config_name_row(hp_dir, tmp_path, fami
     assert "weight_granularity='tensor'" in message  # what the config claims
 
 
-@needs_wiring
 @pytest.mark.parametrize(
     ("saved", "claim", "named"),
     [
