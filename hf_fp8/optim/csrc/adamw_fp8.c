@@ -231,6 +231,12 @@ AI void f_to_bf16x16(uint16_t* out, __m512 f) { /* f_to_bf16 on 16 lanes */
    - vgetexpps: the unbiased exponent (bits >> 23) - 127 as a float (exact for normal |x|;
      the other lanes are zeroed by nz);
    - vscalefps: poly · 2^floor(y), the bit-pattern add of fexp2_nc (exact: normal results);
+   - vreduceps (round down, 0 fraction bits): y - floor(y). It rounds an inexact difference
+     toward -inf where the scalar code rounds to nearest, but here the difference is exact:
+     y = (lx - lmax)·k + log2 F is a sum with log2 F (8.8, spacing 2^-20), so a y in (-1, 0)
+     is a multiple of 2^-20 and y + 1 is exact (y >= 0 or y <= -1: always exact). (Not so
+     for the decode tables, whose y = db·(1/k) has any low bits: fexp2_v floors and
+     subtracts.);
    - a zero-masked vminps: nz ? min(mag, F) : 0 in one instruction;
    - vcvtps2dq with embedded rounding: rint / floor then the integer conversion (exact: the
      values are integers below 2^24 once rounded);
@@ -238,6 +244,7 @@ AI void f_to_bf16x16(uint16_t* out, __m512 f) { /* f_to_bf16 on 16 lanes */
      them). */
 #define RANGE_MIN_ABS 0x0A /* vrangeps: the smaller magnitude, sign bit cleared */
 #define FPCLASS_NOT_NZ 0xA7 /* vfpclassps: QNaN, +0, -0, subnormal, SNaN */
+#define REDUCE_FLOOR (_MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC) /* vreduceps: y - floor(y) */
 AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
                           float k, float lmax, uint32_t key, const int SR, const int U) {
     const __m512 kv = _mm512_set1_ps(k), lm = _mm512_set1_ps(lmax);
@@ -285,7 +292,7 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
         }
         /* fexp2_nc */
         for (int u = 0; u < U; ++u) {
-            f[u] = _mm512_sub_ps(y[u], FLOOR_V(y[u])); /* rounded like the reference for y in (-1, 0) */
+            f[u] = _mm512_reduce_ps(y[u], REDUCE_FLOOR); /* y - floor(y): exact here */
             acc[u] = _mm512_add_ps(_mm512_mul_ps(f[u], _mm512_set1_ps(EXP2_C3)), _mm512_set1_ps(EXP2_C2));
         }
         for (int u = 0; u < U; ++u)
@@ -298,6 +305,9 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
             mag[u] = _mm512_maskz_min_ps(nz[u], _mm512_scalef_ps(poly, y[u]),
                                          _mm512_set1_ps(E4M3_MAX));
             mb[u] = _mm512_castps_si512(mag[u]);
+#ifdef REQUANT_PROBE_V /* tests only: the magnitude before the cast (test_kernel_requant_exact) */
+            REQUANT_PROBE_V(i0 + 16 * u, mag[u]);
+#endif
         }
         if (SR) {
             for (int u = 0; u < U; ++u) {
@@ -471,6 +481,9 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
             float mag = fexp2_nc(y);
             mag = nz ? mag : 0.0f;
             mag = (mag > F) ? F : mag;
+#ifdef REQUANT_PROBE_S /* tests only: the magnitude before the cast */
+            REQUANT_PROBE_S(i, mag);
+#endif
             if (SR)
                 q[i] = sr_code(mag, sr_bits(key, i), (f2b(x) >> 24) & 0x80u, E5);
             else /* mag in [0, F]: y is finite and >= -126 (see above) */

@@ -1,0 +1,146 @@
+"""The AVX-512 loops of the C kernel's COAT step give the scalar loops' values bit for bit,
+before any rounding hides a difference: the fp32 magnitude each element is cast from (not
+only its fp8 code) and the per-group decode tables.
+
+The vector loops replace bit manipulations with single instructions (vgetexpps, vrangeps,
+vfpclassps, vreduceps, vscalefps, masked min, conversions with embedded rounding). Such a
+replacement can be wrong in 1 ulp where a code comparison rarely shows it: vreduceps rounds
+an inexact ``y - floor(y)`` toward -inf where the scalar code (and torch) round to nearest,
+which is exact in the requantization but not in the decode tables (``y = db/k``, any low
+bits: a 1-ulp table entry changes a decoded moment, and a stochastically rounded code only
+about once in 2^20 elements). Both
+libraries here are built from the kernel source with a probe that records the magnitudes:
+one as the default build (-march=native), one without AVX-512 (the scalar loops, which the
+other tests tie to the reference)."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import numpy as np
+import pytest
+
+from hf_fp8.optim import _cpu_kernel
+from hf_fp8.utils import native
+
+GS = 128
+PROBE = r"""
+static float probe_mag[128];
+#define REQUANT_PROBE_V(i, v) _mm512_storeu_ps(probe_mag + (i), (v))
+#define REQUANT_PROBE_S(i, m) (probe_mag[i] = (m))
+"""
+ENTRY = r"""
+/* requantize ngroups groups of 128 as run_groups does (reductions, constants, requant) */
+void probe_requant(const float* x, int64_t ngroups, uint32_t key, int sr, uint8_t* q, float* mag,
+                   float* kk) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+        const float* buf = x + g * 128;
+        uint32_t amx = 0u, amn = INF_BITS;
+        for (int i = 0; i < 128; ++i) {
+            uint32_t a = f2b(buf[i]) & 0x7FFFFFFFu, af = a & not_nan(a);
+            amx = af > amx ? af : amx;
+            uint32_t an = (a >= FLT_MIN_BITS) ? a : INF_BITS;
+            amn = an < amn ? an : amn;
+        }
+        float sc, ex, am, k, lm;
+        quant_consts(&amx, &amn, &sc, &ex, &am, &k, &lm, 1, E4M3_MAX, E4M3_STEPS, 1);
+        memset(probe_mag, 0, sizeof probe_mag);
+        if (sr) requant(buf, q + g * 128, 128, 128, k, lm, am, b2f(amn), key + (uint32_t)(g * 128), 0, 1, 1, 0);
+        else requant(buf, q + g * 128, 128, 128, k, lm, am, b2f(amn), key + (uint32_t)(g * 128), 0, 1, 0, 0);
+        memcpy(mag + g * 128, probe_mag, sizeof probe_mag);
+        kk[g] = k;
+    }
+}
+
+/* the E4M3 decode tables (A: 16, B: 16 per group) of n groups */
+void probe_tables(const float* scale, const float* expo, int64_t n, float* ta, float* tb) {
+    float ea[32], db[16];
+    decode_log2_tables(ea, db, 0);
+    for (int64_t g0 = 0; g0 < n; g0 += CHUNK) {
+        const int nb = (int)((n - g0) < CHUNK ? (n - g0) : CHUNK);
+        float a[CHUNK][DEC_NA], b[CHUNK][DEC_NB];
+        dequant_tables(scale + g0, expo + g0, a, b, ea, db, nb, E4M3_MAX, E4M3_LOG2MAX, 0);
+        for (int j = 0; j < nb; ++j) {
+            memcpy(ta + (g0 + j) * 16, a[j], 16 * sizeof(float));
+            memcpy(tb + (g0 + j) * 16, b[j], 16 * sizeof(float));
+        }
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    if platform.machine() != "x86_64" or native.compiler() is None:
+        pytest.skip("x86-64 with a C compiler only")
+    if "avx512dq" not in native.cpu_features():
+        pytest.skip("no AVX-512 DQ on this machine: the vector loops are not built")
+    src = tmp_path_factory.mktemp("probe") / "requant_probe.c"
+    src.write_text(PROBE + _cpu_kernel.SOURCE.read_text() + ENTRY)
+    defines = _cpu_kernel.kernel_defines(_cpu_kernel.EXPAND | _cpu_kernel.SR_V)
+    libs = {}
+    for name, cflags in (("vector", ()), ("scalar", ("-mno-avx512f",))):
+        lib = native.load_library(f"adamw_fp8_probe_{name}", src, defines=defines, cflags=cflags)
+        lib.probe_requant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32]
+        lib.probe_requant.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.probe_requant.argtypes += [ctypes.c_void_p]
+        lib.probe_tables.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+        libs[name] = lib
+    return libs
+
+
+def groups(n_groups: int, seed: int) -> np.ndarray:
+    """Groups spanning 0.01 to 38 decades (k from its maximum to its minimum), random signs,
+    some zeros, subnormals, infinities, NaNs and near-constant groups."""
+    rng = np.random.default_rng(seed)
+    decades = 10.0 ** rng.uniform(-2, np.log10(38), (n_groups, 1))
+    top = rng.uniform(-30, 30, (n_groups, 1))
+    x = 10.0 ** (top - decades * rng.random((n_groups, GS)))
+    x = np.minimum(x, 3e38).astype(np.float32) * rng.choice([-1, 1], (n_groups, GS))
+    special = rng.random((n_groups, GS))
+    x[special < 0.01] = 0.0
+    x[(special >= 0.01) & (special < 0.015)] = 1e-40  # subnormal
+    x[(special >= 0.015) & (special < 0.017)] = np.inf
+    x[(special >= 0.017) & (special < 0.019)] = np.nan
+    x[::17] = x[::17, :1] * (1 + np.arange(GS, dtype=np.float32) * 1e-7)  # near-constant
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def requant(lib, x: np.ndarray, sr: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = x.shape[0]
+    q = np.zeros(x.shape, np.uint8)
+    mag = np.zeros(x.shape, np.float32)
+    k = np.zeros(n, np.float32)
+    lib.probe_requant(
+        x.ctypes.data, n, 0x9E3779B9, int(sr), q.ctypes.data, mag.ctypes.data, k.ctypes.data
+    )
+    return q, mag, k
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rtn", "sr"])
+def test_vector_requant_magnitudes_and_codes_are_the_scalar_ones(probes, sr):
+    x = groups(8192, seed=int(sr))
+    qv, mv, kv = requant(probes["vector"], x, sr)
+    qs, ms, ks = requant(probes["scalar"], x, sr)
+    assert np.array_equal(kv.view(np.uint32), ks.view(np.uint32))
+    assert (kv < 1).any() and (kv > 4).any()  # expanded groups and near-constant ones
+    differ = mv.view(np.uint32) != ms.view(np.uint32)
+    assert not differ.any(), f"{differ.sum()} magnitudes differ, e.g. x={x[differ][:4]}"
+    assert np.array_equal(qv, qs)
+    assert (mv > 0).mean() > 0.9  # most elements reached the cast
+
+
+def test_vector_decode_tables_are_the_scalar_ones(probes):
+    k = np.concatenate([np.arange(1, 16385, dtype=np.float32) / 16, [0.0625, 1024.0]])
+    scale = np.float32(10.0) ** np.linspace(-44, 36, k.size, dtype=np.float32)
+    rng = np.random.default_rng(2)
+    k, scale = rng.permutation(k).astype(np.float32), scale.astype(np.float32)
+    out = {}
+    for name, lib in probes.items():
+        ta = np.zeros((k.size, 16), np.float32)
+        tb = np.zeros((k.size, 16), np.float32)
+        lib.probe_tables(scale.ctypes.data, k.ctypes.data, k.size, ta.ctypes.data, tb.ctypes.data)
+        out[name] = (ta, tb)
+    for t_vec, t_sc in zip(out["vector"], out["scalar"], strict=True):
+        assert np.array_equal(t_vec.view(np.uint32), t_sc.view(np.uint32))
