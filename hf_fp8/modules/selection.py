@@ -42,7 +42,10 @@ or GPT-2's ``Conv1D``), it is not FP8 already, and none of the named *keep rules
   the known plain ones, e.g. ``FalconLinear``) or holds more than ``weight`` / ``bias``
   (``DoryLMHead``'s logit scale, ``IdeficsDecoupledLinear``'s extra rows).
 * ``adapter``: LoRA (peft tuner) adapter weights are trained, not frozen. This rule looks at
-  ancestors, so only :func:`convertible_modules` (the model walk) applies it.
+  ancestors, so only :func:`convertible_modules` (the model walk) applies it. The *base* of a
+  peft layer (``q_proj.base_layer``) is listed like any linear: converting it under peft's own
+  layer would skip every FP8 check of ``get_peft_model``, so ``quantize_model`` refuses it,
+  named by :func:`inside_peft_layers` (quantize first, then add the adapters).
 * ``skip pattern``: a name in ``modules_to_not_convert`` / ``skip`` (see :func:`matches_module`).
 * ``module_filter_fn``: a user function ``fn(module, fqn) -> bool`` (as torchao's
   ``module_filter_fn``) that returns ``False``.
@@ -58,8 +61,9 @@ from the module structure only, no list of model names.
 
 from __future__ import annotations
 
+import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from torch import nn
@@ -219,6 +223,31 @@ def convertible_modules(
             module, name, parent=parent, skip=skip, module_filter_fn=module_filter_fn
         ):
             found.append((name, module, parent))
+    return found
+
+
+def is_peft_layer(module: nn.Module) -> bool:
+    """True for a peft tuner layer (``BaseTunerLayer``: LoRA, DoRA, IA3, HRA, BOFT ... layers,
+    LoRA's ``ParamWrapper`` on experts), whose base layer peft reads and merges itself. peft's
+    ``ModulesToSaveWrapper`` is not one: its original module is frozen and converts. Looked up
+    without importing peft (a model holding peft layers has imported it)."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    base = getattr(tuners, "BaseTunerLayer", None)
+    return isinstance(base, type) and isinstance(module, base)
+
+
+def inside_peft_layers(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
+    """For each of ``names`` (modules of ``model``) inside a peft tuner layer (its base layer,
+    or a module in it), the name of the innermost such layer: ``{"...q_proj.base_layer":
+    "...q_proj"}``. Adapter children are never converted (:func:`convertible_modules`)."""
+    layers = [n for n, m in model.named_modules(remove_duplicate=False) if is_peft_layer(m)]
+    if not layers:
+        return {}
+    found = {}
+    for name in names:
+        owners = [layer for layer in layers if name.startswith(f"{layer}.")]
+        if owners:
+            found[name] = max(owners, key=len)
     return found
 
 

@@ -18,8 +18,9 @@ from hf_fp8.modules import (
     warn_unmatched,
 )
 from hf_fp8.modules.forward_ops import call_changes
+from hf_fp8.modules.origin import CHECKPOINT, ON_THE_FLY, QUANTIZE_MODEL, mark_origin
 from hf_fp8.modules.replace import _swap_linears
-from hf_fp8.modules.selection import ModuleFilter
+from hf_fp8.modules.selection import ModuleFilter, inside_peft_layers
 from hf_fp8.quantizer.experts import experts_to_convert
 from hf_fp8.quantizer.hf_quantizer import (
     POST_LOAD_HOOKS,
@@ -27,6 +28,19 @@ from hf_fp8.quantizer.hf_quantizer import (
     default_skipped_modules,
 )
 from hf_fp8.recipe import Fp8Recipe
+
+
+def mark_loaded_origin(model: nn.Module, hf_quantizer: object) -> None:
+    """Post-load hook: mark the FP8 layers of a ``from_pretrained`` load as read from an FP8
+    checkpoint or quantized on the fly (``hf_fp8.modules.origin``: a refusal that advises
+    keeping a layer in high precision names the route that works for each). ``quantize_model``
+    marks its layers before it runs the hooks."""
+    pre_quantized = getattr(hf_quantizer, "pre_quantized", False)
+    mark_origin(model, CHECKPOINT if pre_quantized else ON_THE_FLY)
+
+
+if mark_loaded_origin not in POST_LOAD_HOOKS:  # imported with hf_fp8.quantizer, before any load
+    POST_LOAD_HOOKS.append(mark_loaded_origin)
 
 
 class AlreadyQuantizedError(ValueError):
@@ -78,6 +92,39 @@ def _refuse_changed_calls(named: list[tuple[str, nn.Module]]) -> None:
         )
 
 
+def _refuse_peft_layers(model: nn.Module, names: list[str]) -> None:
+    """``ValueError`` before anything converts when a layer to convert is the base of a peft
+    adapter layer (``get_peft_model`` ran first): the FP8 layer would sit under peft's own
+    layer, not hf_fp8's ``Fp8LoraLinear``, past every FP8 check of ``get_peft_model``."""
+    owners = inside_peft_layers(model, names)
+    if not owners:
+        return
+    layers = list(dict.fromkeys(owners.values()))
+    modules = dict(model.named_modules(remove_duplicate=False))
+
+    def kind(name: str) -> str:
+        cls = type(modules[name])
+        parts = cls.__module__.split(".")
+        tuner = parts[2] if parts[:2] == ["peft", "tuners"] and len(parts) > 2 else cls.__module__
+        return f"{name} (peft {tuner}.{cls.__name__})"
+
+    listed = ", ".join(kind(n) for n in layers[:5])
+    more = f" (and {len(layers) - 5} more)" if len(layers) > 5 else ""
+    leaves = list(dict.fromkeys(n.rpartition(".")[2] for n in layers))
+    raise ValueError(
+        f"hf_fp8.quantize_model: {len(layers)} layer(s) to convert hold peft adapters: "
+        f"{listed}{more}. Converting their base layers under peft's own layers would skip "
+        "every FP8 check of get_peft_model: peft reads and merges a base weight as numbers, "
+        "here fp8 codes without their scales (DoRA and HRA outputs silently wrong, merges that "
+        "fail or rewrite the codes). Nothing was converted. Either quantize first and add the "
+        "adapters afterwards: hf_fp8.quantize_model(base_model, config), then "
+        "peft.get_peft_model(base_model, peft_config) (hf_fp8 then builds its FP8 LoRA layers, "
+        "or refuses a method that cannot work on FP8 layers, with the fix); or merge the "
+        "adapters first: model = model.merge_and_unload(), then hf_fp8.quantize_model(model, "
+        f"config); or keep these layers in high precision: skip={leaves!r}"
+    )
+
+
 def _refuse_shared_weights(
     model: nn.Module, targets: list[tuple[str, nn.Module, nn.Module]], *, defaults_off: bool
 ) -> None:
@@ -103,6 +150,16 @@ def _refuse_shared_weights(
                 "own copy, and the saved checkpoint would not reload. Keep it in high "
                 f"precision: skip=[{name!r}]{hint}"
             )
+
+
+def _transformers_model(model: nn.Module) -> PreTrainedModel | None:
+    """``model`` itself, or the transformers model inside a ``PeftModel`` (``get_base_model``:
+    its default skips apply, and it is the model ``merge_and_unload`` returns and saves)."""
+    if isinstance(model, PreTrainedModel):
+        return model
+    get_base = getattr(model, "get_base_model", None)
+    inner = get_base() if callable(get_base) else None
+    return inner if isinstance(inner, PreTrainedModel) else None
 
 
 def quantize_model(
@@ -138,10 +195,15 @@ def quantize_model(
     (``AlreadyQuantizedError``): load the high-precision checkpoint, or dequantize first
     (``model.dequantize()`` on a transformers model). With nothing left to convert, it warns.
 
-    ``Fp8Config(dequantize=True)`` is refused (``ValueError``): it is a load option.
+    ``Fp8Config(dequantize=True)`` is refused (``ValueError``): it is a load option. So is a
+    model whose layers to convert hold peft adapters (``get_peft_model`` ran first): their FP8
+    bases would sit under peft's own layers, past hf_fp8's checks (``ValueError`` naming them,
+    before anything converts). Quantize first, then ``get_peft_model`` (hf_fp8's
+    ``Fp8LoraLinear``); or ``merge_and_unload()`` first, then quantize; or keep them with
+    ``skip``. peft's ``modules_to_save`` copies stay in high precision (their originals convert).
 
-    A transformers ``PreTrainedModel`` is then marked quantized like a ``from_pretrained``
-    load, so ``save_pretrained`` writes an hf_fp8 checkpoint that reloads pre-quantized.
+    A transformers ``PreTrainedModel`` (also the one inside a ``PeftModel``: its default skips
+    apply) is then marked quantized like a ``from_pretrained`` load, so ``save_pretrained`` writes an hf_fp8 checkpoint that reloads pre-quantized.
     """
     if config.dequantize:
         raise ValueError(
@@ -153,13 +215,13 @@ def quantize_model(
     _check_existing_fp8(model, config)
     patterns = [*(config.modules_to_not_convert or []), *(module_names(skip, "skip") or [])]
     warn_unmatched(model, patterns, "modules_to_not_convert / skip")
-    if default_skips:
-        patterns += default_skipped_modules(model)
+    hf_model = _transformers_model(model)
+    if default_skips and hf_model is not None:
+        patterns += default_skipped_modules(hf_model)
     targets = convertible_modules(model, skip=patterns, module_filter_fn=module_filter_fn)
-    _refuse_shared_weights(
-        model, targets, defaults_off=not default_skips and isinstance(model, PreTrainedModel)
-    )
     experts = experts_to_convert(model, skip=patterns, module_filter_fn=module_filter_fn)
+    _refuse_peft_layers(model, [*(t[0] for t in targets), *(e[0] for e in experts)])
+    _refuse_shared_weights(model, targets, defaults_off=not default_skips and hf_model is not None)
     if (
         not targets
         and not experts
@@ -179,15 +241,16 @@ def quantize_model(
         if id(module) not in swapped:
             swapped[id(module)] = fp8_class.from_experts(module, config, module_name=name)
         setattr(parent, name.rpartition(".")[2], swapped[id(module)])
-    if isinstance(model, PreTrainedModel):
-        kept = unconverted_linears(model)
+    mark_origin(model, QUANTIZE_MODEL)  # before the hooks (its quantizer says pre_quantized)
+    if hf_model is not None:  # a PeftModel: its transformers model is marked
+        kept = unconverted_linears(hf_model)
         saved = config.replace(modules_to_not_convert=kept)
         quantizer = Fp8HfQuantizer(saved, pre_quantized=True)
         quantizer.modules_to_not_convert = kept
-        model.config.quantization_config = saved
-        model.hf_quantizer = quantizer
-        model.is_quantized = True
-        model.quantization_method = saved.quant_method
+        hf_model.config.quantization_config = saved
+        hf_model.hf_quantizer = quantizer
+        hf_model.is_quantized = True
+        hf_model.quantization_method = saved.quant_method
         for hook in POST_LOAD_HOOKS:
-            hook(model, quantizer)
+            hook(hf_model, quantizer)
     return model

@@ -1,0 +1,95 @@
+"""Where an FP8 layer came from, and so how to keep it in high precision instead.
+
+Several refusals (peft ``modules_to_save`` / trainable tokens / methods other than LoRA on FP8
+layers, LoRA on FP8 experts, a trainable copy of an FP8 layer) advise keeping the layer in high
+precision. How depends on how the model was made:
+
+* quantized on the fly from a high-precision checkpoint (``from_pretrained(...,
+  quantization_config=Fp8Config(...))``) or by ``hf_fp8.quantize_model``: list the layer in
+  ``Fp8Config(modules_to_not_convert=[...])`` / ``quantize_model(..., skip=[...])``;
+* loaded from an FP8 checkpoint (pre-quantized): transformers uses the checkpoint's own
+  ``quantization_config`` and only warns about the one passed, so ``modules_to_not_convert``
+  there changes nothing. Load it in high precision (``Fp8Config(..., dequantize=True)``) and
+  quantize it again with ``hf_fp8.quantize_model(..., skip=[...])``.
+
+The quantizer marks each FP8 module it builds (``mark_origin``; the key lives in the module's
+``__dict__``: never saved, kept by ``copy.deepcopy``); :func:`how_to_keep` reads the mark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+ORIGIN_KEY = "fp8_origin"
+CHECKPOINT = "checkpoint"  # from_pretrained of an FP8 checkpoint (pre-quantized)
+ON_THE_FLY = "on the fly"  # from_pretrained(high-precision checkpoint, quantization_config=...)
+QUANTIZE_MODEL = "quantize_model"  # hf_fp8.quantize_model
+
+
+def _fp8_modules(module: nn.Module) -> list[nn.Module]:
+    from hf_fp8.modules.fp8_experts import Fp8Experts
+    from hf_fp8.modules.fp8_linear import Fp8Linear
+
+    return [m for m in module.modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+
+
+def mark_origin(model: nn.Module, origin: str) -> int:
+    """Record ``origin`` on every FP8 module of ``model`` that has none yet; return how many."""
+    marked = 0
+    for module in _fp8_modules(model):
+        if ORIGIN_KEY not in module.__dict__:
+            module.__dict__[ORIGIN_KEY] = origin
+            marked += 1
+    return marked
+
+
+def origin_of(module: nn.Module) -> str | None:
+    """The origin of ``module`` (an FP8 module, or a block holding some); ``None`` if unknown."""
+    for part in _fp8_modules(module):
+        origin = part.__dict__.get(ORIGIN_KEY)
+        if origin is not None:
+            return origin
+    return None
+
+
+def config_call(module: nn.Module, **extra: object) -> str:
+    """``hf_fp8.Fp8Config(...)`` that rebuilds the recipe of ``module``'s FP8 layers (its
+    activation scheme, and each setting that is not that scheme's default), plus ``extra``."""
+    from hf_fp8.recipe import Fp8Recipe
+
+    parts = _fp8_modules(module)
+    recipe = getattr(parts[0], "recipe", None) if parts else None
+    if recipe is None:
+        args = ["..."]
+    else:
+        words = recipe.to_strings()
+        default = Fp8Recipe.resolve(words["activation_scheme"]).to_strings()
+        args = [repr(words["activation_scheme"])]
+        args += [f"{k}={v!r}" for k, v in words.items() if v != default[k]]
+    args += [f"{k}={v!r}" for k, v in extra.items()]
+    return f"hf_fp8.Fp8Config({', '.join(args)})"
+
+
+def how_to_keep(module: nn.Module, names: Sequence[str] | None) -> str:
+    """How to keep the FP8 layer(s) ``module`` in high precision, for the model it came from:
+    ``names`` are the patterns to list (``None``: ``[...]``). A clause that reads after "keep it
+    in high precision: "."""
+    listed = "[...]" if names is None else repr(list(names))
+    if origin_of(module) != CHECKPOINT:  # quantized from high precision here: the skip lists work
+        return (
+            f"load with hf_fp8.Fp8Config(..., modules_to_not_convert={listed}) or quantize with "
+            f"hf_fp8.quantize_model(model, config, skip={listed})"
+        )
+    static = any(
+        getattr(getattr(m, "recipe", None), "is_static", False) for m in _fp8_modules(module)
+    )
+    calibrate = ", then calibrate it again (hf_fp8.calibrate): the static input scales are lost"
+    return (
+        "this model was loaded from an FP8 checkpoint, whose saved quantization_config wins over "
+        "one passed to from_pretrained, so load that checkpoint in high precision, "
+        f"from_pretrained(path, quantization_config={config_call(module, dequantize=True)}), and "
+        f"quantize it again keeping the layer: hf_fp8.quantize_model(model, "
+        f"{config_call(module)}, skip={listed}){calibrate * static}"
+    )
