@@ -24,7 +24,13 @@ from safetensors.torch import save_file
 from hf_fp8.serialization.atomic import atomic_folder, contained, hub_cache_root
 
 # the folder checks live in hf_fp8.utils.folders (the quantizer runs them too); re-exported
-from hf_fp8.utils.folders import check_source_folder, folder_files, read_index  # noqa: F401
+from hf_fp8.utils.folders import (  # noqa: F401
+    ShardKeyError,
+    check_shard_keys,
+    check_source_folder,
+    folder_files,
+    read_index,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -207,13 +213,19 @@ class Checkpoint:
         return sorted(set(self.weight_map.values()))
 
     def tensors(self) -> dict[str, TensorInfo]:
-        """Header of every tensor (no tensor data is read)."""
+        """Header of every tensor (no tensor data is read). A tensor stored in two shards, or
+        in a shard the index does not name for it, raises ``ShardKeyError`` naming it and both
+        files (every reader of a folder goes through here: inspect, export, import, push)."""
         infos: dict[str, TensorInfo] = {}
+        keys_by_file: dict[str, list[str]] = {}
         for file in self.files:
             with _open(self.path(file)) as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                keys_by_file[file] = list(f.keys())
+                for name in keys_by_file[file]:
                     s = f.get_slice(name)
-                    infos[name] = TensorInfo(s.get_dtype(), tuple(s.get_shape()), file)
+                    infos.setdefault(name, TensorInfo(s.get_dtype(), tuple(s.get_shape()), file))
+        if self.sharded:
+            check_shard_keys(keys_by_file, self.weight_map, where=str(self.root), index=INDEX_NAME)
         return infos
 
     def load_file(self, file: str) -> dict[str, torch.Tensor]:
@@ -384,6 +396,9 @@ def rewrite_tensors(src: Checkpoint, out_dir: Path, convert: TensorMap) -> dict[
         partial = target.with_name(f".{target.name}.partial")
         save_file(converted, str(partial), metadata={"format": "pt"})
         os.replace(partial, target)
+        twice = next((k for k in converted if k in weight_map), None)
+        if twice is not None:  # never the last copy silently (Checkpoint.tensors refuses first)
+            check_shard_keys({weight_map[twice]: [twice], file: [twice]}, where=str(out_dir))
         weight_map.update(dict.fromkeys(converted, file))
         total += sum(t.numel() * t.element_size() for t in converted.values())
     if src.sharded:

@@ -6,7 +6,10 @@ narrower rule of a pre-quantized ``from_pretrained`` (transformers checks no pat
 index it reads and the checkpoint files it will read. ``folder_files`` lists a folder's files and refuses symlinks (what ``push``
 uploads, what conversions copy). ``contained(root, relpath)`` is the one path rule: inside
 the folder, no ``..``, no absolute name, no symlink (except a Hub cache snapshot's links into
-its own ``blobs/``, which must be a real folder: :func:`hub_cache_root`). Standard library only.
+its own ``blobs/``, which must be a real folder: :func:`hub_cache_root`). ``check_loaded_keys`` /
+``check_shard_keys``: each tensor stored in one shard, the one the index names (shard headers
+only, through the capped readers of ``safetensors_header`` / ``torch_checkpoint_header``, imported
+when needed). Otherwise standard library only.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,11 @@ _HUB_REPO = re.compile(r"(models|datasets|spaces)--[^/\\]+")
 
 class UnsafePathError(ValueError):
     """A path escapes its folder, is absolute, or goes through a symlink."""
+
+
+class ShardKeyError(ValueError):
+    """A checkpoint stores a tensor in two shards, or in a shard its index does not name for
+    it: a loader would silently take one of the copies (transformers: the last file read)."""
 
 
 def _is_link(path: Path) -> bool:
@@ -248,6 +256,7 @@ def check_loaded_files(root: str | os.PathLike, files: Sequence[str] | None) -> 
     if not _is_single_file(rels):
         kind = "bin" if rels[0].endswith(".bin") else "safetensors"
         _check_read_index(real, folder, kind, links_within)
+        check_loaded_keys([real / rel for rel in rels], root=real)
     return os.path.normpath(os.path.join(spelled, folder))
 
 
@@ -269,6 +278,127 @@ def _check_read_index(real: Path, folder: str, kind: str, links_within: Path | N
             return
 
 
+def shard_tensor_names(path: str | os.PathLike) -> list[str] | None:
+    """The tensor names in the header of the checkpoint file ``path`` (``.safetensors``, or a
+    ``torch.save`` ``.bin``), read by the package's capped header readers (no tensor data);
+    ``None`` when it cannot be read cheaply (the loader reports that file in its own words)."""
+    name = os.fspath(path)
+    if name.endswith(".safetensors"):
+        from hf_fp8.utils.safetensors_header import tensor_dtypes
+    elif name.endswith(".bin"):
+        from hf_fp8.utils.torch_checkpoint_header import tensor_dtypes
+    else:
+        return None
+    dtypes = tensor_dtypes(name)
+    return None if dtypes is None else list(dtypes)
+
+
+def check_shard_keys(
+    keys_by_file: Mapping[str, Iterable[str]],
+    weight_map: Mapping[str, str] | None = None,
+    *,
+    where: str = "the checkpoint",
+    index: str = "the index",
+) -> None:
+    """Each tensor of ``keys_by_file`` (``{shard name: tensor names in its header}``) stored
+    once, and, with ``weight_map`` (the index's ``{tensor: shard name}``, names spelled alike),
+    in the shard the index names for it. Raises ``ShardKeyError`` naming the tensor, both files
+    and ``where`` (the folder). A loader reads every key of every shard it opens and keeps the
+    last copy of a name, whatever the index says."""
+    seen: dict[str, str] = {}
+    for file, keys in keys_by_file.items():
+        for key in keys:
+            first = seen.setdefault(key, file)
+            if first == file:
+                continue
+            named = weight_map.get(key) if weight_map is not None else None
+            says = f"; {index} names {named}" if named else ""
+            raise ShardKeyError(
+                f"{key} is stored in two files of {where}, {first} and {file}{says}: a loader "
+                "would silently keep one of the copies (the last file read). The checkpoint "
+                "was altered after it was saved; remove the copy the index does not name, or "
+                "download or save the checkpoint again"
+            )
+    if weight_map is None:
+        return
+    for key, file in seen.items():
+        named = weight_map.get(key)
+        if named != file:
+            says = f"names {named} for it" if named else "does not list it"
+            raise ShardKeyError(
+                f"{key} is stored in {file} of {where}, but {index} {says}: the shards and "
+                "the index disagree (the checkpoint was altered after it was saved); "
+                "download or save the checkpoint again"
+            )
+
+
+def _matching_index(
+    files: Sequence[Path], folders: Sequence[Path]
+) -> tuple[Path, dict[str, str]] | None:
+    """The weight index (``*.index*.json`` in the first of ``folders`` that has one whose
+    ``weight_map`` names exactly ``files``) and its map; ``None`` when none does."""
+    wanted = {os.path.normpath(f) for f in files}
+    for folder in folders:
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".json") and ".index" in n)
+        except OSError:
+            continue
+        for name in names:
+            try:
+                index = read_index_json(folder / name)
+            except (OSError, ValueError):
+                continue
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                continue
+            named = {os.path.normpath(folder / v) for v in set(weight_map.values())}
+            if named == wanted:
+                return folder / name, weight_map
+    return None
+
+
+def check_loaded_keys(
+    files: Sequence[str | os.PathLike], *, root: str | os.PathLike | None = None
+) -> None:
+    """The rule of a pre-quantized ``from_pretrained`` on the shards it reads (``files``,
+    absolute, as the loader resolved them, a Hub cache snapshot's too): every tensor stored in
+    one shard only, the one the weight index names (the index found next to the shards, or in a
+    folder above them up to ``root``, that names exactly these files; without one, only the
+    duplicates are refused). Only the shard headers are read. A shard that cannot be read
+    cheaply leaves the check to the loader. Raises ``ShardKeyError`` (:func:`check_shard_keys`)."""
+    paths = [Path(os.path.abspath(os.fspath(f))) for f in files]
+    if len(paths) < 2:
+        return
+    common = Path(os.path.commonpath([p.parent for p in paths]))
+    folders = [common]
+    if root is not None:
+        top = Path(os.path.abspath(os.fspath(root)))
+        while folders[-1] != top and folders[-1].is_relative_to(top):
+            folders.append(folders[-1].parent)
+    found = _matching_index(paths, folders)
+    base = found[0].parent if found else common
+    keys_by_file: dict[str, list[str]] = {}
+    for path in paths:
+        names = shard_tensor_names(path)
+        if names is None:
+            return
+        keys_by_file[os.path.relpath(path, base).replace(os.sep, "/")] = names
+    weight_map = None
+    if found:
+        spelled = {v: os.path.normpath(v).replace(os.sep, "/") for v in set(found[1].values())}
+        weight_map = found[1]
+        if any(a != b for a, b in spelled.items()):  # ``./x`` spelled as the file is
+            weight_map = {k: spelled[v] for k, v in weight_map.items()}
+    check_shard_keys(
+        keys_by_file,
+        weight_map,
+        where=str(base),
+        index=found[0].name if found else "the index",
+    )
+
+
 def check_files_inside(root: str | os.PathLike, files: list[str] | None) -> None:
     """Every path of ``files`` (what a loader resolved: shards, a ``subfolder``'s weights)
     lies inside ``root`` and reaches it through no symlink; raises ``UnsafePathError``
@@ -286,13 +416,17 @@ def check_files_inside(root: str | os.PathLike, files: list[str] | None) -> None
 
 __all__ = [
     "MAX_INDEX_BYTES",
+    "ShardKeyError",
     "UnsafePathError",
     "check_files_inside",
     "check_loaded_files",
+    "check_loaded_keys",
+    "check_shard_keys",
     "check_source_folder",
     "contained",
     "folder_files",
     "hub_cache_root",
     "read_index",
     "read_index_json",
+    "shard_tensor_names",
 ]

@@ -1,0 +1,196 @@
+"""A tensor stored in two shards, or in a shard the index does not name for it (R14 2), is
+refused by every route that reads an FP8 folder (pre-quantized ``from_pretrained``, inspect,
+export, import, push), naming the tensor and both files. Before, the loader kept the last
+copy read (x4 scale: logits 0.23 off the checkpoint the index describes) and export wrote an
+index naming the copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import hf_fp8
+from hf_fp8 import Fp8Config
+from hf_fp8.serialization.checkpoint import Checkpoint, rewrite_tensors
+from hf_fp8.utils.folders import ShardKeyError, check_loaded_keys, check_shard_keys
+from tests.tiny_models import model_inputs, model_output
+
+KEY = "model.layers.0.mlp.down_proj.weight_scale"
+INDEX = "model.safetensors.index.json"
+
+
+def _sharded(tiny_model_dir, path: Path) -> tuple[str, torch.Tensor]:
+    """A sharded hf_fp8 save of the tiny Llama, and its logits."""
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), quantization_config=Fp8Config("dynamic")
+    )
+    model.save_pretrained(path, max_shard_size="20KB")
+    assert (path / INDEX).is_file()
+    return str(path), model_output(model, model_inputs("llama"))
+
+
+def _weight_map(path) -> dict[str, str]:
+    return json.loads((Path(path) / INDEX).read_text())["weight_map"]
+
+
+def _other_shard(path, key: str = KEY) -> tuple[str, str]:
+    weight_map = _weight_map(path)
+    home = weight_map[key]
+    return home, max(f for f in set(weight_map.values()) if f != home)
+
+
+def _add_copy(path, key: str = KEY, *, move: bool = False) -> tuple[str, str]:
+    """A x4 copy of ``key`` in another shard (``move``: taken out of the one the index names)."""
+    home, other = _other_shard(path, key)
+    home_tensors = load_file(f"{path}/{home}")
+    tensors = load_file(f"{path}/{other}")
+    tensors[key] = home_tensors[key] * 4
+    save_file(tensors, f"{path}/{other}", metadata={"format": "pt"})
+    if move:
+        del home_tensors[key]
+        save_file(home_tensors, f"{path}/{home}", metadata={"format": "pt"})
+    return home, other
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_model_dir, tmp_path_factory):
+    return _sharded(tiny_model_dir, tmp_path_factory.mktemp("ck"))
+
+
+def _copy_of(saved_path: str, tmp_path: Path) -> str:
+    dst = tmp_path / "ck"
+    dst.mkdir()
+    for name in os.listdir(saved_path):
+        (dst / name).write_bytes(Path(saved_path, name).read_bytes())
+    return str(dst)
+
+
+def test_intact_sharded_checkpoint_loads_exactly(saved):
+    path, reference = saved
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert torch.equal(model_output(model, model_inputs("llama")), reference)
+    assert hf_fp8.inspect_checkpoint(path).fp8_layers
+
+
+@pytest.mark.parametrize("move", [False, True], ids=["copy", "moved"])
+def test_from_pretrained_refuses(saved, tmp_path, move):
+    path = _copy_of(saved[0], tmp_path)
+    home, other = _add_copy(path, move=move)
+    with pytest.raises(ShardKeyError) as err:
+        AutoModelForCausalLM.from_pretrained(path)
+    text = str(err.value)
+    assert KEY in text and other in text and (home in text) and INDEX in text
+
+
+@pytest.mark.parametrize("move", [False, True], ids=["copy", "moved"])
+def test_inspect_export_and_push_refuse(saved, tmp_path, move, monkeypatch):
+    path = _copy_of(saved[0], tmp_path)
+    home, other = _add_copy(path, move=move)
+    for read in (
+        lambda: hf_fp8.inspect_checkpoint(path),
+        lambda: hf_fp8.export(path, tmp_path / "ct"),
+    ):
+        with pytest.raises(ShardKeyError, match=KEY) as err:
+            read()
+        assert home in str(err.value) and other in str(err.value)
+    assert not (tmp_path / "ct").exists()
+
+    from transformers.utils import hub as hf_hub
+
+    from hf_fp8.hub import push_folder
+
+    def no_hub():
+        raise AssertionError("push reached the Hub with an ambiguous checkpoint")
+
+    monkeypatch.setattr(hf_hub, "hf_api", no_hub)
+    with pytest.raises(ShardKeyError, match=KEY):
+        push_folder(path, "me/model")
+
+
+def test_cli_inspect_and_export_refuse(saved, tmp_path, capsys):
+    from hf_fp8.cli import main
+
+    path = _copy_of(saved[0], tmp_path)
+    _home, other = _add_copy(path)
+    assert main(["inspect", path]) != 0
+    assert main(["export", path, "--out", str(tmp_path / "ct")]) != 0
+    err = capsys.readouterr().err
+    assert err.count(KEY) == 2 and other in err
+    assert not (tmp_path / "ct").exists()
+
+
+def test_import_refuses(saved, tmp_path):
+    ct = tmp_path / "ct"
+    hf_fp8.export(saved[0], ct)
+    assert (ct / INDEX).is_file()
+    _home, other = _add_copy(ct)
+    with pytest.raises(ShardKeyError, match=KEY) as err:
+        hf_fp8.import_checkpoint(ct, tmp_path / "back")
+    assert other in str(err.value)
+    assert not (tmp_path / "back").exists()
+
+
+def test_rewrite_never_keeps_the_last_copy(saved, tmp_path):
+    """Export's shard writer, reached without ``tensors()``: refuses, never lets a file win."""
+    path = _copy_of(saved[0], tmp_path)
+    _add_copy(path)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ShardKeyError, match=KEY):
+        rewrite_tensors(Checkpoint(path), out, lambda shard: shard)
+
+
+def _save_shards(folder: Path, shards: dict[str, dict[str, torch.Tensor]], weight_map) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, tensors in shards.items():
+        if name.endswith(".bin"):
+            torch.save(tensors, folder / name)
+        else:
+            save_file(tensors, str(folder / name), metadata={"format": "pt"})
+    kind = "pytorch_model.bin" if next(iter(shards)).endswith(".bin") else "model.safetensors"
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / f"{kind}.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("ext", ["safetensors", "bin"])
+def test_loaded_keys_of_absolute_files(tmp_path, ext):
+    """What the quantizer checks for a Hub id (files in the cache, no local root): the index
+    next to the shards; ``.bin`` shards through the capped torch header reader."""
+    a, b = f"a.{ext}", f"b.{ext}"
+    x, y = torch.ones(2), torch.zeros(3)
+    _save_shards(tmp_path / "ok", {a: {"x": x}, b: {"y": y}}, {"x": a, "y": b})
+    check_loaded_keys([tmp_path / "ok" / a, tmp_path / "ok" / b])
+    _save_shards(tmp_path / "dup", {a: {"x": x}, b: {"x": x, "y": y}}, {"x": a, "y": b})
+    with pytest.raises(ShardKeyError, match=rf"x is stored in two files .*{a} and {b}"):
+        check_loaded_keys([tmp_path / "dup" / a, tmp_path / "dup" / b])
+    moved = {a: {"w": x}, b: {"x": x, "y": y}}
+    _save_shards(tmp_path / "moved", moved, {"w": a, "x": a, "y": b})
+    with pytest.raises(ShardKeyError, match=rf"x is stored in {b} .* names {a} for it"):
+        check_loaded_keys([tmp_path / "moved" / a, tmp_path / "moved" / b])
+
+
+def test_unlisted_key_is_refused():
+    with pytest.raises(ShardKeyError, match=r"z is stored in b\.safetensors .* does not list it"):
+        check_shard_keys({"a.safetensors": ["x"], "b.safetensors": ["z"]}, {"x": "a.safetensors"})
+
+
+def test_many_shards_read_headers_only(tmp_path):
+    """512 shards of 8 tensors (32 KB of data each): the check reads headers, not data."""
+    shards, weight_map = {}, {}
+    for i in range(512):
+        name = f"model-{i:05d}-of-00512.safetensors"
+        shards[name] = {f"l{i}.t{j}": torch.zeros(1024) for j in range(8)}
+        weight_map.update(dict.fromkeys(shards[name], name))
+    _save_shards(tmp_path, shards, weight_map)
+    files = [tmp_path / name for name in shards]
+    start = time.thread_time()
+    check_loaded_keys(files, root=tmp_path)
+    cpu = time.thread_time() - start
+    assert cpu < 2.0, f"{cpu:.2f} s of CPU for 512 shard headers"
