@@ -13,6 +13,7 @@ from typing import Any
 import jinja2
 from huggingface_hub import ModelCard, ModelCardData
 
+from hf_fp8.hub.card_file import read_card, write_card
 from hf_fp8.hub.card_info import CardInfo, hub_model_id
 from hf_fp8.serialization.summary import activation_words, weight_words
 
@@ -183,10 +184,12 @@ def merge_card(
     existing: str | None, info: CardInfo, *, carry_figures: bool = True, **render_kwargs
 ) -> str:
     """The card to upload: a fresh rendering that keeps the existing card's tags and the
-    facts an earlier hf_fp8 card recorded (base model, fidelity) when it describes the same
-    model (:func:`same_model`); a card the user wrote is kept as written, with hf_fp8's
-    metadata added. ``carry_figures=False``: never the earlier card's fidelity figures (an
-    export takes its source's, not those of the folder it replaces)."""
+    facts an earlier hf_fp8 card recorded when it describes the same model
+    (:func:`same_model`): its base model, and its fidelity figures when they were also measured
+    in the compute dtype of ``info`` (:func:`same_compute_dtype`); a card the user wrote is
+    kept as written, with hf_fp8's metadata added. ``carry_figures=False``: never the earlier
+    card's fidelity figures (an export takes its source's, not those of the folder it
+    replaces)."""
     old_tags: list[str] = []
     if existing:
         card = ModelCard(existing, ignore_metadata_errors=True)
@@ -200,7 +203,7 @@ def merge_card(
         previous = read_card_info(existing)
         if previous is not None and same_model(previous, info):
             info.base_model = info.base_model or previous.base_model
-            if carry_figures:
+            if carry_figures and same_compute_dtype(previous.compute_dtype, info.compute_dtype):
                 info.fidelity = info.fidelity or previous.fidelity
     return render_model_card(info, tags=old_tags, **render_kwargs)
 
@@ -231,6 +234,15 @@ def same_model(previous: CardInfo, info: CardInfo) -> bool:
     )
 
 
+def same_compute_dtype(measured: str | None, current: str | None) -> bool:
+    """Whether figures measured in compute dtype ``measured`` describe weights that compute
+    in ``current``: the same dtype (FP8 fidelity depends on the high-precision dtype: relative
+    L2 0.0802 in float32 is 0.0826 in bfloat16 for the same tiny model). A known dtype on one
+    side only differs (an earlier card that records none, weights whose dtype is unknown);
+    neither known (cards built by hand) is no sign of a change."""
+    return measured == current
+
+
 def _quantization_config(info: CardInfo) -> dict[str, Any] | None:
     """The ``quantization_config`` a card records (cards rendered from a checkpoint folder,
     or by an older hf_fp8, record none)."""
@@ -248,9 +260,9 @@ def write_model_card(
     **render_kwargs,
 ) -> Path:
     """Write ``README.md`` into ``folder``, merged with ``existing`` (default: the card already
-    in ``folder``; pass the old folder's card when ``folder`` is a fresh temporary one)."""
-    path = Path(folder) / "README.md"
+    in ``folder``; pass the old folder's card when ``folder`` is a fresh temporary one). The
+    card is read and replaced without following a link (``hf_fp8.hub.card_file``: a linked,
+    special or oversized README.md raises ``UnsafePathError``)."""
     if existing is _READ:
-        existing = path.read_text(encoding="utf-8") if path.is_file() else None
-    path.write_text(merge_card(existing, info, **render_kwargs), encoding="utf-8")
-    return path
+        existing = read_card(folder)
+    return write_card(folder, merge_card(existing, info, **render_kwargs))

@@ -23,6 +23,8 @@ _SCHEME_KEYS = ("activation_scheme", "weight_granularity", "activation_granulari
 MINILM_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"
 # A model's card facts (base model, fidelity) in its __dict__: hf_fp8.hub.hooks' state.
 _STATE = "_hf_fp8_card"
+# key of that state: the compute dtype the recorded fidelity figures were measured in
+FIDELITY_DTYPE = "fidelity_dtype"
 
 
 @dataclass
@@ -148,13 +150,13 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
         format="hf_fp8",
         architecture=architectures[0],
         base_model=extra.get("base_model"),
-        compute_dtype=str(getattr(model, "dtype", "")).replace("torch.", "") or None,
+        compute_dtype=compute_dtype_name(model),
         scheme=_scheme_dict(qc),
         fp8_layers=fp8_layer_count(model),
         high_precision_layers=high,
         bytes_before=before,
         bytes_after=after,
-        fidelity=dict(extra.get("fidelity") or {}),
+        fidelity=recorded_fidelity(model),
         fp8_share=share,
         quantization_config=qc.to_dict(),
         static_scales=static_scales_digest(model),
@@ -162,6 +164,34 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
     for key, value in overrides.items():
         setattr(info, key, value)
     return info
+
+
+def compute_dtype_name(model: nn.Module) -> str | None:
+    """``"float32"``, ``"bfloat16"`` …: the dtype ``model`` computes in (``model.dtype``)."""
+    return str(getattr(model, "dtype", "")).replace("torch.", "") or None
+
+
+def recorded_fidelity(model: nn.Module) -> dict[str, Any]:
+    """The fidelity figures recorded for ``model``'s card (``hf_fp8.set_card_info``, or the
+    card of the checkpoint it was loaded from) that still describe it: none when they were
+    measured in another compute dtype than the model's now (e.g. after
+    ``model.to(torch.bfloat16)``; one warning naming both dtypes)."""
+    state = model.__dict__.get(_STATE)
+    if not isinstance(state, dict) or not state.get("fidelity"):
+        return {}
+    figures = dict(state["fidelity"])
+    measured, current = state.get(FIDELITY_DTYPE), compute_dtype_name(model)
+    if measured is not None and measured != current:
+        warnings.warn(
+            f"hf_fp8: the model card's fidelity figures were measured in {measured} and the "
+            f"model now computes in {current}; they do not describe it and are left out of "
+            "its card. Measure again and record them with "
+            "hf_fp8.set_card_info(model, fidelity={...})",
+            UserWarning,
+            stacklevel=3,
+        )
+        return {}
+    return figures
 
 
 def fp8_layer_count(model: nn.Module) -> int:

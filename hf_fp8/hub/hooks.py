@@ -21,9 +21,16 @@ from typing import Any
 from torch import nn
 
 from hf_fp8.config import Fp8Config
-from hf_fp8.hub.card import read_card_info, write_model_card
-from hf_fp8.hub.card_info import hub_model_id, info_from_model
+from hf_fp8.hub.card import read_card_info, same_compute_dtype, write_model_card
+from hf_fp8.hub.card_file import read_card
+from hf_fp8.hub.card_info import (
+    FIDELITY_DTYPE,
+    compute_dtype_name,
+    hub_model_id,
+    info_from_model,
+)
 from hf_fp8.modules import Fp8Experts, Fp8Linear
+from hf_fp8.utils.folders import UnsafePathError
 
 _STATE = "_hf_fp8_card"
 
@@ -41,19 +48,32 @@ def _local_name(path: str | os.PathLike) -> str:
 
 
 def _previous_card(name_or_path: str) -> str | None:
-    """README.md of the folder or cached repo a model was loaded from (never downloads)."""
+    """README.md of the folder or cached repo a model was loaded from (never downloads). One
+    that hf_fp8 must not read (a symlink out of the folder, not a regular file, oversized:
+    ``hf_fp8.hub.card_file``) is ignored with a warning: it never fails the load."""
     if not name_or_path:
         return None
-    path = Path(name_or_path) / "README.md"
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    try:
-        from huggingface_hub import try_to_load_from_cache
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(name_or_path, "README.md")
-    except Exception:  # not a repo id
+            cached = try_to_load_from_cache(name_or_path, "README.md")
+        except Exception:  # not a repo id
+            return None
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent  # the snapshot: its README.md links into blobs/
+    try:
+        return read_card(folder)
+    except UnsafePathError as exc:
+        warnings.warn(
+            f"hf_fp8: the model card of {name_or_path} is not read ({exc}); the card of a "
+            "save of this model names no base model or figures from it",
+            UserWarning,
+            stacklevel=2,
+        )
         return None
-    return Path(cached).read_text(encoding="utf-8") if isinstance(cached, str) else None
 
 
 def set_card_info(
@@ -66,6 +86,7 @@ def set_card_info(
         state["base_model"] = str(base_model)
     if fidelity is not None:
         state["fidelity"] = {str(k): v for k, v in fidelity.items()}
+        state[FIDELITY_DTYPE] = compute_dtype_name(model)  # they hold for this dtype only
 
 
 # Weight files one save_pretrained writes: an older set in the folder is replaced, not kept
@@ -125,8 +146,9 @@ def save_pretrained(
         or not kwargs.get("is_main_process", True)
         or (dest.exists() and not dest.is_dir())
     )
-    readme = dest / "README.md"
-    existing = readme.read_text(encoding="utf-8") if readme.is_file() else None
+    # never followed nor copied: a linked / special / oversized README.md fails the save
+    # before anything is written (hf_fp8.hub.card_file)
+    existing = read_card(dest) if dest.is_dir() else None
     if direct:
         result = original(model, save_directory, *args, **kwargs)
         if not kwargs.get("push_to_hub") and kwargs.get("is_main_process", True) and dest.is_dir():
@@ -142,10 +164,11 @@ def save_pretrained(
 
 def before_upload(model: nn.Module, working_dir: str | os.PathLike, repo_id: str) -> None:
     """Before transformers uploads ``working_dir`` (``push_to_hub``): replace the placeholder
-    card it wrote with hf_fp8's. Never fails the push."""
+    card it wrote with hf_fp8's. Never fails the push, except for a README.md hf_fp8 must not
+    read (a symlink out of the folder, not a regular file: ``UnsafePathError``), which the
+    upload would otherwise follow."""
     if _marked(model):
-        readme = Path(working_dir) / "README.md"
-        existing = readme.read_text(encoding="utf-8") if readme.is_file() else None
+        existing = read_card(working_dir)
         try:
             info = info_from_model(model, repo_id=repo_id)
             write_model_card(working_dir, info, existing=existing)
@@ -174,6 +197,11 @@ def attach_card_hooks(model: nn.Module, hf_quantizer: Any = None) -> None:
         previous = read_card_info(_previous_card(name) or "")
         if previous is not None:
             state.setdefault("base_model", previous.base_model)
-            state.setdefault("fidelity", previous.fidelity)
+            # figures measured in another compute dtype (or an unknown one) do not hold
+            if "fidelity" not in state and same_compute_dtype(
+                previous.compute_dtype, compute_dtype_name(model)
+            ):
+                state["fidelity"] = previous.fidelity
+                state[FIDELITY_DTYPE] = previous.compute_dtype
     elif name:
         state.setdefault("base_model", hub_model_id(name) or _local_name(name))

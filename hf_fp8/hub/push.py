@@ -15,6 +15,7 @@ from typing import Any
 from transformers.utils import hub as hf_hub
 
 from hf_fp8.hub.card import merge_card
+from hf_fp8.hub.card_file import read_card
 from hf_fp8.hub.card_info import info_from_summary
 from hf_fp8.serialization.checkpoint import CARD_NAME, Checkpoint
 from hf_fp8.serialization.summary import summarize
@@ -37,16 +38,17 @@ def card_for_folder(
     if fidelity:
         overrides["fidelity"] = dict(fidelity)
     info = info_from_summary(summarize(checkpoint), **overrides)
-    readme = checkpoint.root / CARD_NAME
-    existing = readme.read_text(encoding="utf-8") if readme.is_file() else None
-    return merge_card(existing, info)
+    # never followed: a README.md linked out of the folder (or a FIFO, a folder, an oversized
+    # file) raises UnsafePathError before anything is uploaded (hf_fp8.hub.card_file)
+    return merge_card(read_card(checkpoint.root), info)
 
 
 def folder_files(folder: str | os.PathLike) -> list[str]:
     """Relative paths of the files ``push_folder`` uploads: those of
     :func:`hf_fp8.utils.folders.folder_files` (hidden files left out, a symlink other than a Hub
     cache snapshot's raises ``UnsafePathError``) except ``README.md``: the card is uploaded from
-    memory."""
+    memory, rendered from the folder's README.md as :func:`card_for_folder` reads it (a link
+    refused there)."""
     return utils_folder_files(folder, keep=lambda rel: rel != CARD_NAME)
 
 
@@ -68,7 +70,8 @@ def push_folder(
     through ``HfApi.upload_folder`` (``allow_patterns`` / ``ignore_patterns`` as there);
     returns the Hub's ``CommitInfo``.
 
-    Hidden files are left out and symlinks refused (:func:`folder_files`). The folder itself is
+    Hidden files are left out and symlinks refused (:func:`folder_files`; README.md included:
+    :func:`card_for_folder`), before any Hub call. The folder itself is
     never modified: the upload reads a temporary folder of links to the checked files plus the
     rendered ``README.md``.
     """
