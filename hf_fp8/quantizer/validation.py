@@ -28,6 +28,12 @@ from hf_fp8.numerics.checks import (
     check_scale_tensor,
     max_scale,
 )
+from hf_fp8.quantizer.scale_granularity import (
+    ScaledWeight,
+    block_advice,
+    describe_granularity,
+    stored_scaled_weights,
+)
 from hf_fp8.utils.folders import read_index_json
 
 # Tensors of an Fp8Linear that a checkpoint stores in fp8 / fp32 and that must arrive uncast.
@@ -92,26 +98,24 @@ def check_stored_tensor(
     check_scale_tensor(key, value, max_value=max_scale(fp8_dtype, torch.float32))
 
 
-def _describe(granularity: str, block_size: tuple[int, int]) -> str:
-    block = f", block_size={list(block_size)}" if granularity == "block" else ""
-    return f"weight_granularity={granularity!r}{block}"
-
-
 def fitting_granularity(
-    shape: tuple[int, ...], out_features: int, in_features: int, block_size: tuple[int, int]
-) -> str | None:
+    shape: tuple[int, ...],
+    out_features: int,
+    in_features: int,
+    block_size: tuple[int, int],
+    *,
+    others: Iterable[ScaledWeight] = (),
+) -> tuple[str, bool] | None:
     """The ``weight_granularity`` (and ``block_size``) whose weight scale of an
-    ``[out, in]`` weight has ``shape``, as config words; ``None`` when none does."""
+    ``[out, in]`` weight has ``shape``, as config words, and whether the shapes determine it
+    (see :func:`block_advice`; ``others``: the other weights of the checkpoint, whose scale
+    shapes narrow the block size); ``None`` when none does."""
     for granularity in ("tensor", "row"):
         if shape == weight_scale_shape(out_features, in_features, granularity, block_size):
-            return _describe(granularity, block_size)
+            return describe_granularity(granularity, block_size), True
     if len(shape) != 2 or min(shape) < 1:
         return None
-    guess = (-(-out_features // shape[0]), -(-in_features // shape[1]))  # smallest tiles
-    for block in (block_size, (128, 128), guess):
-        if shape == weight_scale_shape(out_features, in_features, "block", block):
-            return _describe("block", block)
-    return None
+    return block_advice([((out_features, in_features), tuple(shape)), *others], block_size)
 
 
 def check_weight_scale_shape(
@@ -133,21 +137,36 @@ def check_weight_scale_shape(
     fits = None
     if tuple(shape[: len(experts)]) == tuple(experts):
         fits = fitting_granularity(
-            tuple(shape[len(experts) :]), out_features, in_features, recipe.block_size
+            tuple(shape[len(experts) :]),
+            out_features,
+            in_features,
+            recipe.block_size,
+            others=stored_scaled_weights(root) if len(shape) - len(experts) == 2 else (),
         )
     weight = f"a {[out_features, in_features]} weight" + (
         f" of {experts[0]} experts" if experts else ""
     )
-    fix = (
-        f"The stored scales are {fits}: set that in the quantization_config of {config} "
-        "(save_pretrained writes the one the scales were made with)"
-        if fits
-        else f"That shape fits no weight granularity of {weight}: re-export "
-        "the checkpoint with hf_fp8 (save_pretrained)"
-    )
+    if fits is None:
+        fix = (
+            f"That shape fits no weight granularity of {weight} (no single block size gives "
+            "the checkpoint's scale shapes): re-export the checkpoint with hf_fp8 "
+            "(save_pretrained)"
+        )
+    elif fits[1]:
+        fix = (
+            f"The stored scales are {fits[0]}: set that in the quantization_config of "
+            f"{config} (save_pretrained writes the one the scales were made with)"
+        )
+    else:
+        fix = (
+            f"The stored scales are {fits[0]}. Set block_size in the quantization_config of "
+            f"{config} to the one the checkpoint was quantized with (save_pretrained writes "
+            "it): a guess that fits the shapes loads a wrong model without an error"
+        )
+    says = describe_granularity(granularity, recipe.block_size)
     raise CheckpointTensorError(
         f"{key}: stored with shape {list(shape)} in {checkpoint_file(root, key)}, but the "
-        f"quantization_config of {config} says {_describe(granularity, recipe.block_size)} "
+        f"quantization_config of {config} says {says} "
         f"(a weight scale of shape {list(expected)}). {fix}. ignore_mismatched_sizes=True "
         "does not apply: it would re-initialise the scales"
     )

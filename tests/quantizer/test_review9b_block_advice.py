@@ -1,0 +1,113 @@
+"""The granularity refusal names a block size only when the stored scale shapes of the whole
+checkpoint determine it (R12 F1). A block that does not divide a dimension leaves a range of
+sizes giving the same shapes: the refusal advised ``ceil(dim / count)`` (96 / 2 -> 48), and
+following it loaded a model 7.5% off with no error."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+import transformers as tf
+
+from hf_fp8 import Fp8Config
+from hf_fp8.numerics.checks import CheckpointTensorError
+from hf_fp8.quantizer.scale_granularity import block_advice, block_range
+
+IDS = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _saved(tmp_path, block, *, hidden=96, intermediate=96, heads=3, kv=1, head_dim=32, edit=None):
+    """A tiny Llama quantized weight-only with ``block``, saved; its logits; the config path.
+    ``edit``: the quantization_config's block_size after saving (``None``: removed, so it
+    defaults to [128, 128])."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path / "hp")
+    fp8 = Fp8Config("weight_only", weight_granularity="block", block_size=list(block))
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hp", quantization_config=fp8)
+    with torch.no_grad():
+        reference = model(IDS).logits
+    model.save_pretrained(tmp_path / "q")
+    path = tmp_path / "q" / "config.json"
+    data = json.loads(path.read_text())
+    if edit is None:
+        data["quantization_config"].pop("block_size")
+    else:
+        data["quantization_config"]["block_size"] = list(edit)
+    path.write_text(json.dumps(data))
+    return tmp_path / "q", reference
+
+
+def _refusal(folder) -> str:
+    with pytest.raises(CheckpointTensorError) as err:
+        tf.AutoModelForCausalLM.from_pretrained(folder)
+    return str(err.value)
+
+
+def _follow(folder, text: str) -> torch.Tensor:
+    """Set the block_size the refusal says to set, load, return the logits."""
+    advised = re.search(r"block_size=\[(\d+), (\d+)\]: set that", text)
+    assert advised, text
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    data["quantization_config"]["block_size"] = [int(advised[1]), int(advised[2])]
+    path.write_text(json.dumps(data))
+    with torch.no_grad():
+        return tf.AutoModelForCausalLM.from_pretrained(folder)(IDS).logits
+
+
+def test_block_range_matches_brute_force():
+    for dim in range(1, 70):
+        for count in range(1, dim + 2):
+            fits = [b for b in range(1, 200) if math.ceil(dim / b) == count]
+            lo, hi = block_range(dim, count)
+            expected = [b for b in range(1, 200) if lo <= b <= hi]
+            assert fits == expected, (dim, count)
+
+
+def test_undetermined_block_is_not_advised(tmp_path):
+    """R12's reproducer: 64 does not divide 96; 48..95 all give the same shapes."""
+    folder, _ = _saved(tmp_path, (64, 64))
+    text = _refusal(folder)
+    assert "block_size=[48, 48]" not in text and "set that" not in text
+    assert "do not determine" in text and "another block_size in 48..95 x 48..95" in text
+    assert "the one the checkpoint was quantized with" in text
+    assert "block_size=[64, 64] (the usual size that fits)" in text  # a hint only
+
+
+def test_block_fixed_by_all_layers_is_advised_and_loads_identically(tmp_path):
+    """Block 32 on 96 and 33 wide weights: 96 / 3 allows 32..47, 33 / 2 allows 17..32, so
+    only the intersection over the layers fixes 32 (one layer alone would not)."""
+    one_layer = block_advice([((96, 96), (3, 3))], (128, 128))
+    assert one_layer is not None and not one_layer[1]
+    folder, reference = _saved(tmp_path, (32, 32), intermediate=33)
+    text = _refusal(folder)
+    assert "weight_granularity='block', block_size=[32, 32]: set that" in text
+    assert torch.equal(_follow(folder, text), reference)
+
+
+def test_one_block_per_axis_is_advised_and_loads_identically(tmp_path):
+    """Every weight fits in one block: any size >= 96 gives the same model; the advice
+    (128, the usual size that fits) loads it identically."""
+    folder, reference = _saved(tmp_path, (128, 128), edit=(64, 64))
+    text = _refusal(folder)
+    assert "weight_granularity='block', block_size=[128, 128]: set that" in text
+    assert torch.equal(_follow(folder, text), reference)
+
+
+def test_inconsistent_shapes_name_no_block():
+    assert block_advice([((96, 96), (2, 2)), ((96, 96), (3, 3))], (128, 128)) is None
