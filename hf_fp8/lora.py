@@ -41,6 +41,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
 from hf_fp8.modules import Fp8Linear
+from hf_fp8.modules.origin import how_to_keep
 
 # ``init_lora_weights`` values (prefixes) whose init subtracts the adapter from the base weight
 REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
@@ -237,9 +238,8 @@ def refuse_lora_on_experts(target: nn.Module, adapter_name: str, **kwargs: Any) 
     raise NotImplementedError(
         f"LoRA on {what}, FP8 experts ({kind}), is not supported: the adapter delta would be "
         "added to fp8 codes without their per-expert scales. Put LoRA on the attention and dense "
-        "layers instead (LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'])), "
-        "or load these experts in high precision (Fp8Config(modules_to_not_convert=['experts']) "
-        "/ hf_fp8.quantize_model(model, config, skip=['experts'])) to train them"
+        "layers instead (LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'])); "
+        f"or, to train them, keep these experts in high precision: {how_to_keep(target, ['experts'])}"
     )
 
 

@@ -17,6 +17,9 @@ peft's methods other than LoRA (IA3, LoHa, LoKr, AdaLoRA, OFT, BOFT, VeRA, LN-tu
 or write the base weight directly, so on FP8 layers they are refused the same way, per target,
 by :func:`check_peft_method` (LoRA has ``hf_fp8.lora.Fp8LoraLinear``; BEFT touches only the
 high-precision bias and works).
+Each refusal says how to keep the layer in high precision for the way the model was made
+(``hf_fp8.modules.origin.how_to_keep``: ``modules_to_not_convert`` / ``skip`` when it was
+quantized here, a high-precision load and ``quantize_model(..., skip=...)`` for an FP8 checkpoint).
 High-precision modules (``lm_head`` and every task head outside ``model.base_model``:
 ``score``, ``classifier``, ``qa_outputs`` ..., kept so by default) are untouched.
 """
@@ -27,6 +30,7 @@ from torch import nn
 
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.modules.fp8_linear import Fp8Linear
+from hf_fp8.modules.origin import how_to_keep
 
 _WHAT_PEFT_DOES = {
     "modules_to_save": "peft would train a full copy of it, but FP8 codes and scales take no "
@@ -79,13 +83,6 @@ def _lora_fix(parts: list[tuple[str, nn.Module]], short: str) -> str:
     return f"train LoRA adapters on it instead: LoraConfig(target_modules={leaves!r})"
 
 
-def _keep_high(short: str) -> str:
-    return (
-        f"hf_fp8.Fp8Config(..., modules_to_not_convert=[{short!r}]) or quantize with "
-        f"hf_fp8.quantize_model(model, config, skip=[{short!r}])"
-    )
-
-
 def check_trainable_copy(what: str, module: nn.Module) -> None:
     """Raise ``ValueError`` when peft's ``what`` (``"modules_to_save"``,
     ``"trainable_token_indices"``, ...) targets ``module`` and it is, or holds, an FP8 layer."""
@@ -97,7 +94,7 @@ def check_trainable_copy(what: str, module: nn.Module) -> None:
     raise ValueError(
         f"peft {what} names {_describe(parts, name, module)}: "
         f"{_WHAT_PEFT_DOES.get(what, 'peft would train it')}. "
-        f"Keep it in high precision to train it fully: load with {_keep_high(short)}; "
+        f"To train it fully, keep it in high precision: {how_to_keep(module, [short])}; "
         f"or {_lora_fix(parts, short)}, and drop it from {what}."
     )
 
@@ -158,5 +155,5 @@ def check_peft_method(config: object, module: nn.Module, key: str) -> None:
         f"hf_fp8.Fp8Config(..., dequantize=True)) for an FP8 checkpoint, or no "
         f"quantization_config), merge it (merge_and_unload()) and quantize the merged model "
         f"afterwards with hf_fp8.quantize_model(model, hf_fp8.Fp8Config(...)); or keep this "
-        f"layer in high precision: load with {_keep_high(short)}."
+        f"layer in high precision: {how_to_keep(module, [short])}."
     )

@@ -573,6 +573,8 @@ class Fp8Experts(RecipeWords, nn.Module):
         per-expert scales. Refused with what to do instead."""
         from torch.nn.utils import parametrize
 
+        from hf_fp8.modules.origin import how_to_keep
+
         if parametrize.is_parametrized(self):
             names = sorted(getattr(self, "parametrizations", {}).keys())
             raise NotImplementedError(
@@ -580,8 +582,8 @@ class Fp8Experts(RecipeWords, nn.Module):
                 "(peft target_parameters) is not supported: the adapter delta would be added to "
                 "fp8 codes without their per-expert scales. Put LoRA on the attention and dense "
                 "layers instead (LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', "
-                "'o_proj'])), or load these experts in high precision "
-                "(Fp8Config(modules_to_not_convert=['experts'])) to train them"
+                "'o_proj'])); or, to train them, keep these experts in high precision: "
+                f"{how_to_keep(self, ['experts'])}"
             )
 
     def _project(

@@ -27,16 +27,18 @@ def check_frozen(module: nn.Module, names: tuple[str, ...]) -> None:
         param = getattr(module, name, None)
         if param is not None and param.requires_grad:
             where = getattr(module, "fp8_name", "") or type(module).__name__
+            from hf_fp8.modules.origin import how_to_keep  # (origin imports the FP8 modules)
+
+            leaf = getattr(module, "fp8_name", "").rpartition(".")[2]
             raise RuntimeError(
                 f"{where}.{name} has requires_grad=True, but FP8 codes and scales are frozen: "
                 "no gradient reaches them, so training would update nothing there. After "
                 "model.requires_grad_(True): call hf_fp8.modules.freeze_fp8(model) to train "
                 "the other parameters. On a trainable copy of an FP8 layer (peft's "
                 "modules_to_save, or a copy made by hand), freeze_fp8 would leave the copy "
-                "untrained: keep that layer in high precision (Fp8Config(..., "
-                "modules_to_not_convert=[...]) / hf_fp8.quantize_model(..., skip=[...])) or "
-                "train LoRA adapters on it (LoraConfig(target_modules=[...])). For a full "
-                "fine-tune load with Fp8Config(dequantize=True)."
+                "untrained: train LoRA adapters on it (LoraConfig(target_modules=[...])), or "
+                f"keep that layer in high precision: {how_to_keep(module, [leaf] if leaf else None)}"
+                ". For a full fine-tune load with Fp8Config(dequantize=True)."
             )
 
 

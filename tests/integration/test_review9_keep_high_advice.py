@@ -1,0 +1,165 @@
+"""The "keep this layer in high precision" advice of the peft refusals works where it is given
+(R13 2).
+
+The refusals of ``modules_to_save``, methods other than LoRA and LoRA on FP8 experts advised
+``Fp8Config(..., modules_to_not_convert=[...])``, which does nothing on a model loaded from an
+FP8 (pre-quantized) checkpoint: transformers uses the checkpoint's own quantization_config, the
+layer stays FP8 and the same refusal returns. Each test here follows the advice printed in the
+message, as a user would (copying the calls it names, or adding the names it lists to their own
+config), and checks that the retry is accepted and that the kept layer trains, for a model
+loaded from an FP8 checkpoint and for one quantized on the fly.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import re
+
+import pytest
+import torch
+import transformers as tf
+from peft import IA3Config, LoraConfig, get_peft_model
+from torch import nn
+
+import hf_fp8
+from hf_fp8 import Fp8Config, Fp8Linear
+from hf_fp8.modules import Fp8Experts
+from tests.serialization.moe_fixtures import tiny_qwen3_moe
+from tests.tiny_models import model_inputs
+
+SCHEME = "dynamic"  # the scheme of llama_fp8_dir and of the on-the-fly loads here
+
+REFUSED = {
+    "modules_to_save": (
+        lambda: LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["o_proj"]),
+        "o_proj",
+        lambda layer: layer.modules_to_save["default"].weight,
+    ),
+    "ia3": (
+        lambda: IA3Config(target_modules=["v_proj"], feedforward_modules=[]),
+        "v_proj",
+        lambda layer: layer.ia3_l["default"],
+    ),
+}
+
+
+def _call(message: str, start: str) -> str:
+    """The call in ``message`` that begins with ``start`` (parentheses balanced)."""
+    i = message.index(start)
+    depth = 0
+    for j in range(message.index("(", i), len(message)):
+        depth += {"(": 1, ")": -1}.get(message[j], 0)
+        if depth == 0:
+            return message[i : j + 1]
+    raise AssertionError(f"unbalanced call after {start!r} in {message!r}")
+
+
+def _follow_the_advice(message: str, checkpoint: str, high_dir: str) -> nn.Module:
+    """What a user does with the refusal: run the calls it names for an FP8 checkpoint, or
+    add the names it lists to the ``Fp8Config`` of their on-the-fly load (the advice is the
+    clause after the last "in high precision: ")."""
+    message = message[message.rindex("in high precision: ") :]
+    names = {"hf_fp8": hf_fp8, "path": checkpoint}
+    if "from_pretrained(path, " in message:
+        load = _call(message, "from_pretrained(path, ")
+        model = eval(f"tf.AutoModelForCausalLM.{load}", {**names, "tf": tf})
+        return eval(_call(message, "hf_fp8.quantize_model(model, "), {**names, "model": model})
+    listed = re.search(r"modules_to_not_convert=(\[[^\]]*\])", message)
+    assert listed, message
+    config = Fp8Config(SCHEME, modules_to_not_convert=ast.literal_eval(listed.group(1)))
+    return tf.AutoModelForCausalLM.from_pretrained(high_dir, quantization_config=config)
+
+
+def _trains(model: nn.Module, param: torch.Tensor) -> bool:
+    """One AdamW step on the trainable parameters: ``param`` gets a gradient and moves."""
+    before = param.detach().clone()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = model_inputs("llama")
+    model.train()
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    optimizer.step()
+    moved = not torch.equal(before, param.detach())
+    return param.grad is not None and bool(param.grad.abs().sum() > 0) and moved
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSED))
+@pytest.mark.parametrize("origin", ["fp8 checkpoint", "on the fly"])
+def test_following_the_advice_keeps_the_layer_trainable(
+    kind, origin, llama_fp8_dir, tiny_model_dir
+):
+    make_config, layer_name, trained = REFUSED[kind]
+    high_dir = tiny_model_dir("llama")
+    if origin == "fp8 checkpoint":
+        model = tf.AutoModelForCausalLM.from_pretrained(llama_fp8_dir)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            high_dir, quantization_config=Fp8Config(SCHEME)
+        )
+    with pytest.raises(ValueError, match=rf"{layer_name}, an FP8 layer") as err:
+        get_peft_model(model, make_config())
+    message = str(err.value)
+    if origin == "fp8 checkpoint":  # the advice that did nothing there is gone
+        assert "modules_to_not_convert=[" not in message
+        assert "dequantize=True" in message and f"skip=[{layer_name!r}]" in message
+    else:  # the advice that works when quantizing on the fly is kept
+        assert f"modules_to_not_convert=[{layer_name!r}]" in message
+    kept = _follow_the_advice(message, str(llama_fp8_dir), high_dir)
+    attention = kept.model.layers[0].self_attn
+    assert type(getattr(attention, layer_name)) is nn.Linear
+    assert isinstance(attention.k_proj, Fp8Linear) and isinstance(attention.q_proj, Fp8Linear)
+    peft_model = get_peft_model(kept, make_config())  # accepted now
+    layer = getattr(peft_model.base_model.model.model.layers[0].self_attn, layer_name)
+    assert _trains(peft_model, trained(layer))
+
+
+def test_requantized_checkpoint_layers_equal_the_checkpoint(llama_fp8_dir):
+    """The route for an FP8 checkpoint (high-precision load, quantize again) gives back the
+    checkpoint's fp8 codes and scales for every layer it converts again."""
+    loaded = tf.AutoModelForCausalLM.from_pretrained(llama_fp8_dir)
+    with pytest.raises(ValueError) as err:
+        get_peft_model(copy.deepcopy(loaded), REFUSED["ia3"][0]())
+    again = _follow_the_advice(str(err.value), str(llama_fp8_dir), "")
+    fp8 = {n: m for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)}
+    redone = {n: m for n, m in again.named_modules() if isinstance(m, Fp8Linear)}
+    assert set(redone) == set(fp8) - {n for n in fp8 if n.endswith("v_proj")}
+    for name, module in redone.items():
+        assert torch.equal(module.weight.view(torch.uint8), fp8[name].weight.view(torch.uint8))
+        assert torch.equal(module.weight_scale, fp8[name].weight_scale)
+
+
+def test_lora_on_fp8_experts_of_a_checkpoint_advises_the_route_that_works(tmp_path):
+    high = tiny_qwen3_moe()
+    high.save_pretrained(tmp_path / "high")
+    fp8 = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "high", quantization_config=Fp8Config(SCHEME)
+    )
+    fp8.save_pretrained(tmp_path / "fp8")
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")
+    config = LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(NotImplementedError, match=r"FP8 experts") as err:
+        get_peft_model(model, copy.deepcopy(config))
+    message = str(err.value)
+    assert "modules_to_not_convert=[" not in message and "skip=['experts']" in message
+    kept = _follow_the_advice(message, str(tmp_path / "fp8"), "")
+    experts = kept.model.layers[0].mlp.experts
+    assert not isinstance(experts, Fp8Experts)
+    assert isinstance(kept.model.layers[0].self_attn.q_proj, Fp8Linear)
+    peft_model = get_peft_model(kept, config)
+    lora_a = [p for n, p in peft_model.named_parameters() if "lora_A" in n]
+    lora_b = [p for n, p in peft_model.named_parameters() if "lora_B" in n]
+    assert lora_a and lora_b
+    assert _trains(peft_model, lora_b[0])  # (lora_B starts at zero: lora_A has no grad yet)
+
+
+def test_a_trainable_copy_of_a_checkpoint_layer_names_the_route_that_works(llama_fp8_dir):
+    """The forward error of a trainable FP8 copy (``check_frozen``)."""
+    model = tf.AutoModelForCausalLM.from_pretrained(llama_fp8_dir)
+    layer = copy.deepcopy(model.model.layers[0].self_attn.o_proj).requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"o_proj\.weight has requires_grad=True") as err:
+        layer(torch.randn(2, layer.in_features))
+    message = str(err.value)
+    assert "modules_to_not_convert=[" not in message
+    kept = _follow_the_advice(message, str(llama_fp8_dir), "")
+    assert type(kept.model.layers[0].self_attn.o_proj) is nn.Linear
+    assert isinstance(kept.model.layers[0].self_attn.q_proj, Fp8Linear)
