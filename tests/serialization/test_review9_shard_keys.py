@@ -194,3 +194,28 @@ def test_many_shards_read_headers_only(tmp_path):
     check_loaded_keys(files, root=tmp_path)
     cpu = time.thread_time() - start
     assert cpu < 2.0, f"{cpu:.2f} s of CPU for 512 shard headers"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs the hf_quantizer wiring: check_loaded_keys(self.checkpoint_files) when "
+    "the checkpoint is a Hub id (check_loaded_files runs for local folders only)",
+)
+def test_hub_id_load_refuses(saved, tmp_path, monkeypatch):
+    """The same folder, loaded by repo id from the Hub cache (offline)."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "cache"
+    commit = "0" * 40
+    snapshot = cache / "models--me--tiny" / "snapshots" / commit
+    snapshot.parent.mkdir(parents=True)
+    (cache / "models--me--tiny" / "refs").mkdir()
+    (cache / "models--me--tiny" / "refs" / "main").write_text(commit)
+    (cache / "models--me--tiny" / "blobs").mkdir()
+    path = _copy_of(saved[0], tmp_path)
+    _add_copy(path)
+    os.rename(path, snapshot)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ShardKeyError, match=KEY):
+        AutoModelForCausalLM.from_pretrained("me/tiny", cache_dir=cache)
