@@ -49,7 +49,7 @@ from hf_fp8.quantizer.validation import (
     stored_dtype,
     validate_loaded_model,
 )
-from hf_fp8.utils.folders import check_loaded_files
+from hf_fp8.utils.folders import check_loaded_files, check_loaded_keys
 
 _FP8_PARAMS = ("weight", "weight_scale")
 
@@ -253,6 +253,8 @@ class Fp8HfQuantizer(HfQuantizer):
             # reads and the files it names must be the folder's own (DESIGN §8). The folder
             # read is ``root/subfolder``: errors name files there.
             self.checkpoint_root = check_loaded_files(self.checkpoint_root, self.checkpoint_files)
+        elif self.pre_quantized:  # a Hub id: the shards in the cache, each tensor stored once
+            check_loaded_keys(self.checkpoint_files)
         if self.pre_quantized:
             self.stored_names = file_tensor_names(self.checkpoint_files)
             if not saved_skips:  # a hand-written config: the default skips, but a task head

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_fp8.serialization.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
+from hf_fp8.utils.folders import check_shard_keys
 
 
 @dataclass
@@ -62,6 +63,12 @@ def hub_headers(
         )
     except Exception as err:
         raise _not_found(repo_id, err) from err
+    # a tensor in two shards, or in one the index does not name: refused (last copy would win)
+    check_shard_keys(
+        {file: list(file_meta.tensors) for file, file_meta in meta.files_metadata.items()},
+        meta.weight_map,
+        where=repo_id,
+    )
     headers = {
         name: TensorInfo(info.dtype, tuple(info.shape), file)
         for file, file_meta in meta.files_metadata.items()

@@ -196,11 +196,6 @@ def test_many_shards_read_headers_only(tmp_path):
     assert cpu < 2.0, f"{cpu:.2f} s of CPU for 512 shard headers"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the hf_quantizer wiring: check_loaded_keys(self.checkpoint_files) when "
-    "the checkpoint is a Hub id (check_loaded_files runs for local folders only)",
-)
 def test_hub_id_load_refuses(saved, tmp_path, monkeypatch):
     """The same folder, loaded by repo id from the Hub cache (offline)."""
     import huggingface_hub.constants
@@ -219,3 +214,48 @@ def test_hub_id_load_refuses(saved, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ShardKeyError, match=KEY):
         AutoModelForCausalLM.from_pretrained("me/tiny", cache_dir=cache)
+
+
+def test_online_hub_headers_refuse_a_tensor_in_two_shards(tmp_path, monkeypatch):
+    """``hub_headers`` online (``hf-fp8 inspect`` of a repo id) builds its headers from the
+    Hub's safetensors metadata: a tensor listed in two shards is refused there too, instead of
+    the last shard's entry winning; the same metadata without the copy is read as before."""
+    from types import SimpleNamespace
+
+    import huggingface_hub
+    import huggingface_hub.constants
+
+    from hf_fp8.serialization import remote
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    info = SimpleNamespace(dtype="F8_E4M3", shape=[4, 4])
+    scale = SimpleNamespace(dtype="F32", shape=[4, 1])
+
+    def metadata(copy: bool) -> SimpleNamespace:
+        second = {"b.weight": info, **({"a.weight": info} if copy else {})}
+        files = {
+            "model-1.safetensors": SimpleNamespace(tensors={"a.weight": info, "a.s": scale}),
+            "model-2.safetensors": SimpleNamespace(tensors=second),
+        }
+        weight_map = {
+            "a.weight": "model-1.safetensors",
+            "a.s": "model-1.safetensors",
+            "b.weight": "model-2.safetensors",
+        }
+        return SimpleNamespace(files_metadata=files, weight_map=weight_map)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(
+        huggingface_hub, "hf_hub_download", lambda *a, **k: str(tmp_path / "config.json")
+    )
+    answer = {}
+    monkeypatch.setattr(
+        huggingface_hub.HfApi, "get_safetensors_metadata", lambda self, *a, **k: answer["meta"]
+    )
+    answer["meta"] = metadata(copy=False)
+    headers = remote.hub_headers("me/tiny").headers
+    assert headers["a.weight"].file == "model-1.safetensors"
+    answer["meta"] = metadata(copy=True)
+    with pytest.raises(ShardKeyError, match=r"a\.weight") as err:
+        remote.hub_headers("me/tiny")
+    assert "model-1.safetensors" in str(err.value) and "model-2.safetensors" in str(err.value)
