@@ -6,8 +6,12 @@ After an hf_fp8 load, :func:`attach_card_hooks` marks the model (state in its
 :func:`save_pretrained` and :func:`before_upload` here for marked models only:
 ``save_pretrained`` writes the checkpoint atomically with ``README.md`` next to the weights,
 and before ``push_to_hub`` uploads, the placeholder card transformers wrote is replaced with
-hf_fp8's. A card problem never fails a save or a push (one warning). Nothing here touches the
-network.
+hf_fp8's. A card problem never fails a save or a push (one warning), except an existing
+README.md hf_fp8 must not read (a symlink out of the folder, a FIFO, a folder, an oversized
+file: ``hf_fp8.hub.card_file``), which fails them with ``UnsafePathError`` before anything is
+written or uploaded; at load it is ignored with a warning. Figures recorded for a card hold
+for the compute dtype they were measured in only (``card_info.recorded_fidelity``). Nothing
+here touches the network.
 """
 
 from __future__ import annotations
@@ -128,6 +132,9 @@ def save_pretrained(
     checkpoint leaves the old one loadable (``hf_fp8.serialization.atomic.atomic_folder``: a
     folder swap, or file-by-file renames inside a folder that cannot be swapped — a mount
     point, the current directory, another user's folder, a read-only parent).
+
+    A README.md already in ``save_directory`` that hf_fp8 must not read (a symlink, not a
+    regular file, oversized) raises ``UnsafePathError`` before anything is written.
 
     Saves that push (transformers uploads from the folder itself), that pass options
     positionally or that run on a non-main process go straight to transformers, with the card
