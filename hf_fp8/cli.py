@@ -225,7 +225,7 @@ def _save(model, args: argparse.Namespace, model_id: str, out: Path) -> None:
     files already in ``out`` that are not written are kept."""
     from hf_fp8.hub import info_from_model, set_card_info
     from hf_fp8.hub.card import merge_card
-    from hf_fp8.serialization.atomic import contained
+    from hf_fp8.hub.card_file import read_card
     from hf_fp8.serialization.checkpoint import CARD_NAME, copy_companion_files, output_folder
 
     if args.measure:
@@ -243,9 +243,9 @@ def _save(model, args: argparse.Namespace, model_id: str, out: Path) -> None:
             tokenizer.save_pretrained(tmp)
         if source is not None:
             copy_companion_files(source, tmp)
-        old_card = contained(out, CARD_NAME) if out.is_dir() else None
-        if old_card is not None and old_card.is_file():  # --overwrite: merge, never drop it
-            card = merge_card(old_card.read_text("utf-8"), info_from_model(model))
+        old_card = read_card(out) if out.is_dir() else None  # a link, FIFO, huge file: refused
+        if old_card is not None:  # --overwrite: merge, never drop it
+            card = merge_card(old_card, info_from_model(model))
             (tmp / CARD_NAME).write_text(card, encoding="utf-8")
     info = info_from_model(model)
     print(

@@ -13,7 +13,6 @@ from torch import nn
 
 from hf_fp8.config import Fp8Config
 from hf_fp8.modules import Fp8Experts, Fp8Linear
-from hf_fp8.serialization.atomic import contained
 from hf_fp8.serialization.checkpoint import (
     CARD_NAME,
     Checkpoint,
@@ -174,11 +173,13 @@ def export(
     base_model = fidelity = None
     if isinstance(model_or_dir, nn.Module):
         state = getattr(model_or_dir, "_hf_fp8_card", None) or {}
-        base_model, fidelity = state.get("base_model"), state.get("fidelity")
+        from hf_fp8.hub.card_info import recorded_fidelity  # figures of its compute dtype
+
+        base_model, fidelity = state.get("base_model"), recorded_fidelity(model_or_dir)
     else:
         src = Checkpoint(resolve_checkpoint(model_or_dir))
         model_or_dir = src.root
-        previous = _card_info(src.path(CARD_NAME))
+        previous = _card_info(src.root)
         if previous is not None:
             base_model, fidelity = previous.base_model, previous.fidelity
     out = Path(out_dir).expanduser()
@@ -188,12 +189,12 @@ def export(
     return out
 
 
-def _card_info(readme: Path):  # -> CardInfo | None
-    if not readme.is_file():
-        return None
+def _card_info(folder: Path):  # -> CardInfo | None
     from hf_fp8.hub.card import read_card_info
+    from hf_fp8.hub.card_file import read_card
 
-    return read_card_info(readme.read_text("utf-8"))
+    text = read_card(folder)  # a link out of the folder, a FIFO, a huge file: refused
+    return None if text is None else read_card_info(text)
 
 
 def _write_card(tmp: Path, out: Path, base_model: str | None, fidelity: dict | None) -> None:
@@ -201,12 +202,12 @@ def _write_card(tmp: Path, out: Path, base_model: str | None, fidelity: dict | N
     its base model for the same model; its fidelity figures never: they describe what the
     export replaces, and the export states what its source recorded)."""
     from hf_fp8.hub.card import merge_card
+    from hf_fp8.hub.card_file import read_card
     from hf_fp8.hub.card_info import info_from_summary
     from hf_fp8.serialization.summary import summarize
 
     info = info_from_summary(summarize(Checkpoint(tmp)), base_model=base_model)
     info.fidelity = dict(fidelity or {})
-    old = contained(out, CARD_NAME) if out.is_dir() else None
-    existing = old.read_text("utf-8") if old is not None and old.is_file() else None
+    existing = read_card(out) if out.is_dir() else None
     text = merge_card(existing, info, carry_figures=False, model_id=out.resolve().name)
     (tmp / CARD_NAME).write_text(text, encoding="utf-8")
