@@ -9,8 +9,10 @@ Granularity and the shape of the fp32 ``scale`` for an input ``x`` of shape ``[.
   ``(128, 128)``, activations ``(1, 128)``.
 
 Non-finite values never enter a scale (one ``inf`` token does not wipe out the others) and
-always come out of the cast as NaN, never as zeros or ±max. Weights are checked first:
-:func:`quantize_weight` raises on NaN / inf.
+always come out of the cast as NaN, never as zeros or ±max. A finite value always comes out
+finite: past ``fp8_max * scale`` it saturates at ±max, also where ``x / scale`` overflows
+float32 (``|x| > 3.4e38 * scale``, a static scale far below the activations'). Weights are
+checked first: :func:`quantize_weight` raises on NaN / inf.
 """
 
 from __future__ import annotations
@@ -37,13 +39,19 @@ def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return (amax.float() / fp8_max(fp8_dtype)).clamp(min=min_scale())
 
 
-def saturated_cast(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+def saturated_cast(
+    x: torch.Tensor, fp8_dtype: torch.dtype, source: torch.Tensor | None = None
+) -> torch.Tensor:
     """Round to the nearest fp8 value, saturating finite values at ±max.
 
     NaN and ±inf become NaN (e4m3fn has no inf; a plain cast would turn inf into ±max).
+    ``source``: the tensor ``x`` was computed from (``x = source / scale``); then NaN goes
+    only where ``source`` is NaN / inf (or ``x`` NaN), and an ``x`` that overflowed to ±inf
+    from a finite ``source`` saturates at ±max.
     """
     limit = fp8_max(fp8_dtype)
-    return torch.where(torch.isfinite(x), x.clamp(-limit, limit), float("nan")).to(fp8_dtype)
+    finite = torch.isfinite(x if source is None else source)
+    return torch.where(finite, x.clamp(-limit, limit), float("nan")).to(fp8_dtype)
 
 
 def check_finite(x: torch.Tensor, name: str) -> None:
@@ -129,8 +137,8 @@ def quantize_with_scale(
     """fp8 values of ``x / scale`` (a static or precomputed scale), saturating."""
     _check_granularity(granularity)
     if granularity == "block":
-        return saturated_cast(_block_scaled(x, scale, block_size, divide=True), fp8_dtype)
-    return saturated_cast(x.float() / scale.float(), fp8_dtype)
+        return saturated_cast(_block_scaled(x, scale, block_size, divide=True), fp8_dtype, x)
+    return saturated_cast(x.float() / scale.float(), fp8_dtype, x)
 
 
 def quantize(

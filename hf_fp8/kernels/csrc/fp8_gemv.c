@@ -760,7 +760,8 @@ int fp8_decode(const uint8_t *w, int64_t rows, int64_t K, int64_t row0, const fl
 /* hf_fp8.numerics, operation by operation: amax of the finite |x| (per tensor, token or
  * 1 x bk block), scale = max(amax / fp8_max, floor) (floor: numerics.min_scale()),
  * q = RNE_fp8(clamp(x / scale, +-max))
- * (NaN for a non-finite x); out = q (post) or q * scale rounded once (block: folded). */
+ * (NaN for a non-finite x; a finite x saturates, also where x / scale overflows fp32);
+ * out = q (post) or q * scale rounded once (block: folded). */
 typedef struct {
     const void *x;       /* [M, K] fp32 or bf16 */
     float *scale;        /* [1], [M] or [M, kblocks]: computed, or given (static) */
@@ -795,9 +796,10 @@ AI float fp8_round(float x, int fmt) {
 
 #if FP8_PATH >= 3
 /* The per-element loop of quant_worker below, 16 lanes: q = RNE_fp8(clamp(x / scale,
- * +-fmax)) as fp32 bits, the same quotient, clamp and sign (NaN for a non-finite quotient;
- * allfin: the caller knows there is none). The rounding to the fp8 grid (ties to even) by
- * one addition and one subtraction of m = 1.5 * 2^(e + 20) (E4M3; 2^(e + 21) for E5M2),
+ * +-fmax)) as fp32 bits, the same quotient, clamp and sign (NaN for a non-finite x; a finite
+ * x whose quotient overflows saturates; allfin: the caller knows every x is finite). The
+ * rounding to the fp8 grid (ties to even) by one addition and one subtraction of
+ * m = 1.5 * 2^(e + 20) (E4M3; 2^(e + 21) for E5M2),
  * e = max(exponent of a, min normal exponent): a + m stays in m's binade, whose ulp is the
  * fp8 spacing 2^(e - 3) (2^(e - 2)), so the sum rounds a to that grid, ties to even (m is an
  * even multiple of the spacing), and subtracting m is exact; below the normal range the
@@ -817,7 +819,7 @@ AI __m512i quant16(__m512 x, __m512 vs, int e4, int allfin) {
     __m512i ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(r), _mm512_castps_si512(v), abs,
                                            0xf4); /* | sign(v) */
     if (!allfin) {
-        __mmask16 fin = _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs),
+        __mmask16 fin = _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(x), abs),
                                                 _mm512_set1_epi32(0x7f800000));
         ru = _mm512_mask_blend_epi32(fin, _mm512_set1_epi32(0x7fc00000), ru);
     }
@@ -979,9 +981,9 @@ static void *quant_worker(void *arg) {
                         memcpy(&nor, &u, 4);
                         float sub = ((a * inv + 12582912.0f) - 12582912.0f) * rinv; /* fixed grid */
                         float rr = copysignf(a < minnorm ? sub : nor, c);
-                        vv = v;
+                        vv = xf[i]; /* a finite x saturates, even where x / scale overflows */
                         memcpy(&uv, &vv, 4);
-                        rr = (uv & 0x7fffffffu) < 0x7f800000u ? rr : NAN; /* non-finite: NaN */
+                        rr = (uv & 0x7fffffffu) < 0x7f800000u ? rr : NAN; /* non-finite x: NaN */
                         r[i] = q->post ? rr : rr * scale;
                     }
                     if (q->out_kind == OUT_BF16) {
