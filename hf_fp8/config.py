@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from hf_fp8.numerics import fp8_dtype
+from hf_fp8.numerics.checks import input_scale_problem
 from hf_fp8.recipe import Fp8Recipe, Kernel, parse
 
 QUANT_METHOD = "hf_fp8"
@@ -93,6 +95,7 @@ class Fp8Config(QuantizationConfigMixin):
             raise ValueError(
                 "activation_scale / activation_scales are only used with activation_scheme='static'"
             )
+        _check_scale_bounds(scales, recipe)
         # The JSON fields are plain strings (the recipe's words); ``_recipe`` is not written.
         self.__dict__.update(
             quant_method=QUANT_METHOD,
@@ -255,6 +258,19 @@ def _scales(scales: Any) -> dict[str, float] | None:
                 "str, e.g. 'model.layers.0.self_attn.q_proj' (experts: '<experts>.down_proj')"
             )
     return {k: _scale(v, f"activation_scales[{k!r}]") for k, v in scales.items()} or None
+
+
+def _check_scale_bounds(scales: dict[str, Any], recipe: Fp8Recipe) -> None:
+    """Refuse static scales below ``min_input_scale`` of the recipe's fp8 format."""
+    named = {"activation_scale": scales["activation_scale"]}
+    named.update(
+        (f"activation_scales[{k!r}]", v) for k, v in (scales["activation_scales"] or {}).items()
+    )
+    dtype = fp8_dtype(recipe.fp8_format)
+    for name, value in named.items():
+        problem = None if value is None else input_scale_problem(name, value, dtype)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def _version() -> str:

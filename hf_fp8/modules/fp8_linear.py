@@ -14,7 +14,13 @@ from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.modules.saturation import SaturationCounter
 from hf_fp8.numerics import dequantize, fp8_dtype, fp8_max, is_fp8, quantize_weight
-from hf_fp8.numerics.checks import check_fp8_tensor, check_scale_tensor, max_scale
+from hf_fp8.numerics.checks import (
+    check_fp8_tensor,
+    check_scale_tensor,
+    input_scale_problem,
+    max_scale,
+    min_input_scale,
+)
 from hf_fp8.recipe import Fp8Recipe, Granularity
 
 if TYPE_CHECKING:
@@ -159,19 +165,22 @@ class Fp8Linear(RecipeWords, nn.Linear):
         """No-op: FP8 weights come from ``from_linear`` or a checkpoint, never random init."""
 
     def _checked_scale(self, scale: float | torch.Tensor) -> torch.Tensor:
-        """``scale`` as fp32 ``[1]``: a static layer only, positive and finite (a meta value
-        cannot be checked)."""
+        """``scale`` as fp32 ``[1]``: a static layer only, positive, finite and at least
+        ``min_input_scale`` of the fp8 format (a meta value cannot be checked)."""
         if not self.recipe.is_static:
             raise ValueError(
                 f"input_scale is only used by activation_scheme='static', this layer is "
                 f"{self.activation_scheme!r}"
             )
-        scale = torch.as_tensor(scale, dtype=torch.float32).reshape(1)
-        if not scale.is_meta:
-            value = float(scale.detach().cpu())
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"input_scale must be a positive finite number, got {value}")
-        return scale
+        name = self.__dict__.get("fp8_name")
+        problem = input_scale_problem(
+            f"{name}.input_scale" if name else "input_scale",
+            scale if isinstance(scale, torch.Tensor) else float(scale),
+            fp8_dtype(self.fp8_format),
+        )
+        if problem is not None:
+            raise ValueError(problem)
+        return torch.as_tensor(scale, dtype=torch.float32).reshape(1)
 
     def set_input_scale(self, scale: float | torch.Tensor) -> None:
         """Set the static activation scale (``x ≈ x_fp8 * scale``). A value is refused on
@@ -306,7 +315,13 @@ class Fp8Linear(RecipeWords, nn.Linear):
             check_scale_tensor(prefix + "weight_scale", scale, shape=shape, max_value=bound)
         scale = state_dict.get(prefix + "input_scale")
         if scale is not None:
-            check_scale_tensor(prefix + "input_scale", scale, shape=(1,), max_value=bound)
+            check_scale_tensor(
+                prefix + "input_scale",
+                scale,
+                shape=(1,),
+                max_value=bound,
+                min_value=min_input_scale(dtype),
+            )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         weight = state_dict.get(prefix + "weight")
