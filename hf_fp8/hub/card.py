@@ -14,7 +14,7 @@ import jinja2
 from huggingface_hub import ModelCard, ModelCardData
 
 from hf_fp8.hub.card_file import read_card, write_card
-from hf_fp8.hub.card_info import CardInfo, hub_model_id
+from hf_fp8.hub.card_info import UNKNOWN_SCALES, CardInfo, hub_model_id
 from hf_fp8.serialization.summary import activation_words, weight_words
 
 TEMPLATE_NAME = "hf_fp8_model_card.md.j2"
@@ -231,6 +231,7 @@ def same_model(previous: CardInfo, info: CardInfo) -> bool:
         and not differ(previous.architecture, info.architecture)
         and not differ(_quantization_config(previous), _quantization_config(info))
         and info.static_scales in (None, previous.static_scales)
+        and info.static_scales != UNKNOWN_SCALES  # offloaded scales: maybe not the measured ones
     )
 
 

@@ -204,10 +204,14 @@ def fp8_layer_count(model: nn.Module) -> int:
     )
 
 
+# the digest of static input scales that are offloaded (on meta): no earlier card matches it
+UNKNOWN_SCALES = "unknown (offloaded)"
+
+
 def static_scales_digest(model: nn.Module) -> str | None:
     """A digest of every static input scale of ``model`` (``Fp8Linear.input_scale``,
-    ``Fp8Experts.<proj>_input_scale``, by name and exact value); ``None`` without any, or
-    when one is offloaded (on meta: unknown)."""
+    ``Fp8Experts.<proj>_input_scale``, by name and exact value); ``None`` without any, and
+    :data:`UNKNOWN_SCALES` when one is offloaded (on meta: figures are then never carried)."""
     digest = hashlib.sha256()
     found = False
     for name, module in model.named_modules():
@@ -224,7 +228,7 @@ def static_scales_digest(model: nn.Module) -> str | None:
             if scale is None:
                 continue
             if scale.is_meta:
-                return None
+                return UNKNOWN_SCALES
             value = scale.detach().to(device="cpu", dtype=torch.float32).contiguous()
             digest.update(f"{name}.{key}:{list(value.shape)}:".encode())
             digest.update(value.numpy().tobytes())
