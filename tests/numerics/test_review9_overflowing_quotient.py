@@ -35,9 +35,9 @@ def _fq(x: torch.Tensor, scale: float, fmt: torch.dtype) -> torch.Tensor:
     return _q(x, scale, fmt) * scale
 
 
-def _inputs(dtype: torch.dtype) -> torch.Tensor:
-    x = torch.randn(5, 64)
-    x[0, 3], x[1, 7], x[2, 0], x[4, 63] = BIG, -BIG, 3e37, -2e38
+def _inputs(dtype: torch.dtype, tokens: int = 5) -> torch.Tensor:
+    x = torch.randn(tokens, 64)
+    x[0, 3], x[1, 7], x[2, 0], x[4, 63], x[-1, 9] = BIG, -BIG, 3e37, -2e38, BIG
     return x.to(dtype)
 
 
@@ -93,8 +93,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("kernel_env", ["off", *C_PATHS])
 @pytest.mark.parametrize("fmt", sorted(FMT))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [5, 40])  # the GEMV; the (fused) matmul past 16 tokens
 def test_fp8_linear_with_a_huge_activation_matches_the_dequantized_reference(
-    kernel_env, fmt, dtype, monkeypatch
+    kernel_env, fmt, dtype, tokens, monkeypatch
 ):
     monkeypatch.setenv(cpu_kernel.ENV, kernel_env)
     torch.manual_seed(0)
@@ -102,7 +103,7 @@ def test_fp8_linear_with_a_huge_activation_matches_the_dequantized_reference(
     layer = Fp8Linear.from_linear(
         linear, Fp8Config("static", fp8_format=fmt, activation_scale=0.05)
     )
-    x = _inputs(dtype)
+    x = _inputs(dtype, tokens)
     with torch.no_grad():
         got = layer(x)
     w = dequantize(layer.weight, layer.weight_scale, torch.float32)
