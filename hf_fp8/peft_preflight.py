@@ -39,13 +39,38 @@ def has_fp8(model: nn.Module) -> bool:
     return any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules())
 
 
+def prepared_config(tuner: Any, model: nn.Module, config: Any) -> Any | None:
+    """A copy of ``config`` prepared as peft's ``inject_adapter`` prepares it before matching:
+    the transformers v4 -> v5 conversion (MoE models: experts named by their old linears, or
+    all of them for ``all-linear``, move to ``target_parameters``), the method's default targets
+    (``_prepare_adapter_config``) and ``all-linear``. ``config`` itself is not changed (a deep
+    copy: peft's conversion writes into ``rank_pattern``). None where peft's helpers fail (peft
+    reports its own errors; each target is checked again as peft reaches it)."""
+    try:
+        from peft.tuners import tuners_utils
+
+        config = copy.deepcopy(config)
+        if tuners_utils.is_transformers_ge_v5 and hasattr(
+            getattr(model, "config", None), "model_type"
+        ):
+            from peft.utils import transformers_weight_conversion as conversion
+
+            mapping = conversion.get_model_conversion_mapping(model)
+            conversion.convert_peft_config_for_transformers(config, model, mapping)
+        config = tuner._prepare_adapter_config(config, tuner.get_model_config(model))
+        return tuners_utils._maybe_include_all_linear_layers(config, model)
+    except Exception:  # a best-effort early look; the check at each target stays
+        return None
+
+
 def config_targets(
-    tuner: Any, model: nn.Module, config: Any, state_dict: dict | None = None
+    tuner: Any, model: nn.Module, prepared: Any | None, state_dict: dict | None = None
 ) -> list[tuple[str, nn.Module]]:
-    """The modules ``config`` targets, in module order, matched as peft's ``inject_adapter`` will
-    (its default targets, ``all-linear`` and matcher; or the keys of ``state_dict``). Empty where
-    peft's helpers fail (peft reports its own errors; each target is checked again as peft
-    reaches it)."""
+    """The modules a config targets, in module order, matched as peft's ``inject_adapter`` will
+    (the ``prepared`` config and peft's matcher; or the keys of ``state_dict``). Empty where
+    peft's helpers fail or ``prepared`` is None."""
+    if prepared is None:
+        return []
     try:
         from peft.tuners import tuners_utils
 
@@ -53,14 +78,12 @@ def config_targets(
         wrapped = tuple(k + "." for k, m in modules if isinstance(m, tuners_utils.BaseTunerLayer))
         candidates = [(k, m) for k, m in modules if k and not (wrapped and k.startswith(wrapped))]
         if state_dict is not None:
-            prefix = "." + tuners_utils.PEFT_TYPE_TO_PREFIX_MAPPING[config.peft_type]
+            prefix = "." + tuners_utils.PEFT_TYPE_TO_PREFIX_MAPPING[prepared.peft_type]
             names = {k.rsplit(prefix, 1)[0].removeprefix("_orig_mod.") for k in state_dict}
             return [(k, m) for k, m in candidates if k.removeprefix("_orig_mod.") in names]
-        config = tuner._prepare_adapter_config(copy.copy(config), tuner.get_model_config(model))
-        config = tuners_utils._maybe_include_all_linear_layers(config, model)
         matched = []
         for key, module in candidates:
-            found = tuner._check_target_module_exists(config, key)
+            found = tuner._check_target_module_exists(prepared, key)
             if found and not isinstance(found, tuners_utils._ExcludedModule):
                 matched.append((key, module))
         return matched
@@ -154,7 +177,8 @@ def check_before_injection(
     if not has_fp8(model):
         return
     method = _method(config)
-    for key, target in config_targets(tuner, model, config, state_dict):
+    prepared = prepared_config(tuner, model, config)
+    for key, target in config_targets(tuner, model, prepared, state_dict):
         if method == "LORA":
             _check_lora_target(config, adapter_name, key, target)
         elif method == "TRAINABLE_TOKENS":
@@ -162,7 +186,7 @@ def check_before_injection(
         elif method not in FP8_SAFE_METHODS and fp8_parts(target):
             check_peft_method(config, target, key)
     if method == "LORA" and state_dict is None:
-        for key, param_name, module in _parameter_targets(model, config):
+        for key, param_name, module in _parameter_targets(model, prepared or config):
             _check_lora_target(config, adapter_name, key, module, parameter_name=param_name)
-    for option, _, module in _trainable_copies(model, config):
+    for option, _, module in _trainable_copies(model, prepared or config):
         check_trainable_copy(option, module)

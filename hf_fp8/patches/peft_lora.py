@@ -120,19 +120,23 @@ def guard_other_methods() -> None:
         if "_create_and_replace" in self.__dict__:  # an override calling super(): checked once
             return original(self, model, adapter_name, *args, **kwargs)
         from hf_fp8.peft_preflight import check_before_injection, has_fp8
-        from hf_fp8.peft_rollback import ModelSnapshot
+        from hf_fp8.peft_rollback import ModelSnapshot, rewrites_base
         from hf_fp8.peft_trainable import check_peft_method
 
         if not has_fp8(model):  # nothing hf_fp8 refuses: peft as it is
             return original(self, model, adapter_name, *args, **kwargs)
-        try:
-            snapshot = ModelSnapshot(model, self)  # before peft changes anything
+        config = getattr(self, "peft_config", {}).get(adapter_name)
+        try:  # before peft changes anything (peft converts a MoE model's config in place)
+            snapshot = ModelSnapshot(model, self, extra=(config,))
+            keep_values = rewrites_base(config)
         except Exception:  # never break get_peft_model: only the rollback is lost
-            snapshot = None
+            snapshot, keep_values = None, False
         create = self._create_and_replace  # the method's own, bound
 
         def checked(config, adapter_name, target, target_name, parent, *rest, **kw):
             check_peft_method(config, target, kw.get("current_key") or target_name)
+            if keep_values:  # the base weight is about to be rewritten (high precision)
+                snapshot.keep_values(target)
             return create(config, adapter_name, target, target_name, parent, *rest, **kw)
 
         try:
