@@ -77,6 +77,7 @@ from hf_fp8.kernels.grouped import combine, grouped_fp8_linear, route
 from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
+from hf_fp8.numerics.checks import input_scale_problem
 from hf_fp8.numerics.quantize import block_scale_shape
 from hf_fp8.recipe import Fp8Recipe
 
@@ -435,13 +436,11 @@ class Fp8Experts(RecipeWords, nn.Module):
             raise ValueError(f"projection must be one of {self.layout.projections}")
         scale = torch.as_tensor(scale, dtype=torch.float32).detach()
         scale = scale.reshape(-1).expand(self.num_experts).clone()
-        if not scale.is_meta and not (
-            bool(torch.isfinite(scale).all()) and bool((scale > 0).all())
-        ):
-            raise ValueError(
-                f"{projection} input scales must be positive finite numbers, got "
-                f"{scale.tolist()[:8]}"
-            )
+        problem = input_scale_problem(
+            f"{projection} input scales", scale, fp8_dtype(self.fp8_format)
+        )
+        if problem is not None:
+            raise ValueError(problem)
         device = getattr(self, projection).device
         if device.type == "meta" and not scale.is_meta:
             raise ValueError(

@@ -27,6 +27,7 @@ from hf_fp8.numerics.checks import (
     check_fp8_tensor,
     check_scale_tensor,
     max_scale,
+    min_input_scale,
 )
 from hf_fp8.quantizer.scale_granularity import (
     ScaledWeight,
@@ -95,7 +96,8 @@ def check_stored_tensor(
     if dtype != torch.float32 or not read_scales:
         raise CheckpointTensorError(f"{key}: a scale must be float32, found {dtype}")
     value = stored[...] if hasattr(stored, "get_dtype") else stored
-    check_scale_tensor(key, value, max_value=max_scale(fp8_dtype, torch.float32))
+    low = min_input_scale(fp8_dtype) if key.endswith("input_scale") else None
+    check_scale_tensor(key, value, max_value=max_scale(fp8_dtype, torch.float32), min_value=low)
 
 
 def fitting_granularity(
@@ -225,24 +227,29 @@ class ScaleBatch:
     group fails. A load checks every layer's scales; one op each would cost ~30 µs a layer."""
 
     def __init__(self) -> None:
-        self.groups: dict[tuple[float, torch.device], list[tuple[str, torch.Tensor]]] = {}
+        self.groups: dict[tuple[float, float, torch.device], list[tuple[str, torch.Tensor]]] = {}
 
-    def add(self, name: str, t: torch.Tensor, shape: tuple[int, ...], bound: float) -> None:
+    def add(
+        self, name: str, t: torch.Tensor, shape: tuple[int, ...], bound: float, low: float = 0.0
+    ) -> None:
+        """``low``: the smallest accepted value (static input scales: ``min_input_scale``);
+        0 for weight scales, which only need to be > 0."""
         check_scale_tensor(name, t, shape=shape, max_value=bound, check_values=False)
         if not t.is_meta and t.numel():
-            self.groups.setdefault((bound, t.device), []).append((name, t.detach()))
+            self.groups.setdefault((low, bound, t.device), []).append((name, t.detach()))
 
     # elements per fused test: below torch's intra-op grain size, so each test runs on one
     # thread (a parallel op waits for the pool; on a busy machine that took 60 ms, not 2)
     CHUNK = 32768
 
     def check(self) -> None:
-        for (bound, _), items in self.groups.items():
+        for (low, bound, _), items in self.groups.items():
             for chunk in self._chunks(items):
                 flat = torch.cat([t.reshape(-1) for _, t in chunk])
-                if not bool(((flat > 0) & (flat <= bound)).all()):  # NaN fails both
+                ok = (flat >= low) & (flat <= bound) if low else (flat > 0) & (flat <= bound)
+                if not bool(ok.all()):  # NaN fails both
                     for name, t in chunk:
-                        check_scale_tensor(name, t, max_value=bound)
+                        check_scale_tensor(name, t, max_value=bound, min_value=low or None)
 
     def _chunks(self, items: list[tuple[str, torch.Tensor]]):
         chunk: list[tuple[str, torch.Tensor]] = []
@@ -282,7 +289,7 @@ def check_fp8_linear(
     if module.bias is not None:
         check_bias(f"{name}.bias", module.bias.dtype)
     if module.input_scale is not None:
-        batch.add(f"{name}.input_scale", module.input_scale, (1,), bound)
+        batch.add(f"{name}.input_scale", module.input_scale, (1,), bound, min_input_scale(dtype))
     if scales is None:
         batch.check()
 
@@ -316,7 +323,8 @@ def check_fp8_experts(
             check_bias(f"{name}.{proj}_bias", bias.dtype)
         input_scale = getattr(module, f"{proj}_input_scale")
         if input_scale is not None:
-            batch.add(f"{name}.{proj}_input_scale", input_scale, (e,), bound)
+            low = min_input_scale(dtype)
+            batch.add(f"{name}.{proj}_input_scale", input_scale, (e,), bound, low)
     if scales is None:
         batch.check()
 

@@ -23,12 +23,6 @@ from tests.tiny_models import tiny_model_dir  # noqa: F401
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 KEY = "model.layers.0.mlp.down_proj.input_scale"
 QWEN3 = next(c for c in experts_classes() if c.__name__ == "Qwen3MoeExperts")
-# the quantizer's load check lives in hf_fp8/quantizer/validation.py and the experts' setter in
-# hf_fp8/modules/fp8_experts.py (not HF2's files): HF2's report gives the diff; apply it, then
-# delete this marker where it is used
-NEEDS_DIFF = pytest.mark.xfail(
-    strict=True, reason="needs the validation.py / fp8_experts.py diff of HF2's report"
-)
 
 
 def test_the_bound_is_the_calibration_floor_and_admits_what_calibration_stores():
@@ -113,7 +107,6 @@ def tiny_scale_checkpoint(tiny_model_dir, tmp_path_factory):  # noqa: F811
     return path
 
 
-@NEEDS_DIFF
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_checkpoint_with_a_tiny_input_scale_is_refused_naming_it(tiny_scale_checkpoint, dtype):
     with pytest.raises(CheckpointTensorError, match=rf"{KEY}: 1\.4\d*e-45 is below"):
@@ -125,14 +118,12 @@ def test_experts_through_the_config_are_refused():
         Fp8Experts.from_experts(build_tiny(QWEN3), Fp8Config("static", activation_scale=1e-45))
 
 
-@NEEDS_DIFF
 def test_experts_set_input_scale_refuses_a_tiny_scale():
     experts = Fp8Experts.from_experts(build_tiny(QWEN3), Fp8Config("static", activation_scale=0.1))
     with pytest.raises(ValueError, match=r"down_proj.*below"):
         experts.set_input_scale("down_proj", torch.full((experts.num_experts,), 1e-45))
 
 
-@NEEDS_DIFF
 def test_loaded_experts_with_a_tiny_input_scale_are_refused_naming_it():
     from hf_fp8.quantizer.validation import validate_loaded_model
 
