@@ -7,7 +7,8 @@ cannot work on FP8 layers where peft reaches it (``hf_fp8.lora``, ``hf_fp8.peft_
 refusal late in that pass found the targets ahead of it wrapped, a PiSSA init already applied to a
 high-precision target, and ``requires_grad`` changed. :func:`check_before_injection` runs the same
 checks, in the same order, on the targets peft is about to match (with peft's own matching
-helpers), before the pass starts; the ``peft_lora`` patch calls it. The checks where peft reaches
+helpers, on a copy of the config prepared as peft prepares it: :func:`prepared_config`), before
+the pass starts; the ``peft_lora`` patch calls it. The checks where peft reaches
 each target stay (a target this early look could not match), and the patch restores the model
 when one of them refuses after all (``hf_fp8.peft_rollback``).
 """
@@ -43,13 +44,17 @@ def prepared_config(tuner: Any, model: nn.Module, config: Any) -> Any | None:
     """A copy of ``config`` prepared as peft's ``inject_adapter`` prepares it before matching:
     the transformers v4 -> v5 conversion (MoE models: experts named by their old linears, or
     all of them for ``all-linear``, move to ``target_parameters``), the method's default targets
-    (``_prepare_adapter_config``) and ``all-linear``. ``config`` itself is not changed (a deep
-    copy: peft's conversion writes into ``rank_pattern``). None where peft's helpers fail (peft
-    reports its own errors; each target is checked again as peft reaches it)."""
+    (``_prepare_adapter_config``) and ``all-linear``. ``config`` itself is not changed (a copy
+    with its own containers: peft's conversion writes into ``rank_pattern``). None where peft's
+    helpers fail (peft reports its own errors; each target is checked again as peft reaches
+    it)."""
     try:
         from peft.tuners import tuners_utils
 
-        config = copy.deepcopy(config)
+        config = copy.copy(config)
+        for name, value in vars(config).items():  # peft's conversion writes into rank_pattern
+            if isinstance(value, (dict, list, set)):
+                setattr(config, name, copy.copy(value))
         if tuners_utils.is_transformers_ge_v5 and hasattr(
             getattr(model, "config", None), "model_type"
         ):

@@ -23,7 +23,9 @@ peft is about to match (``hf_fp8.peft_preflight``: LoRA on FP8 experts, base-rew
 inits, other methods, trainable tokens, ``modules_to_save``), so they come before peft changes
 the model; and if ``inject_adapter`` fails part-way all the same (a target the early look could
 not match, or peft's own error), it puts the model back as it was (``hf_fp8.peft_rollback``:
-module tree, attributes, ``requires_grad``, config) before the error propagates.
+module tree, attributes, ``requires_grad``, config, the adapter's peft config, and the values a
+base-rewriting init such as PiSSA wrote into high-precision targets, kept just before peft built
+each layer) before the error propagates.
 """
 
 from __future__ import annotations
