@@ -21,6 +21,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
+import transformers as tf
 from peft import KasaConfig, LoraConfig, get_peft_model
 
 from tests.integration.test_peft_refusal_leaves_model import (
@@ -140,3 +142,42 @@ def test_all_linear_with_high_precision_experts_is_not_refused():
     (wrapped, config), (ref_wrapped, ref_config) = results
     assert any(n.endswith("mlp.experts") for n in wrapped) and wrapped == ref_wrapped
     assert config == ref_config
+
+
+NOT_REFUSED = {
+    "regex": dict(target_modules=r".*\.(q|v)_proj"),
+    "exclude_modules": dict(target_modules="all-linear", exclude_modules=["o_proj"]),
+    "layers_to_transform": dict(
+        target_modules=["q_proj"], layers_to_transform=[0], layers_pattern="layers"
+    ),
+    "rank_alpha_patterns": dict(
+        target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 2}, alpha_pattern={"q": 3}
+    ),
+    "dora": dict(target_modules=["q_proj", "v_proj"], use_dora=True),
+}
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["first", "second-adapter"])
+@pytest.mark.parametrize("case", list(NOT_REFUSED))
+def test_plain_configs_on_fp8_layers_wrap_what_peft_wraps_on_the_high_precision_model(case, second):
+    """No false refusal from the prepared config: same wrapped layers and ranks as peft gives on
+    the high-precision model (a second adapter added to a PeftModel too)."""
+    from hf_fp8 import Fp8Config, quantize_model
+    from tests.tiny_models import LLAMA_ONE_LAYER
+
+    results = []
+    for fp8 in (True, False):
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_ONE_LAYER, pad_token_id=0))
+        if fp8:
+            model = quantize_model(model, Fp8Config("dynamic"))
+        config = LoraConfig(r=4, **NOT_REFUSED[case])
+        if second:
+            peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["k_proj"]))
+            peft_model.add_adapter("other", config)
+        else:
+            peft_model = get_peft_model(model, config)
+        name = "other" if second else "default"
+        ranks = {n: m.r[name] for n, m in peft_model.named_modules() if name in getattr(m, "r", {})}
+        results.append(ranks)
+    assert results[0] == results[1] and results[0]
