@@ -181,3 +181,23 @@ def test_plain_configs_on_fp8_layers_wrap_what_peft_wraps_on_the_high_precision_
         ranks = {n: m.r[name] for n, m in peft_model.named_modules() if name in getattr(m, "r", {})}
         results.append(ranks)
     assert results[0] == results[1] and results[0]
+
+
+def test_peft_own_error_after_a_lora_ga_init_restores_the_weight():
+    """LoRA-GA (gradients estimated first) subtracts its offset from q_proj's weight too."""
+    from peft.tuners.lora.config import LoraGAConfig
+    from peft.tuners.lora.loraga import preprocess_loraga
+
+    model = _llama(skip=["q_proj", "lm_head"])
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def config(targets):
+        return LoraConfig(
+            r=4, target_modules=targets, init_lora_weights="lora_ga", lora_ga_config=LoraGAConfig()
+        )
+
+    preprocess_loraga(model, config(["q_proj"]), lambda: model(ids, labels=ids).loss.backward())
+    model.zero_grad(set_to_none=True)
+    _refused_with_config_kept(
+        model, config(["q_proj", "rotary_emb"]), ValueError, r"LlamaRotaryEmbedding\(\)"
+    )
