@@ -127,12 +127,14 @@ def guard_other_methods() -> None:
 
         if not has_fp8(model):  # nothing hf_fp8 refuses: peft as it is
             return original(self, model, adapter_name, *args, **kwargs)
-        config = getattr(self, "peft_config", {}).get(adapter_name)
         try:  # before peft changes anything (peft converts a MoE model's config in place)
-            snapshot = ModelSnapshot(model, self, extra=(config,))
-            keep_values = rewrites_base(config)
+            snapshot = ModelSnapshot(model, self, extra=(self.peft_config.get(adapter_name),))
         except Exception:  # never break get_peft_model: only the rollback is lost
-            snapshot, keep_values = None, False
+            snapshot = None
+        try:
+            keep_values = snapshot is not None and rewrites_base(self.peft_config[adapter_name])
+        except Exception:  # cannot tell: keep the targets' values
+            keep_values = snapshot is not None
         create = self._create_and_replace  # the method's own, bound
 
         def checked(config, adapter_name, target, target_name, parent, *rest, **kw):
