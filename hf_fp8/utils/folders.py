@@ -281,7 +281,8 @@ def _check_read_index(real: Path, folder: str, kind: str, links_within: Path | N
 def shard_tensor_names(path: str | os.PathLike) -> list[str] | None:
     """The tensor names in the header of the checkpoint file ``path`` (``.safetensors``, or a
     ``torch.save`` ``.bin``), read by the package's capped header readers (no tensor data);
-    ``None`` when it cannot be read cheaply (the loader reports that file in its own words)."""
+    ``None`` when it cannot be read cheaply (:func:`check_loaded_keys` refuses such a shard of
+    a sharded pre-quantized checkpoint)."""
     name = os.fspath(path)
     if name.endswith(".safetensors"):
         from hf_fp8.utils.safetensors_header import tensor_dtypes
@@ -366,8 +367,12 @@ def check_loaded_keys(
     absolute, as the loader resolved them, a Hub cache snapshot's too): every tensor stored in
     one shard only, the one the weight index names (the index found next to the shards, or in a
     folder above them up to ``root``, that names exactly these files; without one, only the
-    duplicates are refused). Only the shard headers are read. A shard that cannot be read
-    cheaply leaves the check to the loader. Raises ``ShardKeyError`` (:func:`check_shard_keys`)."""
+    duplicates are refused). Only the shard headers are read. The readable shards are checked
+    first; then a shard whose names cannot be read cheaply (:func:`shard_tensor_names`: a
+    legacy-format or oversized ``.bin``, a damaged file) is refused, named: a copy in it would
+    go unseen (R16 1). hf_fp8 and transformers 5.x write safetensors, and torch cannot store
+    fp8 in its legacy format, so no FP8 checkpoint they wrote is refused. Raises
+    ``ShardKeyError`` (:func:`check_shard_keys`)."""
     paths = [Path(os.path.abspath(os.fspath(f))) for f in files]
     if len(paths) < 2:
         return
@@ -380,11 +385,14 @@ def check_loaded_keys(
     found = _matching_index(paths, folders)
     base = found[0].parent if found else common
     keys_by_file: dict[str, list[str]] = {}
-    for path in paths:
+    unreadable: list[str] = []
+    for path in dict.fromkeys(paths):  # ``x`` and ``./x`` of one index: one file
         names = shard_tensor_names(path)
+        rel = os.path.relpath(path, base).replace(os.sep, "/")
         if names is None:
-            return
-        keys_by_file[os.path.relpath(path, base).replace(os.sep, "/")] = names
+            unreadable.append(rel)
+        else:
+            keys_by_file[rel] = names
     weight_map = None
     if found:
         spelled = {v: os.path.normpath(v).replace(os.sep, "/") for v in set(found[1].values())}
@@ -396,6 +404,32 @@ def check_loaded_keys(
         weight_map,
         where=str(base),
         index=found[0].name if found else "the index",
+    )
+    if unreadable:
+        raise ShardKeyError(_unreadable_shard(unreadable[0], base))
+
+
+def _unreadable_shard(file: str, base: Path) -> str:
+    """The refusal of a shard of a pre-quantized checkpoint whose tensor names cannot be read
+    cheaply: another shard may hold a copy of one of its tensors, which the loader would take
+    silently (R16 1)."""
+    if file.endswith(".safetensors"):
+        why = "it is not a readable safetensors file (damaged or incomplete)"
+        fix = "download or save the checkpoint again"
+    else:
+        why = (
+            "it is not a torch.save zip file whose state dict's pickle is at most "
+            "8 MiB (torch's legacy format, an oversized pickle, or a damaged file)"
+        )
+        fix = (
+            "re-save the shards as safetensors (safetensors.torch.save_file of each shard's "
+            "torch.load(..., weights_only=True), and a model.safetensors.index.json naming "
+            "them: what save_pretrained writes), or download or save the checkpoint again"
+        )
+    return (
+        f"{file} of {base}: its tensor names cannot be read, because {why}, so hf_fp8 cannot "
+        "check that no tensor of this sharded FP8 checkpoint is stored in two shards (a "
+        f"loader would silently keep the last copy read); {fix}"
     )
 
 

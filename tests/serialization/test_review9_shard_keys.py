@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -259,3 +260,84 @@ def test_online_hub_headers_refuse_a_tensor_in_two_shards(tmp_path, monkeypatch)
     with pytest.raises(ShardKeyError, match=r"a\.weight") as err:
         remote.hub_headers("me/tiny")
     assert "model-1.safetensors" in str(err.value) and "model-2.safetensors" in str(err.value)
+
+
+# -- R16 1: a .bin shard whose names cannot be read cheaply no longer skips the whole check --
+
+
+def _as_bin(saved_path: str, dst: Path, *, legacy: str | None = None, pad: int = 0) -> Path:
+    """The sharded save as ``pytorch_model-*.bin`` shards and their index; ``legacy``: the
+    shard written in torch's legacy (non-zip) format; ``pad``: a tensor name of that many
+    characters in the first shard (its pickle then exceeds the header reader's cap)."""
+    dst.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        (dst / name).write_bytes(Path(saved_path, name).read_bytes())
+    weight_map = {}
+    shards = sorted(set(_weight_map(saved_path).values()))
+    for i, shard in enumerate(shards):
+        tensors = load_file(f"{saved_path}/{shard}")
+        name = _bin_name(shard)
+        weight_map.update(dict.fromkeys(tensors, name))
+        if pad and i == 0:
+            tensors["zz." + "x" * pad] = torch.zeros(1)
+        torch.save(tensors, dst / name, _use_new_zipfile_serialization=name != legacy)
+    (dst / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    return dst
+
+
+def _bin_copy(folder: Path, key: str = KEY) -> str:
+    """A x2 copy of ``key`` in another (zip-format) .bin shard; returns that shard."""
+    home, other = _bin_other(folder, key)
+    tensors = torch.load(folder / other, weights_only=True)
+    tensors[key] = torch.load(folder / home, weights_only=True)[key] * 2
+    torch.save(tensors, folder / other)
+    return other
+
+
+def _bin_other(folder: Path, key: str) -> tuple[str, str]:
+    weight_map = json.loads((folder / "pytorch_model.bin.index.json").read_text())["weight_map"]
+    home = weight_map[key]
+    return home, max(f for f in set(weight_map.values()) if f != home)
+
+
+def _bin_name(shard: str) -> str:
+    return shard.replace("model-", "pytorch_model-").replace(".safetensors", ".bin")
+
+
+def _first_bin(saved_path: str) -> str:
+    return _bin_name(min(set(_weight_map(saved_path).values())))
+
+
+@pytest.mark.parametrize("unreadable", ["legacy", "big_pickle"])
+def test_bin_duplicate_refused_next_to_an_unreadable_shard(saved, tmp_path, unreadable):
+    """R16 1: one shard in torch's legacy format (or with a pickle over 8 MiB) made the check
+    return at once; the x2 copy in two readable shards loaded (scale exactly 2x)."""
+    first = _first_bin(saved[0])
+    kw = {"legacy": first} if unreadable == "legacy" else {"pad": 9 * 2**20}
+    folder = _as_bin(saved[0], tmp_path / "bin", **kw)
+    assert _bin_other(folder, KEY)[0] != first  # the copy is between readable shards
+    other = _bin_copy(folder)
+    with pytest.raises(ShardKeyError, match=KEY) as err:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert other in str(err.value)
+
+
+def test_unreadable_bin_shard_of_a_prequantized_load_is_refused(saved, tmp_path):
+    """A shard whose tensor names cannot be read is refused, named, with the fix (hf_fp8 and
+    transformers 5.24 write safetensors; torch cannot store fp8 in the legacy format)."""
+    first = _first_bin(saved[0])
+    folder = _as_bin(saved[0], tmp_path / "bin", legacy=first)
+    with pytest.raises(ShardKeyError, match="safetensors") as err:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert first in str(err.value)
+    with pytest.raises(ShardKeyError, match=re.escape(first)):
+        check_loaded_keys(sorted(folder.glob("*.bin")))
+
+
+def test_zip_bin_shards_load_exactly(saved, tmp_path):
+    """The same .bin shards, all readable and intact: loaded, logits equal the safetensors'."""
+    folder = _as_bin(saved[0], tmp_path / "bin")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert torch.equal(model_output(model, model_inputs("llama")), saved[1])
