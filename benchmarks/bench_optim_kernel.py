@@ -1,0 +1,112 @@
+"""A/B timing of C-kernel sources of the AdamWFp8 step, interleaved, in thread CPU time.
+
+Step-level timings on a shared machine move by 10-50 % with the other processes; this
+compares kernel *sources* (e.g. the committed ``hf_fp8/optim/csrc/adamw_fp8.c`` against an
+edited copy) on one captured task, the embedding-sized parameter of ``bench_optim.py``
+(16384 x 1024, state after a few steps), round-robin, one thread, thread CPU time. ``--groups``
+limits the task to its first groups (in-cache: compute only); 0 streams the whole tensor.
+Each source is built with the kernel's own defines and ``hf_fp8.utils.native``'s flags, run
+through its ``dispatch`` (the variant of the optimizer's options), and reported as ns per
+128-element group, min and median, with ratios against the first source. The results change
+the state in place (each call is a step), which every source sees alike.
+
+    python benchmarks/bench_optim_kernel.py old.c hf_fp8/optim/csrc/adamw_fp8.c --groups 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_optim import make_params  # noqa: E402
+from hf_fp8.optim import AdamWFp8, _cpu_kernel  # noqa: E402
+from hf_fp8.utils import native  # noqa: E402
+
+ENTRY = r"""
+#include <time.h>
+double ab_bench(const int64_t* t, int64_t nlim, int inner) {
+    const int64_t ng0 = task_groups(t), ng = nlim && nlim < ng0 ? nlim : ng0;
+    float* buf = malloc(2 * CHUNK * t[T_GROUP_SIZE] * sizeof(float));
+    struct timespec a, b;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
+    for (int i = 0; i < inner; ++i) dispatch(t, 0, ng, buf, buf + CHUNK * t[T_GROUP_SIZE]);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
+    free(buf);
+    return ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / inner / ng;
+}
+"""
+
+
+def captured_task(options: dict) -> tuple[list[int], AdamWFp8]:
+    """The kernel task of the largest parameter after a few steps with ``options``, and the
+    optimizer whose tensors it points into (keep it alive while the task runs)."""
+    opt = AdamWFp8(make_params(), **options)
+    for _ in range(3):
+        opt.step()
+    tasks: list[list[int]] = []
+    launch = _cpu_kernel.launch
+    _cpu_kernel.launch = tasks.extend
+    try:
+        opt.step()
+    finally:
+        _cpu_kernel.launch = launch
+    return max(tasks, key=lambda t: t[_cpu_kernel.TASK_FIELDS.index("p_n")]), opt
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("sources", nargs="+", type=Path, help="kernel C sources to compare")
+    parser.add_argument("--groups", type=int, default=512, help="groups per call (0: all)")
+    parser.add_argument("--inner", type=int, default=4, help="calls per timing")
+    parser.add_argument("--rounds", type=int, default=100, help="round-robin rounds")
+    parser.add_argument("--options", default="{}", help="AdamWFp8 options as JSON")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    task, _opt = captured_task(json.loads(args.options))
+    variant = task[_cpu_kernel.TASK_FIELDS.index("flags")]
+    libs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, src in enumerate(args.sources):
+            path = Path(tmp) / f"ab_{i}.c"
+            path.write_text(src.read_text() + ENTRY)
+            lib = native.load_library(
+                f"adamw_fp8_ab{i}", path, defines=_cpu_kernel.kernel_defines(variant)
+            )
+            lib.ab_bench.restype = ctypes.c_double
+            lib.ab_bench.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+            libs.append(lib)
+    arr = (ctypes.c_int64 * len(task))(*task)
+    times: list[list[float]] = [[] for _ in libs]
+    for _ in range(args.rounds):
+        for t, lib in zip(times, libs, strict=True):
+            t.append(lib.ab_bench(ctypes.cast(arr, ctypes.c_void_p), args.groups, args.inner))
+    out = {
+        str(src): {
+            "ns_per_group_min": round(min(t), 1),
+            "ns_per_group_median": round(statistics.median(t), 1),
+        }
+        for src, t in zip(args.sources, times, strict=True)
+    }
+    first = times[0]
+    for src, t in zip(args.sources, times, strict=True):
+        out[str(src)]["ratio_min"] = round(min(t) / min(first), 3)
+        out[str(src)]["ratio_median"] = round(statistics.median(t) / statistics.median(first), 3)
+    out["load_average"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
