@@ -193,7 +193,9 @@ class Checkpoint:
                     f"{INDEX_NAME} names {file}, which is not in {self.root}: the checkpoint "
                     "is incomplete; download or save it again"
                 )
-        return dict(weight_map)
+        # one file however spelled (``x``, ``./x``, ``a//x``; ``..`` was refused above), as
+        # transformers opens it: raw names made one shard two (R16 5)
+        return {k: Path(os.path.normpath(v)).as_posix() for k, v in weight_map.items()}
 
     def path(self, relpath: str | os.PathLike) -> Path:
         """``root / relpath``, refused when it leaves the folder or goes through a symlink."""

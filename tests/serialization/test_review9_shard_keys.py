@@ -341,3 +341,46 @@ def test_zip_bin_shards_load_exactly(saved, tmp_path):
     folder = _as_bin(saved[0], tmp_path / "bin")
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert torch.equal(model_output(model, model_inputs("llama")), saved[1])
+
+
+# -- R16 5: one shard spelled ``x`` and ``./x`` in the index is one file --
+
+
+def _dot_slash(path: str, *, every: int = 2) -> None:
+    index = json.loads((Path(path) / INDEX).read_text())
+    for i, key in enumerate(sorted(index["weight_map"])):
+        if i % every == 0:
+            index["weight_map"][key] = "./" + index["weight_map"][key]
+    (Path(path) / INDEX).write_text(json.dumps(index))
+
+
+def test_dot_slash_spelling_of_a_shard_is_one_file(saved, tmp_path):
+    """transformers loads an index naming a shard both ``x`` and ``./x``; inspect and export
+    raised "stored in two files ./x and x" (R16 5). They read it as the plain index does."""
+    path = _copy_of(saved[0], tmp_path)
+    _dot_slash(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert torch.equal(model_output(model, model_inputs("llama")), saved[1])
+    assert (
+        hf_fp8.inspect_checkpoint(path).fp8_layers == hf_fp8.inspect_checkpoint(saved[0]).fp8_layers
+    )
+    plain = Checkpoint(saved[0])
+    spelled = Checkpoint(path)
+    assert spelled.files == plain.files and spelled.weight_map == plain.weight_map
+    assert spelled.tensors() == plain.tensors()
+    hf_fp8.export(path, tmp_path / "ct")
+    hf_fp8.export(saved[0], tmp_path / "ct_plain")
+    for name in plain.files:
+        assert (
+            load_file(tmp_path / "ct" / name).keys()
+            == load_file(tmp_path / "ct_plain" / name).keys()
+        )
+
+
+def test_dot_slash_spelling_still_refuses_a_copy(saved, tmp_path):
+    path = _copy_of(saved[0], tmp_path)
+    _home, other = _add_copy(path)
+    _dot_slash(path, every=1)
+    with pytest.raises(ShardKeyError, match=KEY) as err:
+        hf_fp8.inspect_checkpoint(path)
+    assert other in str(err.value)
