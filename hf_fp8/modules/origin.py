@@ -12,8 +12,16 @@ precision. How depends on how the model was made:
   there changes nothing. Load it in high precision (``Fp8Config(..., dequantize=True)``) and
   quantize it again with ``hf_fp8.quantize_model(..., skip=[...])``.
 
-The quantizer marks each FP8 module it builds (``mark_origin``; the key lives in the module's
-``__dict__``: never saved, kept by ``copy.deepcopy``); :func:`how_to_keep` reads the mark.
+Either way the advice lists the layers the model already keeps (the checkpoint's saved
+``modules_to_not_convert``, or the user's own skips) besides the new one: following it must
+change that one layer and nothing else (R16 2). For an FP8 checkpoint the quantization again
+uses absmax weight scales whatever the checkpoint's ``weight_scale_method``: the dequantized
+weight of each group reaches exactly ``scale * fp8_max`` (an MSE-clipped group saturates
+there), so absmax gives back the saved scale and codes; an MSE search would pick new ones.
+
+The quantizer marks each FP8 module it builds (``mark_origin``, with those skips; the keys live
+in the module's ``__dict__``: never saved, kept by ``copy.deepcopy``); :func:`how_to_keep` reads
+the marks.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ ORIGIN_KEY = "fp8_origin"
 CHECKPOINT = "checkpoint"  # from_pretrained of an FP8 checkpoint (pre-quantized)
 ON_THE_FLY = "on the fly"  # from_pretrained(high-precision checkpoint, quantization_config=...)
 QUANTIZE_MODEL = "quantize_model"  # hf_fp8.quantize_model
+SKIPS_KEY = "fp8_origin_skips"  # the skip patterns of the load / quantize_model call
+DEFAULTS_KEY = "fp8_origin_default_skips"  # False: quantize again with default_skips=False
 
 
 def _fp8_modules(module: nn.Module) -> list[nn.Module]:
@@ -35,12 +45,19 @@ def _fp8_modules(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
 
 
-def mark_origin(model: nn.Module, origin: str) -> int:
-    """Record ``origin`` on every FP8 module of ``model`` that has none yet; return how many."""
+def mark_origin(
+    model: nn.Module, origin: str, skips: Sequence[str] = (), *, default_skips: bool = True
+) -> int:
+    """Record ``origin`` and the skip patterns it was made with (``skips``: the checkpoint's
+    ``modules_to_not_convert``, or the user's; ``default_skips=False``: a layer that
+    ``quantize_model`` keeps by default is FP8 there) on every FP8 module of ``model`` that has
+    none yet; return how many."""
     marked = 0
     for module in _fp8_modules(model):
         if ORIGIN_KEY not in module.__dict__:
             module.__dict__[ORIGIN_KEY] = origin
+            module.__dict__[SKIPS_KEY] = tuple(skips)
+            module.__dict__[DEFAULTS_KEY] = default_skips
             marked += 1
     return marked
 
@@ -54,9 +71,26 @@ def origin_of(module: nn.Module) -> str | None:
     return None
 
 
+def skips_of(module: nn.Module) -> list[str]:
+    """The skip patterns ``module``'s FP8 layers were made with (``[]`` if unknown)."""
+    for part in _fp8_modules(module):
+        if ORIGIN_KEY in part.__dict__:
+            return list(part.__dict__.get(SKIPS_KEY, ()))
+    return []
+
+
+def _skip_list(module: nn.Module, names: Sequence[str] | None) -> str:
+    """The patterns the model already keeps, then ``names`` (``None``: ``...``)."""
+    kept = skips_of(module)
+    if names is None:
+        return f"[{', '.join([*map(repr, kept), '...'])}]"
+    return repr(list(dict.fromkeys([*kept, *names])))
+
+
 def config_call(module: nn.Module, **extra: object) -> str:
     """``hf_fp8.Fp8Config(...)`` that rebuilds the recipe of ``module``'s FP8 layers (its
-    activation scheme, and each setting that is not that scheme's default), plus ``extra``."""
+    activation scheme, and each setting that is not that scheme's default), plus ``extra``
+    (an ``extra`` recipe setting replaces the layers' own)."""
     from hf_fp8.recipe import Fp8Recipe
 
     parts = _fp8_modules(module)
@@ -64,7 +98,9 @@ def config_call(module: nn.Module, **extra: object) -> str:
     if recipe is None:
         args = ["..."]
     else:
-        words = recipe.to_strings()
+        own = recipe.to_strings()
+        words = {**own, **{k: v for k, v in extra.items() if k in own}}
+        extra = {k: v for k, v in extra.items() if k not in own}
         default = Fp8Recipe.resolve(words["activation_scheme"]).to_strings()
         args = [repr(words["activation_scheme"])]
         args += [f"{k}={v!r}" for k, v in words.items() if v != default[k]]
@@ -74,22 +110,27 @@ def config_call(module: nn.Module, **extra: object) -> str:
 
 def how_to_keep(module: nn.Module, names: Sequence[str] | None) -> str:
     """How to keep the FP8 layer(s) ``module`` in high precision, for the model it came from:
-    ``names`` are the patterns to list (``None``: ``[...]``). A clause that reads after "keep it
-    in high precision: "."""
-    listed = "[...]" if names is None else repr(list(names))
+    ``names`` are the patterns to list (``None``: ``...``), after the ones the model already
+    keeps (``skips_of``). A clause that reads after "keep it in high precision: "."""
+    listed = _skip_list(module, names)
     if origin_of(module) != CHECKPOINT:  # quantized from high precision here: the skip lists work
         return (
             f"load with hf_fp8.Fp8Config(..., modules_to_not_convert={listed}) or quantize with "
-            f"hf_fp8.quantize_model(model, config, skip={listed})"
+            f"hf_fp8.quantize_model(model, config, skip={listed}) (the layers it keeps already, "
+            "then the new one)"
         )
     static = any(
         getattr(getattr(m, "recipe", None), "is_static", False) for m in _fp8_modules(module)
     )
     calibrate = ", then calibrate it again (hf_fp8.calibrate): the static input scales are lost"
+    requantize = config_call(module, weight_scale_method="absmax")  # gives the saved scales back
+    marked = [m for m in _fp8_modules(module) if ORIGIN_KEY in m.__dict__]
+    defaults_off = bool(marked) and marked[0].__dict__.get(DEFAULTS_KEY) is False
     return (
         "this model was loaded from an FP8 checkpoint, whose saved quantization_config wins over "
         "one passed to from_pretrained, so load that checkpoint in high precision, "
         f"from_pretrained(path, quantization_config={config_call(module, dequantize=True)}), and "
-        f"quantize it again keeping the layer: hf_fp8.quantize_model(model, "
-        f"{config_call(module)}, skip={listed}){calibrate * static}"
+        f"quantize it again keeping the layer and the ones the checkpoint keeps: "
+        f"hf_fp8.quantize_model(model, {requantize}, skip={listed}"
+        f"{', default_skips=False' * defaults_off}){calibrate * static}"
     )

@@ -20,7 +20,7 @@ from hf_fp8.modules import (
 from hf_fp8.modules.forward_ops import call_changes
 from hf_fp8.modules.origin import CHECKPOINT, ON_THE_FLY, QUANTIZE_MODEL, mark_origin
 from hf_fp8.modules.replace import _swap_linears
-from hf_fp8.modules.selection import ModuleFilter, inside_peft_layers
+from hf_fp8.modules.selection import ModuleFilter, inside_peft_layers, matches_module
 from hf_fp8.quantizer.experts import experts_to_convert
 from hf_fp8.quantizer.hf_quantizer import (
     POST_LOAD_HOOKS,
@@ -36,7 +36,16 @@ def mark_loaded_origin(model: nn.Module, hf_quantizer: object) -> None:
     keeping a layer in high precision names the route that works for each). ``quantize_model``
     marks its layers before it runs the hooks."""
     pre_quantized = getattr(hf_quantizer, "pre_quantized", False)
-    mark_origin(model, CHECKPOINT if pre_quantized else ON_THE_FLY)
+    skips = list(getattr(hf_quantizer, "modules_to_not_convert", None) or ())  # the load's
+    defaults = default_skipped_modules(model)
+    if not pre_quantized:  # the user's own skips: the defaults come back with any new load
+        mark_origin(model, ON_THE_FLY, [s for s in skips if s not in defaults])
+        return
+    fp8 = (n for n, m in model.named_modules() if isinstance(m, (Fp8Linear, Fp8Experts)))
+    # the checkpoint's saved list, as it is; a default-skipped layer stored FP8 (saved by
+    # quantize_model(default_skips=False)) needs default_skips=False to be quantized again
+    defaults_on = not any(matches_module(name, defaults) for name in fp8)
+    mark_origin(model, CHECKPOINT, skips, default_skips=defaults_on)
 
 
 if mark_loaded_origin not in POST_LOAD_HOOKS:  # imported with hf_fp8.quantizer, before any load
@@ -111,6 +120,12 @@ def _refuse_peft_layers(model: nn.Module, names: list[str]) -> None:
     listed = ", ".join(kind(n) for n in layers[:5])
     more = f" (and {len(layers) - 5} more)" if len(layers) > 5 else ""
     leaves = list(dict.fromkeys(n.rpartition(".")[2] for n in layers))
+    merge = (  # a PeftModel / PeftMixedModel; not a model that inject_adapter_in_model changed
+        "merge the adapters first: model = model.merge_and_unload(), then "
+        "hf_fp8.quantize_model(model, config); or "
+        if callable(getattr(model, "merge_and_unload", None))
+        else ""
+    )
     raise ValueError(
         f"hf_fp8.quantize_model: {len(layers)} layer(s) to convert hold peft adapters: "
         f"{listed}{more}. Converting their base layers under peft's own layers would skip "
@@ -119,9 +134,8 @@ def _refuse_peft_layers(model: nn.Module, names: list[str]) -> None:
         "fail or rewrite the codes). Nothing was converted. Either quantize first and add the "
         "adapters afterwards: hf_fp8.quantize_model(base_model, config), then "
         "peft.get_peft_model(base_model, peft_config) (hf_fp8 then builds its FP8 LoRA layers, "
-        "or refuses a method that cannot work on FP8 layers, with the fix); or merge the "
-        "adapters first: model = model.merge_and_unload(), then hf_fp8.quantize_model(model, "
-        f"config); or keep these layers in high precision: skip={leaves!r}"
+        f"or refuses a method that cannot work on FP8 layers, with the fix); or {merge}keep "
+        f"these layers in high precision: skip={leaves!r}"
     )
 
 
@@ -153,12 +167,19 @@ def _refuse_shared_weights(
 
 
 def _transformers_model(model: nn.Module) -> PreTrainedModel | None:
-    """``model`` itself, or the transformers model inside a ``PeftModel`` (``get_base_model``:
-    its default skips apply, and it is the model ``merge_and_unload`` returns and saves)."""
+    """``model`` itself, or the transformers model inside a ``PeftModel`` (``get_base_model``)
+    or a ``PeftMixedModel`` (``get_peft_model(..., mixed=True)``: ``base_model.model``, it has
+    no ``get_base_model``): its default skips apply, and it is the model ``merge_and_unload``
+    returns and saves."""
     if isinstance(model, PreTrainedModel):
         return model
+    if not type(model).__module__.startswith("peft."):
+        return None
     get_base = getattr(model, "get_base_model", None)
-    inner = get_base() if callable(get_base) else None
+    if callable(get_base):
+        inner = get_base()
+    else:  # PeftMixedModel -> MixedModel (a peft tuner) -> the transformers model
+        inner = getattr(model.__dict__.get("_modules", {}).get("base_model"), "model", None)
     return inner if isinstance(inner, PreTrainedModel) else None
 
 
@@ -202,8 +223,8 @@ def quantize_model(
     ``Fp8LoraLinear``); or ``merge_and_unload()`` first, then quantize; or keep them with
     ``skip``. peft's ``modules_to_save`` copies stay in high precision (their originals convert).
 
-    A transformers ``PreTrainedModel`` (also the one inside a ``PeftModel``: its default skips
-    apply) is then marked quantized like a ``from_pretrained`` load, so ``save_pretrained`` writes an hf_fp8 checkpoint that reloads pre-quantized.
+    A transformers ``PreTrainedModel`` (also the one inside a ``PeftModel`` or
+    ``PeftMixedModel``: its default skips apply) is then marked quantized like a ``from_pretrained`` load, so ``save_pretrained`` writes an hf_fp8 checkpoint that reloads pre-quantized.
     """
     if config.dequantize:
         raise ValueError(
@@ -214,6 +235,7 @@ def quantize_model(
         )
     _check_existing_fp8(model, config)
     patterns = [*(config.modules_to_not_convert or []), *(module_names(skip, "skip") or [])]
+    asked = list(dict.fromkeys(patterns))  # the user's own skips (the advice of a refusal)
     warn_unmatched(model, patterns, "modules_to_not_convert / skip")
     hf_model = _transformers_model(model)
     if default_skips and hf_model is not None:
@@ -241,7 +263,7 @@ def quantize_model(
         if id(module) not in swapped:
             swapped[id(module)] = fp8_class.from_experts(module, config, module_name=name)
         setattr(parent, name.rpartition(".")[2], swapped[id(module)])
-    mark_origin(model, QUANTIZE_MODEL)  # before the hooks (its quantizer says pre_quantized)
+    mark_origin(model, QUANTIZE_MODEL, asked)  # before the hooks (its quantizer says pre_quantized)
     if hf_model is not None:  # a PeftModel: its transformers model is marked
         kept = unconverted_linears(hf_model)
         saved = config.replace(modules_to_not_convert=kept)

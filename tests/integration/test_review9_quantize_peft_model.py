@@ -11,6 +11,7 @@ on the dequantized weights.
 
 from __future__ import annotations
 
+import ast
 import copy
 
 import pytest
@@ -99,11 +100,45 @@ def test_quantize_model_refuses_a_peft_model_and_changes_nothing(method):
 
 
 def test_adapters_injected_into_a_transformers_model_are_refused_too():
-    """``inject_adapter_in_model`` leaves a plain ``PreTrainedModel`` holding peft layers."""
+    """``inject_adapter_in_model`` leaves a plain ``PreTrainedModel`` holding peft layers. It
+    has no ``merge_and_unload`` (R16 6: the refusal advised it, an ``AttributeError``): the
+    advice names only routes that work there, and its skip route is accepted."""
     model = inject_adapter_in_model(CONFIGS["dora"](), _llama())
-    with pytest.raises(ValueError, match=r"peft .*q_proj"):
+    with pytest.raises(ValueError, match=r"peft .*q_proj") as err:
         hf_fp8.quantize_model(model, Fp8Config("dynamic"))
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    message = str(err.value)
+    assert not hasattr(model, "merge_and_unload")
+    assert "merge_and_unload" not in message and "get_peft_model" in message
+    skip = ast.literal_eval(message[message.rindex("skip=") + len("skip=") :])
+    hf_fp8.quantize_model(model, Fp8Config("dynamic"), skip=skip)
+    assert isinstance(model.model.layers[0].self_attn.k_proj, Fp8Linear)
+    assert type(model.model.layers[0].self_attn.q_proj.base_layer) is nn.Linear
+
+
+def test_a_peft_mixed_model_is_handled_like_a_peft_model(tmp_path):
+    """``get_peft_model(..., mixed=True)`` (R16 3): its transformers model keeps its default
+    skips (``lm_head``) and is marked quantized, so merged it saves and reloads; every tensor
+    equals the same steps on a ``PeftModel``."""
+    config = LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)
+    done = {}
+    for mixed in (False, True):
+        torch.manual_seed(1)
+        model = get_peft_model(_llama(), copy.deepcopy(config), mixed=mixed)
+        hf_fp8.quantize_model(model, Fp8Config("dynamic"), skip=["q_proj"])
+        inner = model.base_model.model
+        assert type(inner.lm_head) is nn.Linear
+        assert isinstance(inner.model.layers[0].self_attn.k_proj, Fp8Linear)
+        assert inner.is_quantized and inner.config.quantization_config.quant_method == "hf_fp8"
+        merged = model.merge_and_unload()
+        merged.save_pretrained(tmp_path / str(mixed))
+        reloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / str(mixed))
+        assert torch.equal(_logits(reloaded), _logits(merged))
+        done[mixed] = _state(reloaded)
+    assert done[True].keys() == done[False].keys()
+    for key, tensor in done[False].items():
+        assert done[True][key].dtype == tensor.dtype, key
+        assert torch.equal(done[True][key].view(torch.uint8), tensor.view(torch.uint8)), key
 
 
 def test_lora_on_experts_parameters_is_refused_too():
