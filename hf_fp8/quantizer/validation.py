@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from hf_fp8.quantizer.scale_granularity import (
     ScaledWeight,
     block_advice,
     describe_granularity,
+    local_checkpoint_files,
     stored_scaled_weights,
 )
 from hf_fp8.utils.folders import read_index_json
@@ -106,29 +107,39 @@ def fitting_granularity(
     in_features: int,
     block_size: tuple[int, int],
     *,
-    others: Iterable[ScaledWeight] = (),
+    others: Iterable[ScaledWeight] | None = (),
 ) -> tuple[str, bool] | None:
     """The ``weight_granularity`` (and ``block_size``) whose weight scale of an
     ``[out, in]`` weight has ``shape``, as config words, and whether the shapes determine it
     (see :func:`block_advice`; ``others``: the other weights of the checkpoint, whose scale
-    shapes narrow the block size); ``None`` when none does."""
+    shapes narrow the block size; ``None`` when they could not be read, R16 4); ``None`` when
+    none does."""
     for granularity in ("tensor", "row"):
         if shape == weight_scale_shape(out_features, in_features, granularity, block_size):
             return describe_granularity(granularity, block_size), True
     if len(shape) != 2 or min(shape) < 1:
         return None
-    return block_advice([((out_features, in_features), tuple(shape)), *others], block_size)
+    this = ((out_features, in_features), tuple(shape))
+    return block_advice([this, *(others or ())], block_size, complete=others is not None)
 
 
 def check_weight_scale_shape(
-    key: str, shape: tuple[int, ...], features: tuple[int, ...], recipe: Any, *, root: str
+    key: str,
+    shape: tuple[int, ...],
+    features: tuple[int, ...],
+    recipe: Any,
+    *,
+    root: str,
+    files: Sequence[str] | None = None,
 ) -> None:
     """Refuse a stored weight scale (``key``) whose ``shape`` is not what the config's
     ``weight_granularity`` / ``block_size`` give, before loading, naming the granularity the
     file holds (transformers' own size report advises ``ignore_mismatched_sizes=True``, which
     would re-initialise the scales). ``features``: ``(out, in)`` of an ``Fp8Linear`` weight
     (its ``weight_scale``), or ``(E, out, in)`` of an ``Fp8Experts`` projection (its
-    ``<proj>_weight_scale``, one scale per expert: ``[E, *weight scale]``)."""
+    ``<proj>_weight_scale``, one scale per expert: ``[E, *weight scale]``). ``files``: the
+    checkpoint files transformers reads (default: those of the local folder ``root``; none for
+    a Hub id), whose other weights' scale shapes narrow the advised block size."""
     granularity = str(getattr(recipe.weight_granularity, "value", recipe.weight_granularity))
     experts, (out_features, in_features) = features[:-2], features[-2:]
     per_weight = weight_scale_shape(out_features, in_features, granularity, recipe.block_size)
@@ -143,7 +154,7 @@ def check_weight_scale_shape(
             out_features,
             in_features,
             recipe.block_size,
-            others=stored_scaled_weights(root) if len(shape) - len(experts) == 2 else (),
+            others=_other_weights(root, files) if len(shape) - len(experts) == 2 else (),
         )
     weight = f"a {[out_features, in_features]} weight" + (
         f" of {experts[0]} experts" if experts else ""
@@ -172,6 +183,14 @@ def check_weight_scale_shape(
         f"(a weight scale of shape {list(expected)}). {fix}. ignore_mismatched_sizes=True "
         "does not apply: it would re-initialise the scales"
     )
+
+
+def _other_weights(root: str, files: Sequence[str] | None) -> list[ScaledWeight] | None:
+    """The stored scaled weights of the checkpoint (:func:`stored_scaled_weights`) of
+    ``files``, else of the local folder ``root``; ``None`` when they cannot be read."""
+    if files is None:
+        files = local_checkpoint_files(root)
+    return stored_scaled_weights(files) if files else None
 
 
 def experts_weight_features(name: str, module: Fp8Experts) -> dict[str, tuple[int, int, int]]:

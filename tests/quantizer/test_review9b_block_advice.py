@@ -8,22 +8,36 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
+from safetensors.torch import load_file
 
 from hf_fp8 import Fp8Config
 from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.quantizer.scale_granularity import block_advice, block_range
+from hf_fp8.quantizer.validation import check_weight_scale_shape
 
 IDS = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def _saved(tmp_path, block, *, hidden=96, intermediate=96, heads=3, kv=1, head_dim=32, edit=None):
+def _saved(
+    tmp_path,
+    block,
+    *,
+    hidden=96,
+    intermediate=96,
+    heads=3,
+    kv=1,
+    head_dim=32,
+    edit=None,
+    shard=None,
+):
     """A tiny Llama quantized weight-only with ``block``, saved; its logits; the config path.
     ``edit``: the quantization_config's block_size after saving (``None``: removed, so it
-    defaults to [128, 128])."""
+    defaults to [128, 128]); ``shard``: save_pretrained's max_shard_size."""
     torch.manual_seed(0)
     config = tf.LlamaConfig(
         vocab_size=128,
@@ -41,7 +55,7 @@ def _saved(tmp_path, block, *, hidden=96, intermediate=96, heads=3, kv=1, head_d
     model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hp", quantization_config=fp8)
     with torch.no_grad():
         reference = model(IDS).logits
-    model.save_pretrained(tmp_path / "q")
+    model.save_pretrained(tmp_path / "q", **({"max_shard_size": shard} if shard else {}))
     path = tmp_path / "q" / "config.json"
     data = json.loads(path.read_text())
     if edit is None:
@@ -111,3 +125,59 @@ def test_one_block_per_axis_is_advised_and_loads_identically(tmp_path):
 
 def test_inconsistent_shapes_name_no_block():
     assert block_advice([((96, 96), (2, 2)), ((96, 96), (3, 3))], (128, 128)) is None
+
+
+# -- R16 4: .bin and Hub-id loads read every layer's scale shape too, or claim nothing exact --
+
+
+def _to_bin(folder: Path) -> list[str]:
+    """Rewrite ``folder``'s safetensors weights as torch.save ``.bin`` files (an index for
+    shards), as a user converting a checkpoint might; returns the .bin paths."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = {
+            f: f.replace("model-", "pytorch_model-").replace(".safetensors", ".bin")
+            for f in set(weight_map.values())
+        }
+        bin_map = {k: names[v] for k, v in weight_map.items()}
+        (folder / "pytorch_model.bin.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": bin_map})
+        )
+        index.unlink()
+    else:
+        names = {"model.safetensors": "pytorch_model.bin"}
+    for st, bin_name in names.items():
+        torch.save(load_file(folder / st), folder / bin_name)
+        (folder / st).unlink()
+    return sorted(str(folder / b) for b in names.values())
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"], ids=["single", "sharded"])
+def test_bin_checkpoint_advice_reads_every_layer(tmp_path, shard):
+    """R16 4: on .bin the advice came from the refused layer alone and was called exact
+    ([64, 128], then [128, 128] after another refusal). Read from every layer, it is the
+    safetensors checkpoint's advice, and following it loads identically."""
+    folder, reference = _saved(
+        tmp_path, (128, 128), hidden=64, intermediate=128, heads=2, edit=(64, 64), shard=shard
+    )
+    _to_bin(folder)
+    text = _refusal(folder)
+    assert "weight_granularity='block', block_size=[128, 128]: set that" in text
+    assert torch.equal(_follow(folder, text), reference)
+
+
+def test_unreadable_other_layers_never_make_the_advice_exact(tmp_path):
+    """A Hub id (no local folder) or unreadable shards: only the refused layer's shape is
+    known, and a block that covers its whole axis may not cover another layer's."""
+    folder, _ = _saved(tmp_path, (128, 128), hidden=64, intermediate=128, heads=2)
+    recipe = Fp8Config("weight_only", weight_granularity="block", block_size=[64, 64]).recipe
+    key = "model.layers.0.mlp.down_proj.weight_scale"
+    args = (key, (1, 1), (64, 128), recipe)
+    for kwargs in ({"root": "me/tiny"}, {"root": str(folder), "files": [str(folder / "nope.bin")]}):
+        with pytest.raises(CheckpointTensorError) as err:
+            check_weight_scale_shape(*args, **kwargs)
+        assert "set that" not in str(err.value) and "do not determine" in str(err.value)
+    files = _to_bin(folder)
+    with pytest.raises(CheckpointTensorError, match=r"block_size=\[128, 128\]: set that"):
+        check_weight_scale_shape(*args, root="me/tiny", files=files)
