@@ -3,8 +3,10 @@ embed the facts so a later push can re-render them, and respect cards the user w
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
@@ -21,10 +23,18 @@ TEMPLATE_NAME = "hf_fp8_model_card.md.j2"
 TAGS = ("fp8", "hf_fp8")
 _DATA_START = "<!-- hf_fp8 card data: "
 _DATA_END = " -->"
-# Text of the placeholder cards transformers / huggingface_hub write on push_to_hub.
-_PLACEHOLDERS = (
-    "This is the model card of a 🤗 transformers model that has been pushed on the Hub",
-    "<!-- Provide a quick summary of what the model is/does. -->",
+# A placeholder card is huggingface_hub's template with nothing filled in: every field still
+# says _UNFILLED, and its metadata holds no more than the keys transformers' push_to_hub sets.
+_UNFILLED = "[More Information Needed]"
+_AUTO_METADATA = frozenset({"tags", "library_name"})
+_AUTO_PATTERNS = (
+    # transformers' model_description for a repo without a card (utils/hub.py)
+    re.compile(
+        r"This is the model card of a 🤗 transformers model that has been pushed on the Hub\."
+        r"( This model card has been automatically generated\.)?"
+    ),
+    re.compile(r"# Model Card for \S.*"),  # the template's title, any model_id
+    re.compile(r"(- \*\*[^*\n]+:\*\* )?\[More Information Needed\]( <!--.*-->)?"),
 )
 _FORMAT_WORDS = {
     "hf_fp8": 'hf_fp8 (`quant_method: "hf_fp8"`): fp8 `weight`, fp32 `weight_scale` / `input_scale`',
@@ -174,10 +184,38 @@ def read_card_info(text: str) -> CardInfo | None:
 
 
 def is_user_card(text: str | None) -> bool:
-    """True for a card a person wrote (not rendered by hf_fp8, not a Hub placeholder)."""
+    """True for a card a person wrote: not rendered by hf_fp8, not a placeholder
+    (:func:`is_placeholder_card`). A card written from huggingface_hub's template with any
+    section, field or metadata filled in is the user's."""
     if not text or not text.strip():
         return False
-    return read_card_info(text) is None and not any(p in text for p in _PLACEHOLDERS)
+    return read_card_info(text) is None and not is_placeholder_card(text)
+
+
+def is_placeholder_card(text: str) -> bool:
+    """Whether ``text`` is an auto-generated card with nothing of the user's in it:
+    huggingface_hub's default template (or transformers' ``push_to_hub`` card built from it)
+    whose every line is still the template's own, with at least one field left
+    "[More Information Needed]" and no metadata but ``tags`` / ``library_name``. Replacing it
+    loses nothing (its tags are carried over)."""
+    try:
+        card = ModelCard(text, ignore_metadata_errors=True)
+    except Exception:  # unreadable: not recognisably a placeholder, so never replaced
+        return False
+    if set(card.data.to_dict()) - _AUTO_METADATA:
+        return False
+    lines = {line.strip() for line in card.text.splitlines()} - {""}
+    known = _template_lines()
+    return any(_UNFILLED in line for line in lines) and all(
+        line in known or any(p.fullmatch(line) for p in _AUTO_PATTERNS) for line in lines
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _template_lines() -> frozenset[str]:
+    """The lines of huggingface_hub's installed default model card template, unfilled."""
+    text = ModelCard.from_template(ModelCardData()).text
+    return frozenset(line.strip() for line in text.splitlines())
 
 
 def merge_card(
