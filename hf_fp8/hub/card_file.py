@@ -18,8 +18,8 @@ A hard link is a regular file (it has no target to follow) and is read like the 
 from __future__ import annotations
 
 import os
+import secrets
 import stat
-import tempfile
 from pathlib import Path
 
 from hf_fp8.serialization.checkpoint import CARD_NAME
@@ -87,24 +87,44 @@ def _read(fd: int, limit: int) -> bytes:
 def write_card(folder: str | os.PathLike, text: str) -> Path:
     """Put ``text`` into ``folder/README.md`` by writing a temporary file next to it and
     renaming it into place: an existing link or file is replaced, never written through.
-    Raises ``UnsafePathError`` when the path goes through a symlink."""
+    A new card gets ``0o666 & ~umask`` (as ``open()`` gives the weights and config.json); one
+    that replaces a regular card keeps that card's mode. Raises ``UnsafePathError`` when the
+    path goes through a symlink."""
     path = contained(folder, CARD_NAME)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{CARD_NAME}.", suffix=".tmp")
+    old_mode = _old_mode(path)
+    fd, tmp = _create_temp(path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            if old_mode is not None:
+                os.fchmod(f.fileno(), old_mode)
             f.write(text)
-        os.chmod(tmp, _mode(path))
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
 
-def _mode(path: Path) -> int:
-    """The old card's permission bits (its own, not a link target's), else ``rw-r--r--``."""
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+
+
+def _create_temp(parent: Path) -> tuple[int, Path]:
+    """A new, empty ``.README.md.<random>.tmp`` in ``parent``, opened for writing, created with
+    mode ``0o666`` so the kernel applies the umask (``mkstemp`` would give ``0o600``)."""
+    for _ in range(100):
+        tmp = parent / f".{CARD_NAME}.{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(tmp, _CREATE | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary card file in {parent}")
+
+
+def _old_mode(path: Path) -> int | None:
+    """The old card's permission bits (its own, not a link target's); ``None`` when there is
+    no regular file to replace."""
     try:
         info = os.lstat(path)
     except OSError:
-        return 0o644
-    return stat.S_IMODE(info.st_mode) if stat.S_ISREG(info.st_mode) else 0o644
+        return None
+    return stat.S_IMODE(info.st_mode) if stat.S_ISREG(info.st_mode) else None
