@@ -19,6 +19,7 @@ from hf_fp8.numerics.checks import (
     check_fp8_tensor,
     check_scale_tensor,
     max_scale,
+    min_input_scale,
 )
 from hf_fp8.numerics.formats import FP8_DTYPES
 from hf_fp8.serialization.checkpoint import module_of
@@ -45,10 +46,12 @@ def _fit(
     *,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     compute_dtype: torch.dtype = torch.float32,
+    min_value: float | None = None,
 ) -> torch.Tensor:
     """``value`` as fp32 of ``shape`` when it holds the same numbers (``[]`` → ``[1]``,
-    ``[out]`` → ``[out, 1]``), checked finite, > 0 and bounded (``numerics.checks``); raises
-    ``CheckpointTensorError`` naming the tensor otherwise."""
+    ``[out]`` → ``[out, 1]``), checked finite, > 0 (``>= min_value`` when given: static input
+    scales) and bounded (``numerics.checks``); raises ``CheckpointTensorError`` naming the
+    tensor otherwise."""
     flat_ok = value.dim() <= 1 and (len(shape) == 1 or shape[-1] == 1)
     if tuple(value.shape) != shape and not (flat_ok and value.numel() == math.prod(shape)):
         raise CheckpointTensorError(
@@ -59,7 +62,11 @@ def _fit(
         raise CheckpointTensorError(f"{name}: is {value.dtype}, expected a floating-point scale")
     fitted = value.to(torch.float32).reshape(shape)
     return check_scale_tensor(
-        name, fitted, shape=shape, max_value=max_scale(fp8_dtype, compute_dtype)
+        name,
+        fitted,
+        shape=shape,
+        max_value=max_scale(fp8_dtype, compute_dtype),
+        min_value=min_value,
     )
 
 
@@ -108,7 +115,8 @@ def to_hf_fp8_tensors(
     """Tensors of one shard in hf_fp8's layout: scales renamed (``renames``: leaf → leaf),
     cast to fp32 and reshaped; all-zero symmetric ``zero_points`` dropped; anything else on
     an fp8 layer is an error. Every fp8 weight and scale is checked (dtype, shape, finite,
-    scales > 0 and bounded): a bad one raises ``CheckpointTensorError`` naming it."""
+    scales > 0 and bounded, static input scales ``>= min_input_scale``): a bad one raises
+    ``CheckpointTensorError`` naming it."""
     zero_points = set(zero_points)
     renames = renames or {}
     fp8_dtype = FP8_DTYPES[config.fp8_format]
@@ -132,7 +140,9 @@ def to_hf_fp8_tensors(
                     f"{name} is a static activation scale, but the config says "
                     f"{config.activation_scheme!r} activations"
                 )
-            out[target] = _fit(name, value, (1,), **fit)
+            # the bound Fp8Linear's load applies: refused here, before a folder is written
+            low = min_input_scale(fp8_dtype)
+            out[target] = _fit(name, value, (1,), **fit, min_value=low)
         elif leaf in zero_points:
             if bool(value.ne(0).any()):
                 raise ValueError(
