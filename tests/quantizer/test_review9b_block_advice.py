@@ -181,3 +181,28 @@ def test_unreadable_other_layers_never_make_the_advice_exact(tmp_path):
     files = _to_bin(folder)
     with pytest.raises(CheckpointTensorError, match=r"block_size=\[128, 128\]: set that"):
         check_weight_scale_shape(*args, root="me/tiny", files=files)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs hf_quantizer.get_new_dtype to pass files=self.checkpoint_files to "
+    "check_weight_scale_shape (a Hub id has no local folder to read the other layers from)",
+)
+def test_hub_id_advice_reads_every_layer(tmp_path, monkeypatch):
+    """The same checkpoint loaded by repo id from the Hub cache (offline): the quantizer's
+    checkpoint files give every layer, so the advice is as exact as the local folder's."""
+    import huggingface_hub.constants
+
+    folder, _ = _saved(tmp_path, (128, 128), hidden=64, intermediate=128, heads=2, edit=(64, 64))
+    cache, commit = tmp_path / "cache", "0" * 40
+    repo = cache / "models--me--tiny"
+    (repo / "snapshots").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "blobs").mkdir()
+    folder.rename(repo / "snapshots" / commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointTensorError) as err:
+        tf.AutoModelForCausalLM.from_pretrained("me/tiny", cache_dir=cache)
+    assert "weight_granularity='block', block_size=[128, 128]: set that" in str(err.value)
