@@ -113,24 +113,26 @@ def how_to_keep(module: nn.Module, names: Sequence[str] | None) -> str:
     ``names`` are the patterns to list (``None``: ``...``), after the ones the model already
     keeps (``skips_of``). A clause that reads after "keep it in high precision: "."""
     listed = _skip_list(module, names)
+    marked = [m for m in _fp8_modules(module) if ORIGIN_KEY in m.__dict__]
+    defaults_off = ", default_skips=False" * (
+        bool(marked) and marked[0].__dict__.get(DEFAULTS_KEY) is False
+    )
     if origin_of(module) != CHECKPOINT:  # quantized from high precision here: the skip lists work
         return (
             f"load with hf_fp8.Fp8Config(..., modules_to_not_convert={listed}) or quantize with "
-            f"hf_fp8.quantize_model(model, config, skip={listed}) (the layers it keeps already, "
-            "then the new one)"
+            f"hf_fp8.quantize_model(model, config, skip={listed}{defaults_off}) (the layers it "
+            "keeps already, then the new one)"
         )
     static = any(
         getattr(getattr(m, "recipe", None), "is_static", False) for m in _fp8_modules(module)
     )
     calibrate = ", then calibrate it again (hf_fp8.calibrate): the static input scales are lost"
     requantize = config_call(module, weight_scale_method="absmax")  # gives the saved scales back
-    marked = [m for m in _fp8_modules(module) if ORIGIN_KEY in m.__dict__]
-    defaults_off = bool(marked) and marked[0].__dict__.get(DEFAULTS_KEY) is False
     return (
         "this model was loaded from an FP8 checkpoint, whose saved quantization_config wins over "
         "one passed to from_pretrained, so load that checkpoint in high precision, "
         f"from_pretrained(path, quantization_config={config_call(module, dequantize=True)}), and "
         f"quantize it again keeping the layer and the ones the checkpoint keeps: "
         f"hf_fp8.quantize_model(model, {requantize}, skip={listed}"
-        f"{', default_skips=False' * defaults_off}){calibrate * static}"
+        f"{defaults_off}){calibrate * static}"
     )

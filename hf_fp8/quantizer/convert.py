@@ -235,11 +235,11 @@ def quantize_model(
         )
     _check_existing_fp8(model, config)
     patterns = [*(config.modules_to_not_convert or []), *(module_names(skip, "skip") or [])]
-    asked = list(dict.fromkeys(patterns))  # the user's own skips (the advice of a refusal)
     warn_unmatched(model, patterns, "modules_to_not_convert / skip")
     hf_model = _transformers_model(model)
-    if default_skips and hf_model is not None:
-        patterns += default_skipped_modules(hf_model)
+    defaults = default_skipped_modules(hf_model) if default_skips and hf_model is not None else []
+    asked = [p for p in dict.fromkeys(patterns) if p not in defaults]  # for a refusal's advice
+    patterns += defaults
     targets = convertible_modules(model, skip=patterns, module_filter_fn=module_filter_fn)
     experts = experts_to_convert(model, skip=patterns, module_filter_fn=module_filter_fn)
     _refuse_peft_layers(model, [*(t[0] for t in targets), *(e[0] for e in experts)])
@@ -263,7 +263,9 @@ def quantize_model(
         if id(module) not in swapped:
             swapped[id(module)] = fp8_class.from_experts(module, config, module_name=name)
         setattr(parent, name.rpartition(".")[2], swapped[id(module)])
-    mark_origin(model, QUANTIZE_MODEL, asked)  # before the hooks (its quantizer says pre_quantized)
+    mark_origin(
+        model, QUANTIZE_MODEL, asked, default_skips=default_skips
+    )  # before the hooks (its quantizer says pre_quantized)
     if hf_model is not None:  # a PeftModel: its transformers model is marked
         kept = unconverted_linears(hf_model)
         saved = config.replace(modules_to_not_convert=kept)

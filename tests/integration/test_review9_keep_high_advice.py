@@ -242,26 +242,30 @@ def test_following_the_checkpoint_advice_changes_only_the_refused_layer(
     get_peft_model(again, REFUSED["modules_to_save"][0]())  # accepted now
 
 
-@pytest.mark.parametrize("origin", ["on the fly", "quantize_model"])
+@pytest.mark.parametrize("origin", ["on the fly", "quantize_model", "fp8 lm_head"])
 def test_following_the_advice_keeps_the_users_own_skips(origin, tiny_model_dir):
     """Quantized from high precision with the user's skips: the listed names are those skips
-    plus the refused layer, and loading / quantizing with them changes only that layer."""
+    plus the refused layer (not the default skips, which come back by themselves), and
+    loading / quantizing with them as advised changes only that layer; an ``lm_head`` the
+    user converted (``default_skips=False``) stays FP8."""
     high_dir = tiny_model_dir("llama")
     if origin == "on the fly":
-        config = Fp8Config(SCHEME, modules_to_not_convert=["down_proj"])
+        config = Fp8Config(SCHEME, modules_to_not_convert=["down_proj", "lm_head"])
         model = tf.AutoModelForCausalLM.from_pretrained(high_dir, quantization_config=config)
     else:
         model = tf.AutoModelForCausalLM.from_pretrained(high_dir)
-        hf_fp8.quantize_model(model, Fp8Config(SCHEME), skip=["down_proj"])
+        defaults = origin != "fp8 lm_head"
+        hf_fp8.quantize_model(model, Fp8Config(SCHEME), skip=["down_proj"], default_skips=defaults)
     assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
     message = _modules_to_save_refusal(model)
     listed = _listed(message, "modules_to_not_convert")
-    assert listed == _listed(message, "skip")
-    assert "down_proj" in listed and listed[-1] == "o_proj"
+    assert listed == _listed(message, "skip") == ["down_proj", "o_proj"]
     if origin == "on the fly":
         config = Fp8Config(SCHEME, modules_to_not_convert=listed)
         again = tf.AutoModelForCausalLM.from_pretrained(high_dir, quantization_config=config)
     else:
         again = tf.AutoModelForCausalLM.from_pretrained(high_dir)
-        hf_fp8.quantize_model(again, Fp8Config(SCHEME), skip=listed)
+        call = _call(message[message.rindex("in high precision: ") :], "hf_fp8.quantize_model(")
+        eval(call, {"hf_fp8": hf_fp8, "model": again, "config": Fp8Config(SCHEME)})
+    assert isinstance(again.lm_head, Fp8Linear) == (origin == "fp8 lm_head")
     _same_tensors_but_o_proj(model, again, tf.AutoModelForCausalLM.from_pretrained(high_dir))
