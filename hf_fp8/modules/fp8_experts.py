@@ -77,7 +77,12 @@ from hf_fp8.kernels.grouped import combine, grouped_fp8_linear, route
 from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
-from hf_fp8.numerics.checks import input_scale_problem
+from hf_fp8.numerics.checks import (
+    check_scale_tensor,
+    input_scale_problem,
+    max_scale,
+    min_input_scale,
+)
 from hf_fp8.numerics.quantize import block_scale_shape
 from hf_fp8.recipe import Fp8Recipe
 
@@ -704,8 +709,11 @@ class Fp8Experts(RecipeWords, nn.Module):
         return super()._apply(keep_storage_dtype, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Refuse high-precision expert weights (quantize them with ``from_experts``), and
-        make room for static input scales when a module built without them loads some."""
+        """Refuse high-precision expert weights (quantize them with ``from_experts``) and
+        input scales that are not ``[E]`` finite values in ``[min_input_scale, max_scale]``
+        (``CheckpointTensorError`` naming the key, as ``Fp8Linear``), and make room for
+        static input scales when a module built without them loads some."""
+        dtype = fp8_dtype(self.fp8_format)
         for proj in self.layout.projections:
             weight = state_dict.get(prefix + proj)
             if weight is not None and not is_fp8(weight.dtype):
@@ -713,6 +721,17 @@ class Fp8Experts(RecipeWords, nn.Module):
                     f"{prefix}{proj} is {weight.dtype}, not fp8: this is a high-precision state "
                     "dict; quantize the experts with Fp8Experts.from_experts instead"
                 )
+            key = f"{proj}_input_scale"
+            scale = state_dict.get(prefix + key)
+            if scale is not None:
+                check_scale_tensor(
+                    prefix + key,
+                    scale,
+                    shape=(self.num_experts,),
+                    max_value=max_scale(dtype, self.compute_dtype),
+                    min_value=min_input_scale(dtype),
+                )
+        for proj in self.layout.projections:  # all checked first: nothing half-changed
             key = f"{proj}_input_scale"
             if (
                 state_dict.get(prefix + key) is not None

@@ -11,8 +11,10 @@ Granularity and the shape of the fp32 ``scale`` for an input ``x`` of shape ``[.
 Non-finite values never enter a scale (one ``inf`` token does not wipe out the others) and
 always come out of the cast as NaN, never as zeros or ±max. A finite value always comes out
 finite: past ``fp8_max * scale`` it saturates at ±max, also where ``x / scale`` overflows
-float32 (``|x| > 3.4e38 * scale``, a static scale far below the activations'). Weights are
-checked first: :func:`quantize_weight` raises on NaN / inf.
+float32 (``|x| > 3.4e38 * scale``, a static scale far below the activations'). A scale that
+is not ``> 0`` (zero, negative, NaN) gives NaN for all of its values (``x / 0`` would
+otherwise saturate: all-zero outputs, silently). Weights are checked first:
+:func:`quantize_weight` raises on NaN / inf.
 """
 
 from __future__ import annotations
@@ -134,8 +136,12 @@ def quantize_with_scale(
     granularity: str = "tensor",
     block_size: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
-    """fp8 values of ``x / scale`` (a static or precomputed scale), saturating."""
+    """fp8 values of ``x / scale`` (a static or precomputed scale), saturating.
+
+    A scale that is not ``> 0`` (zero, negative, NaN: never a valid scale) gives NaN for
+    every value of its group, so a broken static scale shows as NaN, never as zeros."""
     _check_granularity(granularity)
+    scale = torch.where(scale > 0, scale.float(), float("nan"))
     if granularity == "block":
         return saturated_cast(_block_scaled(x, scale, block_size, divide=True), fp8_dtype, x)
     return saturated_cast(x.float() / scale.float(), fp8_dtype, x)

@@ -760,7 +760,8 @@ int fp8_decode(const uint8_t *w, int64_t rows, int64_t K, int64_t row0, const fl
 /* hf_fp8.numerics, operation by operation: amax of the finite |x| (per tensor, token or
  * 1 x bk block), scale = max(amax / fp8_max, floor) (floor: numerics.min_scale()),
  * q = RNE_fp8(clamp(x / scale, +-max))
- * (NaN for a non-finite x; a finite x saturates, also where x / scale overflows fp32);
+ * (NaN for a non-finite x, and for every x where a given scale is not > 0: 0, < 0, NaN;
+ * a finite x saturates, also where x / scale overflows fp32);
  * out = q (post) or q * scale rounded once (block: folded). */
 typedef struct {
     const void *x;       /* [M, K] fp32 or bf16 */
@@ -796,8 +797,9 @@ AI float fp8_round(float x, int fmt) {
 
 #if FP8_PATH >= 3
 /* The per-element loop of quant_worker below, 16 lanes: q = RNE_fp8(clamp(x / scale,
- * +-fmax)) as fp32 bits, the same quotient, clamp and sign (NaN for a non-finite x; a finite
- * x whose quotient overflows saturates; allfin: the caller knows every x is finite). The
+ * +-fmax)) as fp32 bits, the same quotient, clamp and sign (NaN for a non-finite x or a
+ * scale not > 0; a finite x whose quotient overflows saturates; allfin: the caller knows
+ * every x is finite and the scale > 0). The
  * rounding to the fp8 grid (ties to even) by one addition and one subtraction of
  * m = 1.5 * 2^(e + 20) (E4M3; 2^(e + 21) for E5M2),
  * e = max(exponent of a, min normal exponent): a + m stays in m's binade, whose ulp is the
@@ -818,9 +820,10 @@ AI __m512i quant16(__m512 x, __m512 vs, int e4, int allfin) {
     __m512 r = _mm512_sub_ps(_mm512_add_ps(a, m), m);
     __m512i ru = _mm512_ternarylogic_epi32(_mm512_castps_si512(r), _mm512_castps_si512(v), abs,
                                            0xf4); /* | sign(v) */
-    if (!allfin) {
-        __mmask16 fin = _mm512_cmplt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(x), abs),
-                                                _mm512_set1_epi32(0x7f800000));
+    if (!allfin) { /* NaN unless x is finite and scale > 0 (not zero, negative or NaN) */
+        __mmask16 pos = _mm512_cmp_ps_mask(vs, _mm512_setzero_ps(), _CMP_GT_OQ);
+        __mmask16 fin = _mm512_mask_cmplt_epu32_mask(
+            pos, _mm512_and_si512(_mm512_castps_si512(x), abs), _mm512_set1_epi32(0x7f800000));
         ru = _mm512_mask_blend_epi32(fin, _mm512_set1_epi32(0x7fc00000), ru);
     }
     return ru;
@@ -872,6 +875,7 @@ static void *quant_worker(void *arg) {
             uint32_t nonfin = 0; /* phase 0 met a NaN / inf (phase 2: skip the check after) */
             for (int ph = q->phase == 2 ? 0 : q->phase; ph <= (q->phase == 2 ? 1 : q->phase); ++ph) {
                 float scale = ph ? *sp : 1.0f;
+                const int usable = scale > 0.0f; /* a given scale of 0, < 0 or NaN: all NaN */
                 uint32_t umax = 0; /* |x| of finite values as bits: they order like the floats */
                 for (int64_t c0 = k0; c0 < k1; c0 += QCHUNK) {
                     int64_t n = k1 - c0 < QCHUNK ? k1 - c0 : QCHUNK, at = m * q->K + c0, nv = 0;
@@ -983,7 +987,8 @@ static void *quant_worker(void *arg) {
                         float rr = copysignf(a < minnorm ? sub : nor, c);
                         vv = xf[i]; /* a finite x saturates, even where x / scale overflows */
                         memcpy(&uv, &vv, 4);
-                        rr = (uv & 0x7fffffffu) < 0x7f800000u ? rr : NAN; /* non-finite x: NaN */
+                        /* NaN for a non-finite x or a scale that is not > 0 (0, < 0, NaN) */
+                        rr = (uv & 0x7fffffffu) < 0x7f800000u && usable ? rr : NAN;
                         r[i] = q->post ? rr : rr * scale;
                     }
                     if (q->out_kind == OUT_BF16) {
