@@ -257,7 +257,7 @@ def test_a_method_refused_at_its_target_leaves_the_model(monkeypatch):
     model = _llama(skip=["q_proj"])
     config = IA3Config(target_modules=["q_proj", "v_proj"], feedforward_modules=[])
     err, reference = _refused(model, config, ValueError, r"peft IA3 .*v_proj, an FP8 layer")
-    assert "modules_to_not_convert=['v_proj']" in str(err.value)
+    assert "modules_to_not_convert=['q_proj', 'v_proj']" in str(err.value)
     assert_retry_as_fresh(
         model, reference, IA3Config(target_modules=["q_proj"], feedforward_modules=[])
     )
