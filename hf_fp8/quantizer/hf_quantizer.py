@@ -378,6 +378,7 @@ class Fp8HfQuantizer(HfQuantizer):
                     features,
                     self.quantization_config.recipe,
                     root=self.checkpoint_root,
+                    files=self.checkpoint_files,
                 )
         ours = [t for t in targets if t in self.fp8_tensor_names]
         for key in ours:  # before anything is read or offloaded to disk

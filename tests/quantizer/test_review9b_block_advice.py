@@ -183,11 +183,6 @@ def test_unreadable_other_layers_never_make_the_advice_exact(tmp_path):
         check_weight_scale_shape(*args, root="me/tiny", files=files)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs hf_quantizer.get_new_dtype to pass files=self.checkpoint_files to "
-    "check_weight_scale_shape (a Hub id has no local folder to read the other layers from)",
-)
 def test_hub_id_advice_reads_every_layer(tmp_path, monkeypatch):
     """The same checkpoint loaded by repo id from the Hub cache (offline): the quantizer's
     checkpoint files give every layer, so the advice is as exact as the local folder's."""
