@@ -66,7 +66,7 @@ def hub_headers(
     # a tensor in two shards, or in one the index does not name: refused (last copy would win)
     check_shard_keys(
         {file: list(file_meta.tensors) for file, file_meta in meta.files_metadata.items()},
-        meta.weight_map,
+        getattr(meta, "weight_map", None),  # huggingface_hub's metadata holds it; else dups only
         where=repo_id,
     )
     headers = {
