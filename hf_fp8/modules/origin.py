@@ -46,19 +46,27 @@ def _fp8_modules(module: nn.Module) -> list[nn.Module]:
 
 
 def mark_origin(
-    model: nn.Module, origin: str, skips: Sequence[str] = (), *, default_skips: bool = True
+    model: nn.Module,
+    origin: str,
+    skips: Sequence[str] = (),
+    *,
+    default_skips: bool = True,
+    update: bool = False,
 ) -> int:
     """Record ``origin`` and the skip patterns it was made with (``skips``: the checkpoint's
     ``modules_to_not_convert``, or the user's; ``default_skips=False``: a layer that
     ``quantize_model`` keeps by default is FP8 there) on every FP8 module of ``model`` that has
-    none yet; return how many."""
+    none yet; return how many. ``update``: the FP8 modules marked already get ``skips`` and
+    ``default_skips`` too (their origin stays): what the whole model keeps now (R18 F2)."""
     marked = 0
     for module in _fp8_modules(model):
-        if ORIGIN_KEY not in module.__dict__:
+        new = ORIGIN_KEY not in module.__dict__
+        if new:
             module.__dict__[ORIGIN_KEY] = origin
+            marked += 1
+        if new or update:
             module.__dict__[SKIPS_KEY] = tuple(skips)
             module.__dict__[DEFAULTS_KEY] = default_skips
-            marked += 1
     return marked
 
 
@@ -117,6 +125,11 @@ def how_to_keep(module: nn.Module, names: Sequence[str] | None) -> str:
     defaults_off = ", default_skips=False" * (
         bool(marked) and marked[0].__dict__.get(DEFAULTS_KEY) is False
     )
+    if origin_of(module) != CHECKPOINT and defaults_off:  # Fp8Config would keep lm_head (R18 F3)
+        return (
+            f"quantize with hf_fp8.quantize_model(model, config, skip={listed}{defaults_off}) "
+            "(the layers it keeps already, then the new one)"
+        )
     if origin_of(module) != CHECKPOINT:  # quantized from high precision here: the skip lists work
         return (
             f"load with hf_fp8.Fp8Config(..., modules_to_not_convert={listed}) or quantize with "

@@ -52,6 +52,24 @@ if mark_loaded_origin not in POST_LOAD_HOOKS:  # imported with hf_fp8.quantizer,
     POST_LOAD_HOOKS.append(mark_loaded_origin)
 
 
+def _kept_now(model: nn.Module, asked: Sequence[str]) -> tuple[list[str], bool]:
+    """What ``quantize_model(high_precision_model, config, skip=names,
+    default_skips=defaults)`` must be given to rebuild ``model`` as it is now: ``asked`` (this
+    call's skips) where they keep no FP8 layer, then the name of each other high-precision
+    layer that would convert (kept by a ``module_filter_fn``, or by an earlier call), the
+    default skips aside unless one of them is FP8 (``default_skips=False``) (R18 F1, F2)."""
+    root = _transformers_model(model) or model  # names a fresh from_pretrained model has
+    fp8 = [n for n, m in root.named_modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+    defaults = default_skipped_modules(root)
+    defaults_on = not any(matches_module(name, defaults) for name in fp8)
+    patterns = [p for p in asked if not any(matches_module(name, [p]) for name in fp8)]
+    high = [n for n, *_ in convertible_modules(root)] + [n for n, *_ in experts_to_convert(root)]
+    kept = [n for n in high if not matches_module(n, patterns)]
+    if defaults_on:
+        kept = [n for n in kept if not matches_module(n, defaults)]
+    return list(dict.fromkeys([*patterns, *kept])), defaults_on
+
+
 class AlreadyQuantizedError(ValueError):
     """``quantize_model`` was given a model that already holds FP8 layers."""
 
@@ -263,9 +281,9 @@ def quantize_model(
         if id(module) not in swapped:
             swapped[id(module)] = fp8_class.from_experts(module, config, module_name=name)
         setattr(parent, name.rpartition(".")[2], swapped[id(module)])
-    mark_origin(
-        model, QUANTIZE_MODEL, asked, default_skips=default_skips
-    )  # before the hooks (its quantizer says pre_quantized)
+    # before the hooks (its quantizer says pre_quantized); every FP8 layer, earlier calls' too
+    skips, defaults_on = _kept_now(model, asked)
+    mark_origin(model, QUANTIZE_MODEL, skips, default_skips=defaults_on, update=True)
     if hf_model is not None:  # a PeftModel: its transformers model is marked
         kept = unconverted_linears(hf_model)
         saved = config.replace(modules_to_not_convert=kept)

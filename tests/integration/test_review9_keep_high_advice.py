@@ -258,8 +258,12 @@ def test_following_the_advice_keeps_the_users_own_skips(origin, tiny_model_dir):
         hf_fp8.quantize_model(model, Fp8Config(SCHEME), skip=["down_proj"], default_skips=defaults)
     assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
     message = _modules_to_save_refusal(model)
-    listed = _listed(message, "modules_to_not_convert")
-    assert listed == _listed(message, "skip") == ["down_proj", "o_proj"]
+    listed = _listed(message, "skip")
+    assert listed == ["down_proj", "o_proj"]
+    if origin == "fp8 lm_head":  # R18 F3: Fp8Config always keeps lm_head, so no load route
+        assert "modules_to_not_convert=" not in message[message.rindex("in high precision: ") :]
+    else:
+        assert _listed(message, "modules_to_not_convert") == listed
     if origin == "on the fly":
         config = Fp8Config(SCHEME, modules_to_not_convert=listed)
         again = tf.AutoModelForCausalLM.from_pretrained(high_dir, quantization_config=config)
@@ -268,4 +272,47 @@ def test_following_the_advice_keeps_the_users_own_skips(origin, tiny_model_dir):
         call = _call(message[message.rindex("in high precision: ") :], "hf_fp8.quantize_model(")
         eval(call, {"hf_fp8": hf_fp8, "model": again, "config": Fp8Config(SCHEME)})
     assert isinstance(again.lm_head, Fp8Linear) == (origin == "fp8 lm_head")
+    _same_tensors_but_o_proj(model, again, tf.AutoModelForCausalLM.from_pretrained(high_dir))
+
+
+# R18: following the quantize_model advice converted layers the model kept: those a
+# module_filter_fn kept (F1), or those a second quantize_model call converted after the first
+# one's skips (F2). The advice now lists what the model keeps now.
+def _quantize_as_advised(message: str, high_dir: str) -> nn.Module:
+    again = tf.AutoModelForCausalLM.from_pretrained(high_dir)
+    call = _call(message[message.rindex("in high precision: ") :], "hf_fp8.quantize_model(")
+    return eval(call, {"hf_fp8": hf_fp8, "model": again, "config": Fp8Config(SCHEME)})
+
+
+@pytest.mark.parametrize("case", ["module_filter_fn", "filter and skip", "second call"])
+def test_following_the_advice_keeps_what_the_model_keeps_now(case, tiny_model_dir):
+    high_dir = tiny_model_dir("llama")
+    model = tf.AutoModelForCausalLM.from_pretrained(high_dir)
+    if case == "second call":  # the MLP skipped first, then converted too
+        hf_fp8.quantize_model(model, Fp8Config(SCHEME), skip=["mlp"])
+        hf_fp8.quantize_model(model, Fp8Config(SCHEME), skip=["k_proj"])
+        assert isinstance(model.model.layers[0].mlp.up_proj, Fp8Linear)
+    else:
+        skip = ["k_proj"] if case == "filter and skip" else None
+        hf_fp8.quantize_model(
+            model, Fp8Config(SCHEME), skip=skip, module_filter_fn=lambda m, n: ".mlp." not in n
+        )
+        assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
+    message = _modules_to_save_refusal(model)
+    again = _quantize_as_advised(message, high_dir)
+    assert not isinstance(again.lm_head, Fp8Linear)
+    _same_tensors_but_o_proj(model, again, tf.AutoModelForCausalLM.from_pretrained(high_dir))
+
+
+def test_defaults_off_advice_only_offers_quantize_model(tiny_model_dir):
+    """R18 F3: ``default_skips=False`` left lm_head FP8; the advice's ``Fp8Config`` load
+    would keep it in high precision, so only the quantize_model route is offered, and
+    following it changes only the refused layer."""
+    high_dir = tiny_model_dir("llama")
+    model = tf.AutoModelForCausalLM.from_pretrained(high_dir)
+    hf_fp8.quantize_model(model, Fp8Config(SCHEME), skip=["k_proj"], default_skips=False)
+    assert isinstance(model.lm_head, Fp8Linear)
+    message = _modules_to_save_refusal(model)
+    assert "modules_to_not_convert=" not in message[message.rindex("in high precision: ") :]
+    again = _quantize_as_advised(message, high_dir)
     _same_tensors_but_o_proj(model, again, tf.AutoModelForCausalLM.from_pretrained(high_dir))
