@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from hf_fp8.kernels.compiled import compile_enabled
 from hf_fp8.numerics import coat, log_moments
 from hf_fp8.numerics.formats import fp8_dtype
 from hf_fp8.optim import _cpu_kernel, _step
@@ -383,8 +384,8 @@ class AdamWFp8(Optimizer):
                     "nothing was updated. Use implementation='auto' to fall back to "
                     "torch.compile / the reference"
                 )
-        if impl == "reference":
-            return "reference"
+        if impl == "reference" or (impl == "auto" and not compile_enabled()):
+            return "reference"  # HF_FP8_COMPILE=0: no inductor, as for the FP8 layers
         return "compile"
 
     def _compiled_fn(self) -> Callable:
