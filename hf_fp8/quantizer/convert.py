@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Sequence
 
@@ -52,6 +53,9 @@ if mark_loaded_origin not in POST_LOAD_HOOKS:  # imported with hf_fp8.quantizer,
     POST_LOAD_HOOKS.append(mark_loaded_origin)
 
 
+_PEFT_INNER = re.compile(r"\.(base_layer|original_module)$")  # peft's wrapped layer
+
+
 def _kept_now(model: nn.Module, asked: Sequence[str]) -> tuple[list[str], bool]:
     """What ``quantize_model(high_precision_model, config, skip=names,
     default_skips=defaults)`` must be given to rebuild ``model`` as it is now: ``asked`` (this
@@ -64,6 +68,7 @@ def _kept_now(model: nn.Module, asked: Sequence[str]) -> tuple[list[str], bool]:
     defaults_on = not any(matches_module(name, defaults) for name in fp8)
     patterns = [p for p in asked if not any(matches_module(name, [p]) for name in fp8)]
     high = [n for n, *_ in convertible_modules(root)] + [n for n, *_ in experts_to_convert(root)]
+    high = [_PEFT_INNER.sub("", n) for n in high]  # q_proj.base_layer: q_proj in a fresh model
     kept = [n for n in high if not matches_module(n, patterns)]
     if defaults_on:
         kept = [n for n in kept if not matches_module(n, defaults)]

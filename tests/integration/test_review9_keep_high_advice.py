@@ -26,7 +26,7 @@ import hf_fp8
 from hf_fp8 import Fp8Config, Fp8Linear
 from hf_fp8.modules import Fp8Experts
 from tests.serialization.moe_fixtures import tiny_qwen3_moe
-from tests.tiny_models import model_inputs
+from tests.tiny_models import LLAMA_ONE_LAYER, model_inputs
 
 SCHEME = "dynamic"  # the scheme of llama_fp8_dir and of the on-the-fly loads here
 
@@ -316,3 +316,22 @@ def test_defaults_off_advice_only_offers_quantize_model(tiny_model_dir):
     assert "modules_to_not_convert=" not in message[message.rindex("in high precision: ") :]
     again = _quantize_as_advised(message, high_dir)
     _same_tensors_but_o_proj(model, again, tf.AutoModelForCausalLM.from_pretrained(high_dir))
+
+
+def test_quantizing_a_peft_model_lists_the_kept_layers_by_their_plain_names():
+    """On a ``PeftModel`` the layers a filter kept sit under peft's wrappers
+    (``q_proj.base_layer``); the advice names them as a fresh model does (``q_proj``)."""
+    from hf_fp8.modules.origin import skips_of
+
+    torch.manual_seed(0)
+    high = tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_ONE_LAYER))
+    peft_model = get_peft_model(copy.deepcopy(high), LoraConfig(r=4, target_modules=["q_proj"]))
+    hf_fp8.quantize_model(
+        peft_model, Fp8Config(SCHEME), module_filter_fn=lambda m, n: "q_proj" not in n
+    )
+    listed = skips_of(peft_model.get_base_model().model.layers[0].self_attn.k_proj)
+    assert listed == ["model.layers.0.self_attn.q_proj"]
+    again = hf_fp8.quantize_model(high, Fp8Config(SCHEME), skip=listed)
+    fp8 = {n for n, m in again.named_modules() if isinstance(m, Fp8Linear)}
+    was = {n for n, m in peft_model.get_base_model().named_modules() if isinstance(m, Fp8Linear)}
+    assert fp8 == was
