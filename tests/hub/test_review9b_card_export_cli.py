@@ -1,7 +1,6 @@
 """The CLI's and the export's card reads go through hf_fp8.hub.card_file too (R14 3, 4).
 
-Applies with the coordinator's diff of hf_fp8/cli.py and hf_fp8/serialization/exporter.py
-(HF4 report): a FIFO or oversized README.md in the folder read is refused without blocking
+A FIFO or oversized README.md in the folder read is refused without blocking
 or reading it whole, and an export of a model cast after its figures were recorded states
 no figures (they were measured in another compute dtype).
 """
@@ -10,7 +9,6 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 
 import pytest
 import torch
@@ -21,23 +19,9 @@ from hf_fp8.cli import main
 from hf_fp8.hub import read_card_info
 from hf_fp8.hub.card_file import MAX_CARD_BYTES
 from hf_fp8.serialization.atomic import UnsafePathError
+from tests.hub.test_review9b_card_file import _finishes
 
 FP32 = {"logits relative L2 vs high precision": 0.080242}
-
-
-def _finishes(fn, seconds: float = 60.0):
-    result: dict = {}
-
-    def run():
-        try:
-            fn()
-        except BaseException as exc:
-            result["exc"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return not thread.is_alive(), result.get("exc")
 
 
 @pytest.fixture

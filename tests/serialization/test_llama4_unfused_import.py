@@ -20,16 +20,10 @@ from safetensors.torch import load_file, save_file
 from hf_fp8 import Fp8Config
 from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.serialization import export_checkpoint, import_checkpoint
+from tests.serialization.test_moe_hp_ignore import SIZES
 
 CONFIG = dict(
-    vocab_size=128,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    num_experts_per_tok=2,
+    **SIZES,  # the tiny MoE sizes of the high-precision-experts export tests
     intermediate_size=16,
     intermediate_size_mlp=48,
     num_local_experts=3,
