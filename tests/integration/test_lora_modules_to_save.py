@@ -29,7 +29,7 @@ def _llama(cls=tf.LlamaForCausalLM, scheme="dynamic", *, fp8_heads=False):
 def _fix_named(err: pytest.ExceptionInfo, what: str, name: str) -> None:
     message = str(err.value)
     assert what in message and name in message
-    assert "modules_to_not_convert" in message and "skip=" in message
+    assert "skip=" in message  # no Fp8Config load route with default_skips=False (R18 F3)
     assert "target_modules" in message
 
 

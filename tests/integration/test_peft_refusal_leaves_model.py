@@ -153,7 +153,7 @@ CASES = {
         LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices={"lm_head": [1]}),
         ValueError,
         r"trainable_token_indices names lm_head, an FP8 layer",
-        ["modules_to_not_convert=['lm_head']", "target_modules=['lm_head']"],
+        ["skip=['lm_head'], default_skips=False", "target_modules=['lm_head']"],
         LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
     ),
     # the high-precision embedding got its token adapter before the FP8 lm_head was reached
@@ -162,7 +162,7 @@ CASES = {
         TrainableTokensConfig(target_modules=["embed_tokens", "lm_head"], token_indices=[1, 2]),
         ValueError,
         r"TrainableTokensConfig target_modules names lm_head, an FP8 layer",
-        ["modules_to_not_convert=['lm_head']", "target_modules=['lm_head']"],
+        ["skip=['lm_head'], default_skips=False", "target_modules=['lm_head']"],
         TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[1, 2]),
     ),
     # PiSSA rewrote the weight of the high-precision q_proj before reaching the FP8 v_proj
@@ -217,7 +217,7 @@ def test_refused_classifier_head_of_seq_cls_leaves_the_model(no_rollback):
     model = _llama(tf.LlamaForSequenceClassification, fp8_heads=True)
     config = LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS")
     err, _ = _refused(model, config, ValueError, r"modules_to_save names score, an FP8")
-    assert "modules_to_not_convert=['score']" in str(err.value)
+    assert "skip=['score'], default_skips=False" in str(err.value)
 
 
 @pytest.mark.parametrize("early_look", [True, False], ids=["up-front", "at-target"])
