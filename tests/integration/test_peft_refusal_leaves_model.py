@@ -308,6 +308,7 @@ def test_peft_own_error_part_way_leaves_the_fp8_model(no_early_look):
     model = _llama()
     config = LoraConfig(r=4, target_modules=["q_proj", "rotary_emb"])
     _, reference = _refused(model, config, ValueError, r"LlamaRotaryEmbedding\(\) is not supported")
+    assert torch.equal(_logits(model), _logits(reference))
     assert_retry_as_fresh(model, reference, LORA_FIX)
 
 

@@ -58,7 +58,7 @@ def test_all_linear_on_fp8_experts_is_refused_before_peft_changes_anything(init,
         model, config, NotImplementedError, r"layers\.0\.mlp\.experts\.gate_up_proj"
     )
     assert "FP8 experts" in str(err.value)
-    assert "modules_to_not_convert=['experts']" in str(err.value)
+    assert "modules_to_not_convert=['self_attn', 'experts']" in str(err.value)  # own skips + new
     assert_retry_as_fresh(model, reference, LoraConfig(r=4, target_modules=["q_proj"]))
 
 
@@ -79,6 +79,8 @@ def test_peft_own_error_after_a_rewriting_init_restores_the_weight(rewrite):
     _, reference = _refused_with_config_kept(
         model, config, ValueError, r"LlamaRotaryEmbedding\(\) is not supported"
     )
+    q = "model.layers.0.self_attn.q_proj.weight"  # the high-precision weight the init rewrote
+    assert torch.equal(model.get_parameter(q), reference.get_parameter(q))
     assert_retry_as_fresh(model, reference, LoraConfig(r=4, target_modules=["q_proj"]))
 
 
@@ -86,7 +88,11 @@ def test_peft_own_error_on_a_moe_model_restores_the_users_config():
     """peft converts a Qwen3-MoE LoraConfig in place (lists become sets): undone with the rest."""
     model = _fp8_experts_model()
     config = LoraConfig(r=4, target_modules=["q_proj", "rotary_emb"], init_lora_weights="pissa")
-    _refused_with_config_kept(model, config, ValueError, r"Qwen3MoeRotaryEmbedding")
+    targets = list(config.target_modules)
+    _, reference = _refused_with_config_kept(model, config, ValueError, r"Qwen3MoeRotaryEmbedding")
+    assert sorted(config.target_modules) == sorted(targets)  # peft had made it a set
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(model.get_parameter(q), reference.get_parameter(q))
 
 
 @pytest.mark.parametrize("init", ["pissa", "olora"])
@@ -198,6 +204,8 @@ def test_peft_own_error_after_a_lora_ga_init_restores_the_weight():
 
     preprocess_loraga(model, config(["q_proj"]), lambda: model(ids, labels=ids).loss.backward())
     model.zero_grad(set_to_none=True)
-    _refused_with_config_kept(
+    _, reference = _refused_with_config_kept(
         model, config(["q_proj", "rotary_emb"]), ValueError, r"LlamaRotaryEmbedding\(\)"
     )
+    q = "model.layers.0.self_attn.q_proj.weight"  # LoRA-GA subtracted its offset here
+    assert torch.equal(model.get_parameter(q), reference.get_parameter(q))
