@@ -709,7 +709,8 @@ class Fp8Experts(RecipeWords, nn.Module):
         return super()._apply(keep_storage_dtype, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Refuse high-precision expert weights (quantize them with ``from_experts``) and
+        """Refuse high-precision expert weights (quantize them with ``from_experts``), weight
+        scales that are not finite, > 0 and bounded in the module's shape, and
         input scales that are not ``[E]`` finite values in ``[min_input_scale, max_scale]``
         (``CheckpointTensorError`` naming the key, as ``Fp8Linear``), and make room for
         static input scales when a module built without them loads some."""
@@ -720,6 +721,15 @@ class Fp8Experts(RecipeWords, nn.Module):
                 raise ValueError(
                     f"{prefix}{proj} is {weight.dtype}, not fp8: this is a high-precision state "
                     "dict; quantize the experts with Fp8Experts.from_experts instead"
+                )
+            key = f"{proj}_weight_scale"
+            scale = state_dict.get(prefix + key)
+            if scale is not None:  # finite, > 0, bounded, the module's own shape
+                check_scale_tensor(
+                    prefix + key,
+                    scale,
+                    shape=tuple(getattr(self, key).shape),
+                    max_value=max_scale(dtype, self.compute_dtype),
                 )
             key = f"{proj}_input_scale"
             scale = state_dict.get(prefix + key)

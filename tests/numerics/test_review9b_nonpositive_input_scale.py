@@ -163,3 +163,28 @@ def test_fp8_experts_load_the_smallest_accepted_scale_and_match_its_reference():
     x, index, weights = routed_inputs(fp8.layout.hidden_size, fp8.layout.num_experts, tokens=5)
     with torch.no_grad():
         assert torch.equal(fp8(x, index, weights), want_module(x, index, weights))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), 1e38])
+def test_fp8_experts_load_state_dict_refuses_a_bad_weight_scale_naming_it(bad):
+    """A zero weight scale loaded through ``load_state_dict`` gave silent all-zero expert
+    outputs (``from_pretrained`` checks it; ``load_state_dict`` did not): refused like
+    ``Fp8Linear``'s, and nothing is changed."""
+    _, fp8 = _experts()
+    state = {k: v.clone() for k, v in fp8.state_dict().items()}
+    key = "down_proj_weight_scale"
+    state[key].view(-1)[0] = bad
+    _, fresh = _experts()
+    before = fresh.down_proj_weight_scale.clone()
+    with pytest.raises(CheckpointTensorError, match=key):
+        fresh.load_state_dict(state)
+    assert torch.equal(fresh.down_proj_weight_scale, before)
+
+
+def test_fp8_experts_load_state_dict_takes_a_valid_weight_scale():
+    _, want = _experts()
+    _, fresh = _experts(activation_scale=0.5)
+    fresh.load_state_dict(want.state_dict())
+    x, index, weights = routed_inputs(want.layout.hidden_size, want.layout.num_experts, tokens=5)
+    with torch.no_grad():
+        assert torch.equal(fresh(x, index, weights), want(x, index, weights))
