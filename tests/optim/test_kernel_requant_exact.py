@@ -10,8 +10,10 @@ which is exact in the requantization but not in the decode tables (``y = db/k``,
 bits: a 1-ulp table entry changes a decoded moment, and a stochastically rounded code only
 about once in 2^20 elements). Both
 libraries here are built from the kernel source with a probe that records the magnitudes:
-one as the default build (-march=native), one without AVX-512 (the scalar loops, which the
-other tests tie to the reference)."""
+one as the default build (-march=native), one without AVX2 (the scalar loops, which the
+other tests tie to the reference). The same for the AVX2 loops of machines without AVX-512
+(8 lanes, built here with -mno-avx512f): their requantization computes the exponent, the
+floor and the casts with AVX2 instructions instead."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ GS = 128
 PROBE = r"""
 static float probe_mag[128];
 #define REQUANT_PROBE_V(i, v) _mm512_storeu_ps(probe_mag + (i), (v))
+#define REQUANT_PROBE_V8(i, v) _mm256_storeu_ps(probe_mag + (i), (v))
 #define REQUANT_PROBE_S(i, m) (probe_mag[i] = (m))
 """
 ENTRY = r"""
@@ -70,23 +73,30 @@ void probe_tables(const float* scale, const float* expo, int64_t n, float* ta, f
 """
 
 
-@pytest.fixture(scope="module")
-def probes(tmp_path_factory):
+# the vector loops under test: (name, CPU feature they need, flags that select them)
+VECTOR_BUILDS = [("avx512", "avx512dq", ()), ("avx2", "avx2", ("-mno-avx512f",))]
+
+
+@pytest.fixture(scope="module", params=VECTOR_BUILDS, ids=[b[0] for b in VECTOR_BUILDS])
+def probes(request, tmp_path_factory):
+    name, feature, cflags = request.param
     if platform.machine() != "x86_64" or native.compiler() is None:
         pytest.skip("x86-64 with a C compiler only")
-    if "avx512dq" not in native.cpu_features():
-        pytest.skip("no AVX-512 DQ on this machine: the vector loops are not built")
+    if feature not in native.cpu_features():
+        pytest.skip(f"no {feature} on this machine: the {name} loops are not built")
     src = tmp_path_factory.mktemp("probe") / "requant_probe.c"
     src.write_text(PROBE + _cpu_kernel.SOURCE.read_text() + ENTRY)
     defines = _cpu_kernel.kernel_defines(_cpu_kernel.EXPAND | _cpu_kernel.SR_V)
     libs = {}
-    for name, cflags in (("vector", ()), ("scalar", ("-mno-avx512f",))):
-        lib = native.load_library(f"adamw_fp8_probe_{name}", src, defines=defines, cflags=cflags)
+    for kind, flags in (("vector", cflags), ("scalar", ("-mno-avx2",))):
+        lib = native.load_library(
+            f"adamw_fp8_probe_{name}_{kind}", src, defines=defines, cflags=flags
+        )
         lib.probe_requant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32]
         lib.probe_requant.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.probe_requant.argtypes += [ctypes.c_void_p]
         lib.probe_tables.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
-        libs[name] = lib
+        libs[kind] = lib
     return libs
 
 

@@ -14,7 +14,9 @@
    conversions with embedded rounding) replace the scalar code's bit manipulations with the
    same results (checked exhaustively: see requant_e4m3_ex_v); the next chunk's memory is prefetched while a chunk
    requantizes (prefetch_group); the log format has its three loops
-   (update_group_log_v, requant_log_v_v, requant_log_m_v). Threads take groups from a shared
+   (update_group_log_v, requant_log_v_v, requant_log_m_v). With AVX2 and no AVX-512 (Zen 1-3,
+   Intel clients), the default variant has 8-lane loops (update_group_ex_v8: decode with
+   vpermps; requant_e4m3_ex_v8: 4 vectors interleaved). Threads take groups from a shared
    counter; built with -fopenmp (USE_OMP) they are torch's own OpenMP pool.
 
    Built by hf_fp8.utils.native.load_library with -D defines generated from ONE Python table
@@ -35,6 +37,14 @@
 #define HAVE_DEC_AVX512 1
 #else
 #define HAVE_DEC_AVX512 0
+#endif
+/* AVX2 without AVX-512 (e.g. Zen 1-3, Haswell-Skylake clients): 8-lane loops for the default
+   variant (E4M3 codes with expansion); see update_group_ex_v8 / requant_e4m3_ex_v8. */
+#if !HAVE_DEC_AVX512 && defined(__AVX2__)
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+#else
+#define HAVE_AVX2_PATH 0
 #endif
 
 #define AI static inline __attribute__((always_inline))
@@ -351,6 +361,227 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
 }
 #endif
 
+#if HAVE_AVX2_PATH
+/* ------------------------------------------------------------------ AVX2, 8 lanes
+   The default variant (E4M3 codes with COAT expansion) on AVX2 machines without AVX-512:
+   without these loops the update loop stays scalar (its table decode needs a gather, which
+   the compiler does not choose) and the requantization runs in 4-lane vectors. Every fp32
+   operation is the scalar loop's, in the same order; the decode reads the per-group tables
+   with vpermps (two 8-entry halves and a blend), as dec_coat does with loads. */
+#define I8(x) _mm256_set1_epi32((int)(x))
+#define F8(x) _mm256_set1_ps(x)
+
+typedef struct {
+    __m256 alo, ahi, bn, bs; /* A[0:8], A[8:16], B[0:8] (normal codes), B[8:16] (subnormal) */
+} dec_tab8_t;
+
+AI dec_tab8_t dec_tables_v8(const float* ta, const float* tb) {
+    dec_tab8_t t;
+    t.alo = _mm256_loadu_ps(ta);
+    t.ahi = _mm256_loadu_ps(ta + 8);
+    t.bn = _mm256_loadu_ps(tb);
+    t.bs = _mm256_loadu_ps(tb + 8);
+    return t;
+}
+
+/* dec_coat of 8 E4M3 codes: (ok ? A[E]·B[i] : 0) | sign, i = j (+8 for exponent field 0),
+   ok: neither a zero code nor a NaN code (0x7F, 0xFF). */
+AI __m256 dec_coat_v8(const uint8_t* q, dec_tab8_t t) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+    const __m256i e = _mm256_srli_epi32(c, 3); /* vpermps reads its low 3 bits */
+    /* exponent field >= 8 (bit 6 of the code, moved to the sign bit): the upper half of A */
+    __m256 a = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.alo, e),
+                                _mm256_permutevar8x32_ps(t.ahi, e),
+                                _mm256_castsi256_ps(_mm256_slli_epi32(c, 25)));
+    const __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(c, I8(0x78)), _mm256_setzero_si256());
+    __m256 b = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.bn, c), _mm256_permutevar8x32_ps(t.bs, c),
+                                _mm256_castsi256_ps(sub));
+    const __m256i a7 = _mm256_and_si256(c, I8(0x7F));
+    const __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(a7, _mm256_setzero_si256()),
+                                        _mm256_cmpeq_epi32(a7, I8(0x7F)));
+    __m256i r = _mm256_andnot_si256(bad, _mm256_castps_si256(_mm256_mul_ps(a, b)));
+    r = _mm256_or_si256(r, _mm256_slli_epi32(_mm256_and_si256(c, I8(0x80)), 24));
+    return _mm256_castsi256_ps(r);
+}
+
+AI __m256 bf16x8_to_f(const uint16_t* h) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)h));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+AI void f_to_bf16x8(uint16_t* out, __m256 f) { /* f_to_bf16 on 8 lanes */
+    __m256i u = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), I8(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, I8(0x7FFF)), lsb), 16);
+    /* |u| > INF_BITS: a signed compare is right, both sides are non-negative */
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, I8(0x7FFFFFFF)), I8(INF_BITS));
+    r = _mm256_blendv_epi8(r, I8(0x7FC0), nan);
+    _mm_storeu_si128((__m128i*)out, _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                                       _mm256_extracti128_si256(r, 1)));
+}
+
+AI uint32_t hmax_epu32_8(__m256i x) {
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(m);
+}
+
+AI uint32_t hmin_epu32_8(__m256i x) {
+    __m128i m = _mm_min_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    m = _mm_min_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_min_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(m);
+}
+
+/* update_group for E4M3 codes with expansion on 8 lanes (n a multiple of 8); the reductions
+   as in update_group_ex_v: vmaxps(x, acc) keeps acc where x is NaN, the min-non-zero runs on
+   |x| bits - FLT_MIN_BITS (unsigned; zero and subnormal magnitudes wrap above the rest). */
+AI void update_group_ex_v8(char* p_, const char* g_, const uint8_t* restrict qm,
+                           const uint8_t* restrict qv, float* restrict m_out,
+                           float* restrict v_out, const float* tam, const float* tbm,
+                           const float* tav, const float* tbv, const float* restrict hp,
+                           int64_t n, uint32_t* restrict red, const int PB, const int GB,
+                           const int SQ) {
+    const __m256 decay = F8(hp[HP_DECAY]), step_size = F8(hp[HP_STEP_SIZE]);
+    const __m256 w1 = F8(hp[HP_ONE_MINUS_BETA1]), b2 = F8(hp[HP_BETA2]);
+    const __m256 w2 = F8(hp[HP_ONE_MINUS_BETA2]), eps = F8(hp[HP_EPS]);
+    const __m256 inv_bc2s = F8(hp[HP_INV_BC2]);
+    const dec_tab8_t tm = dec_tables_v8(tam, tbm), tv = dec_tables_v8(tav, tbv);
+    const __m256i absm = I8(0x7FFFFFFF), fmin = I8(FLT_MIN_BITS);
+    float* restrict p32 = (float*)p_;
+    uint16_t* restrict pbf = (uint16_t*)p_;
+    const float* restrict g32 = (const float*)g_;
+    const uint16_t* restrict gbf = (const uint16_t*)g_;
+    __m256i amx = _mm256_setzero_si256(), amn = I8(INF_BITS - FLT_MIN_BITS);
+    __m256i avx = _mm256_setzero_si256(), avn = amn;
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 mo = dec_coat_v8(qm + i, tm);
+        __m256 vo = dec_coat_v8(qv + i, tv);
+        if (SQ) vo = _mm256_mul_ps(vo, vo);
+        __m256 g = GB ? bf16x8_to_f(gbf + i) : _mm256_loadu_ps(g32 + i);
+        __m256 p = PB ? bf16x8_to_f(pbf + i) : _mm256_loadu_ps(p32 + i);
+        __m256 mn = _mm256_add_ps(mo, _mm256_mul_ps(w1, _mm256_sub_ps(g, mo)));
+        __m256 vn = _mm256_add_ps(_mm256_mul_ps(vo, b2), _mm256_mul_ps(_mm256_mul_ps(w2, g), g));
+        __m256 rt = _mm256_sqrt_ps(vn);
+        __m256 den = _mm256_add_ps(_mm256_mul_ps(rt, inv_bc2s), eps);
+        __m256 pn = _mm256_sub_ps(_mm256_mul_ps(p, decay),
+                                  _mm256_div_ps(_mm256_mul_ps(step_size, mn), den));
+        if (PB) f_to_bf16x8(pbf + i, pn); else _mm256_storeu_ps(p32 + i, pn);
+        __m256 vs = SQ ? rt : vn;
+        _mm256_storeu_ps(m_out + i, mn);
+        _mm256_storeu_ps(v_out + i, vs);
+        __m256i a = _mm256_and_si256(_mm256_castps_si256(mn), absm);
+        __m256i b = _mm256_and_si256(_mm256_castps_si256(vs), absm);
+        amx = _mm256_castps_si256(_mm256_max_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(amx)));
+        avx = _mm256_castps_si256(_mm256_max_ps(_mm256_castsi256_ps(b), _mm256_castsi256_ps(avx)));
+        amn = _mm256_min_epu32(amn, _mm256_sub_epi32(a, fmin));
+        avn = _mm256_min_epu32(avn, _mm256_sub_epi32(b, fmin));
+    }
+    red[0] = hmax_epu32_8(amx);
+    red[1] = hmin_epu32_8(amn) + FLT_MIN_BITS;
+    red[2] = hmax_epu32_8(avx);
+    red[3] = hmin_epu32_8(avn) + FLT_MIN_BITS;
+}
+
+/* requant's EX branch for E4M3 codes on U vectors of 8 lanes at a time (n a multiple of 8·U),
+   each step applied to the U vectors before the next (interleaved polynomial chains). The
+   scalar loop's operations, except where the result is the same by construction:
+   - flog2 of |x| itself, not of (nz ? |x| : 1): the lanes that differ are zeroed by nz;
+   - nz ? mag : 0 as an AND with the mask, min(mag, F) as vminps (mag is never NaN);
+   - rint(mag·512) of the subnormal codes as vcvtps2dq (the MXCSR rounding of the scalar
+     code's MAGIC add), floor(mag·512 + u) as vroundps then vcvttps2dq (an integer < 9);
+   - the SR normal code (mag + low) >> 20 without clearing the low bits first. */
+AI void requant_e4m3_ex_v8(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
+                           float k, float lmax, uint32_t key, const int SR, const int U) {
+    const __m256 kv = F8(k), lm = F8(lmax);
+    const __m256i dh = I8(8u * (uint32_t)SR_WEYL);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i h = _mm256_mullo_epi32(_mm256_add_epi32(I8(key), lanes), I8((uint32_t)SR_WEYL));
+    for (int64_t i0 = 0; i0 < n; i0 += 8 * U) {
+        __m256i xb[8], ab[8], c[8]; /* U <= 8 */
+        __m256 tm[8], acc[8], y[8], f[8], mag[8], nz[8];
+        for (int u = 0; u < U; ++u) {
+            xb[u] = _mm256_castps_si256(_mm256_loadu_ps(buf + i0 + 8 * u));
+            ab[u] = _mm256_and_si256(xb[u], I8(0x7FFFFFFF));
+            /* |x| >= FLT_MIN (false for NaN) */
+            nz[u] = _mm256_cmp_ps(_mm256_castsi256_ps(ab[u]), F8(FLT_MIN_F), _CMP_GE_OQ);
+            __m256i m = _mm256_or_si256(_mm256_and_si256(ab[u], I8(0x7FFFFF)), I8(0x3F800000));
+            tm[u] = _mm256_sub_ps(_mm256_castsi256_ps(m), F8(1.0f));
+        }
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm256_add_ps(_mm256_mul_ps(tm[u], F8(LOG2_C5)), F8(LOG2_C4));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm256_add_ps(_mm256_mul_ps(acc[u], tm[u]), F8(LOG2_C3));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm256_add_ps(_mm256_mul_ps(acc[u], tm[u]), F8(LOG2_C2));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm256_add_ps(_mm256_mul_ps(acc[u], tm[u]), F8(LOG2_C1));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm256_add_ps(_mm256_mul_ps(acc[u], tm[u]), F8(LOG2_C0));
+        for (int u = 0; u < U; ++u) {
+            __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(ab[u], 23), I8(127)));
+            __m256 lx = _mm256_add_ps(e, _mm256_mul_ps(acc[u], tm[u]));
+            y[u] = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(lx, lm), kv), F8(E4M3_LOG2MAX));
+        }
+        /* fexp2_nc */
+        for (int u = 0; u < U; ++u) {
+            f[u] = _mm256_sub_ps(y[u], _mm256_floor_ps(y[u]));
+            acc[u] = _mm256_add_ps(_mm256_mul_ps(f[u], F8(EXP2_C3)), F8(EXP2_C2));
+        }
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm256_add_ps(_mm256_mul_ps(acc[u], f[u]), F8(EXP2_C1));
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm256_add_ps(_mm256_mul_ps(acc[u], f[u]), F8(EXP2_C0));
+        for (int u = 0; u < U; ++u) {
+            __m256 poly = _mm256_add_ps(_mm256_mul_ps(acc[u], f[u]), F8(1.0f));
+            __m256i sh = _mm256_slli_epi32(_mm256_cvttps_epi32(_mm256_floor_ps(y[u])), 23);
+            mag[u] = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(poly), sh));
+            mag[u] = _mm256_min_ps(_mm256_and_ps(mag[u], nz[u]), F8(E4M3_MAX));
+#ifdef REQUANT_PROBE_V8 /* tests only: the magnitude before the cast */
+            REQUANT_PROBE_V8(i0 + 8 * u, mag[u]);
+#endif
+        }
+        if (SR) {
+            for (int u = 0; u < U; ++u) {
+                __m256i low = _mm256_srli_epi32(h, 32 - E4M3_SR_DROP);
+                h = _mm256_add_epi32(h, dh);
+                __m256i mb = _mm256_castps_si256(mag[u]);
+                __m256i cn = _mm256_sub_epi32(
+                    _mm256_srli_epi32(_mm256_add_epi32(mb, low), E4M3_SR_DROP), I8(120 << 3));
+                __m256 uu = _mm256_mul_ps(_mm256_cvtepi32_ps(low), F8(E4M3_SR_UNIT));
+                __m256i cs = _mm256_cvttps_epi32(_mm256_floor_ps(
+                    _mm256_add_ps(_mm256_mul_ps(mag[u], F8(E4M3_SR_STEPS)), uu)));
+                __m256 sub = _mm256_cmp_ps(mag[u], F8(E4M3_SR_MIN_NORMAL), _CMP_LT_OQ);
+                c[u] = _mm256_blendv_epi8(cn, cs, _mm256_castps_si256(sub));
+                c[u] = _mm256_min_epu32(c[u], I8(0x7E));
+            }
+        } else {
+            for (int u = 0; u < U; ++u) {
+                __m256i mb = _mm256_castps_si256(mag[u]);
+                __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mb, 20), I8(1));
+                __m256i cn = _mm256_sub_epi32(
+                    _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mb, I8(0x7FFFF)), lsb), 20),
+                    I8(120 << 3));
+                __m256i cs = _mm256_cvtps_epi32(_mm256_mul_ps(mag[u], F8(512.0f)));
+                __m256 sub = _mm256_cmp_ps(mag[u], F8(0.015625f), _CMP_LT_OQ);
+                c[u] = _mm256_blendv_epi8(cn, cs, _mm256_castps_si256(sub));
+            }
+        }
+        for (int u = 0; u < U; ++u) { /* | the sign bit (bit 31 of x moved to bit 7) */
+            __m256i code = _mm256_or_si256(
+                c[u], _mm256_and_si256(_mm256_srli_epi32(xb[u], 24), I8(0x80)));
+            __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                         _mm256_extracti128_si256(code, 1));
+            _mm_storel_epi64((__m128i*)(q + i0 + 8 * u), _mm_packus_epi16(w, w));
+        }
+    }
+    for (int64_t i = n; i < gs; ++i) q[i] = 0;
+}
+#undef I8
+#undef F8
+#endif
+
 /* enc_fp8 of a magnitude known to be in [0, F] (not NaN), with the sign bit s (0x80 or 0) of
    the value: the same code without the sign / NaN handling of the general cast. */
 AI uint8_t enc_fp8_mag(float a, uint32_t s, const int E5) {
@@ -467,6 +698,16 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
     }
     if (EX && !E5 && n % 16 == 0) {
         requant_e4m3_ex_v(buf, q, n, gs, k, lmax, key, SR, 1);
+        return;
+    }
+#endif
+#if HAVE_AVX2_PATH
+    if (EX && !E5 && n % 32 == 0) {
+        requant_e4m3_ex_v8(buf, q, n, gs, k, lmax, key, SR, 4);
+        return;
+    }
+    if (EX && !E5 && n % 8 == 0) {
+        requant_e4m3_ex_v8(buf, q, n, gs, k, lmax, key, SR, 1);
         return;
     }
 #endif
@@ -741,6 +982,13 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
                 update_group_ex_v(pbase + off * psz, gbase + off * gsz, mq + gi * gs,
                                   vq + gi * gs, mb + j * gs, vb + j * gs, tam[j], tbm[j], tav[j],
                                   tbv[j], hp, n, red, PB, GB, SQ);
+            else
+#endif
+#if HAVE_AVX2_PATH
+            if (EX && !E5 && n % 8 == 0) /* E4M3 codes with expansion: 8 lanes */
+                update_group_ex_v8(pbase + off * psz, gbase + off * gsz, mq + gi * gs,
+                                   vq + gi * gs, mb + j * gs, vb + j * gs, tam[j], tbm[j],
+                                   tav[j], tbv[j], hp, n, red, PB, GB, SQ);
             else
 #endif
                 update_group(pbase + off * psz, gbase + off * gsz, mq + gi * gs, vq + gi * gs,
