@@ -11,6 +11,31 @@ benchmark: shadows restart from the reference parameters every step) averaged ov
 steps before step 300 (and 1000 when run that long), and the one-shot error.
 
     python benchmarks/bench_optim_oracle.py --steps 300      # optim_oracle.json
+
+**Storage budget** (``optim_oracle_budget.json``): every variant also reports the bits per
+parameter its state would take (:func:`state_bits`): code bits (``log2`` of the number of
+codes, so a fractional width means an (m, v) pair packed in one mixed-radix code) plus the
+per-group scales. New spec keys, usable on any moment:
+
+- ``"fmt": "mlog"`` with ``"codes": C``: unsigned Mitchell-log codes ``0..C`` (``log2(C+1)``
+  bits: ``C = 511`` is 9 bits, ``360`` is 8.5 bits), ``"steps"`` codes per octave at ``k = 1``
+  (default ``(C+1)/16``: 16 octaves at ``k = 1``, as ``mlog16u``);
+- ``"fmt": "int"`` with ``"levels": L``: linear absmax codes ``-L..L`` (``log2(2L+1)`` bits;
+  ``L = 127`` is ``int8``, ``181`` is 8.5 bits);
+- ``"scale"``: how the group's maximum is stored, rounded *up* to its grid: ``"f32"`` (32
+  bits, exact: every older variant), ``"l16"`` (16 bits, 1/256 octave), ``"l8q4"`` (8 bits,
+  1/4 octave: 64 octaves), ``"e8"`` (8 bits, whole octaves: an E8M0 exponent as in OCP MX);
+  for ``mlog`` the grid is in Mitchell's log (whole octaves = powers of two);
+- ``"kbits"``: COAT's ``k = j/16`` stored in that many bits (``k <= (2^kbits - 1)/16``;
+  without it ``k`` counts 32 bits, clamped to 1024 as before).
+
+Names of the budget variants: ``mnorm_i<L>`` / ``v_ml<C>`` for the new widths, then the
+rounding (``ld``), the scale (``s8q4``, ``e8k8`` = e8 scale + 8-bit k) and ``g<N>`` (group).
+The scale codes each run used are recorded (``scale_codes``: smallest and largest, to check
+that they fit their bits).
+
+    python benchmarks/bench_optim_oracle.py --steps 300 --variants <budget variants> \
+        --output benchmarks/results/optim_oracle_budget.json
 """
 
 from __future__ import annotations
@@ -18,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +70,66 @@ FORMATS = {
 # Mitchell-log codes: magnitude code c in [1, C] uniform in L(x) = E + mu (the float's bit
 # pattern read as a number), S codes per octave at k = 1; 0 = zero.
 MLOG = {"mlog8": (127, 8), "mlog16u": (255, 16)}
+# How a group's maximum is stored: (bits, grid step in octaves); rounded up to the grid.
+SCALES = {"f32": (32, 0.0), "l16": (16, 1 / 256), "l8q4": (8, 0.25), "e8": (8, 1.0)}
+# Smallest / largest scale code seen, per "variant:moment" (filled by the oracle run).
+SCALE_CODES: dict[str, list[float]] = {}
+
+
+def store_scale(lg: torch.Tensor, spec: dict[str, Any], tag: str | None) -> torch.Tensor:
+    """The log2 (Mitchell's for mlog) of a group's maximum as stored: rounded up to the grid
+    of ``spec["scale"]`` (unchanged for f32). ``lg``: finite entries for non-zero groups."""
+    step = SCALES[spec.get("scale", "f32")][1]
+    if step == 0:
+        return lg
+    j = torch.ceil(lg / step)
+    if tag is not None:
+        real = j[lg.abs() < 1e8]
+        if real.numel():
+            lo, hi = SCALE_CODES.setdefault(tag, [math.inf, -math.inf])
+            SCALE_CODES[tag] = [min(lo, float(real.min())), max(hi, float(real.max()))]
+    return j * step
+
+
+def k_max(spec: dict[str, Any]) -> float:
+    return (2 ** spec["kbits"] - 1) / 16 if "kbits" in spec else 1024.0
+
+
+def code_bits(spec: dict[str, Any] | None) -> float:
+    """Bits per element of one moment's codes (fractional: packed with the other moment)."""
+    if spec is None:
+        return 32.0
+    if spec["fmt"] == "mlog":
+        return math.log2(spec["codes"] + 1)
+    if spec["fmt"] == "int":
+        return math.log2(2 * spec["levels"] + 1)
+    return 8.0
+
+
+def scale_bits(spec: dict[str, Any] | None) -> float:
+    """Bits per element of one moment's group scales (max, and k where the format has one)."""
+    if spec is None:
+        return 0.0
+    per_group = SCALES[spec.get("scale", "f32")][0]
+    fmt = spec["fmt"]
+    if fmt in MLOG or fmt == "mlog" or (fmt in FORMATS and spec.get("expand", True)):
+        per_group += spec.get("kbits", 32)
+    return per_group / spec.get("gs", 128)
+
+
+def state_bits(mspec: dict | None, vspec: dict | None) -> dict[str, float]:
+    """Bits per parameter of a variant's optimizer state (codes + scales)."""
+    codes = code_bits(mspec) + code_bits(vspec)
+    total = codes + scale_bits(mspec) + scale_bits(vspec)
+    return {
+        "m_code_bits": round(code_bits(mspec), 4),
+        "v_code_bits": round(code_bits(vspec), 4),
+        "m_scale_bits": round(scale_bits(mspec), 4),
+        "v_scale_bits": round(scale_bits(vspec), 4),
+        "bits_per_param": round(total, 4),
+        "pair_packed_bits_per_param": round(math.ceil(codes - 1e-9) + total - codes, 4),
+        "bytes_per_param": round(total / 8, 4),
+    }
 
 
 def mitchell_log(x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +143,7 @@ def mitchell_exp(lg: torch.Tensor) -> torch.Tensor:
 
 
 PHI = 0.6180339887498949  # golden ratio: frac(base + t * PHI) is low-discrepancy in t
+_LD_BASES: dict[tuple, torch.Tensor] = {}  # TimeLowDiscrepancy's bases: the same every step
 
 
 class TimeLowDiscrepancy:
@@ -69,7 +156,11 @@ class TimeLowDiscrepancy:
         self.t, self.key = t, key
 
     def rand(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        base = torch.rand(shape, generator=torch.Generator().manual_seed(self.key), dtype=dtype)
+        cache_key = (self.key, tuple(shape), dtype)
+        base = _LD_BASES.get(cache_key)
+        if base is None:
+            gen = torch.Generator().manual_seed(self.key)
+            base = _LD_BASES[cache_key] = torch.rand(shape, generator=gen, dtype=dtype)
         return torch.frac(base + (self.t * PHI) % 1.0)
 
 
@@ -91,20 +182,31 @@ def round_grid(y: torch.Tensor, fmt: str, u: torch.Tensor | None) -> torch.Tenso
     return (q * ulp).clamp(max=fmax)
 
 
-def roundtrip(x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
+def roundtrip(
+    x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator, tag: str | None = None
+) -> torch.Tensor:
     """``x`` (``[rows, cols]``) stored in ``spec``'s format and read back (fp32)."""
     fmt, gs = spec["fmt"], spec.get("gs", 128)
     rows, cols = x.shape
-    if fmt in MLOG:
-        return mlog_roundtrip(x, spec, gen)
-    if fmt == "int8":  # linear absmax, 127 levels a sign
+    if cols % gs:  # groups longer than a row: of the flattened tensor, zero-padded
+        flat = torch.nn.functional.pad(x.reshape(-1), (0, -x.numel() % gs))
+        out = roundtrip(flat.view(-1, gs), spec, gen, tag).reshape(-1)
+        return out[: x.numel()].view(rows, cols)
+    if fmt in MLOG or fmt == "mlog":
+        return mlog_roundtrip(x, spec, gen, tag)
+    if fmt in ("int8", "int"):  # linear absmax, 127 (or "levels") levels a sign
+        levels = spec.get("levels", 127)
         xg = x.reshape(rows, cols // gs, gs).float()
         amax = xg.abs().amax(-1, keepdim=True)
+        if spec.get("scale", "f32") != "f32":
+            lg = torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)).double())
+            lg = torch.where(amax > 0, lg, torch.full_like(lg, 1e9))
+            amax = torch.where(amax > 0, torch.exp2(store_scale(lg, spec, tag)).float(), amax)
         safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-        y = xg.abs() / safe * 127
+        y = xg.abs() / safe * levels
         u = uniform(gen, xg.shape) if spec.get("sr") else None
         q = torch.floor(y + u) if u is not None else torch.round(y)
-        return (torch.sign(xg) * q * safe / 127).reshape(rows, cols)
+        return (torch.sign(xg) * q * safe / levels).reshape(rows, cols)
     fmax = FORMATS[fmt][2]
     xg = x.reshape(rows, cols // gs, gs).float()
     ax = xg.abs()
@@ -128,8 +230,14 @@ def roundtrip(x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator) -> to
     return (torch.sign(xg) * out).reshape(rows, cols)
 
 
-def mlog_roundtrip(x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
-    cmax, steps = MLOG[spec["fmt"]]
+def mlog_roundtrip(
+    x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator, tag: str | None = None
+) -> torch.Tensor:
+    if spec["fmt"] == "mlog":
+        cmax = spec["codes"]
+        steps = spec.get("steps", (cmax + 1) / 16)
+    else:
+        cmax, steps = MLOG[spec["fmt"]]
     gs = spec.get("gs", 128)
     rows, cols = x.shape
     xg = x.reshape(rows, cols // gs, gs).float()
@@ -138,10 +246,11 @@ def mlog_roundtrip(x: torch.Tensor, spec: dict[str, Any], gen: torch.Generator) 
     lx = mitchell_log(torch.where(nz, ax, torch.ones_like(ax)))
     lmax = torch.where(nz, lx, torch.full_like(lx, -1e9)).amax(-1, keepdim=True)
     lmin = torch.where(nz, lx, torch.full_like(lx, 1e9)).amin(-1, keepdim=True)
+    lmax = store_scale(lmax, spec, tag)  # all-zero groups (lmax = -1e9) store zeros anyway
     lr = (lmax - lmin).clamp(min=0)
     span = cmax - 2 if spec.get("snap") else cmax - 1  # snapping may cost one code
     k = torch.where(lr > 0, torch.floor(16 * span / steps / lr.clamp(min=1e-30)) / 16, 1.0)
-    k = k.clamp(1 / 16, 1024)
+    k = k.clamp(1 / 16, k_max(spec))
     if spec.get("snap"):  # the grid at fixed points j / (steps k): it moves only when k does
         lmax = torch.ceil(lmax * steps * k) / (steps * k)
     t = cmax + steps * k * (lx - lmax)
@@ -224,20 +333,68 @@ VARIANTS: dict[str, tuple[dict | None, dict | None]] = {
 }
 
 
-def store_m(m: torch.Tensor, v_stored: torch.Tensor, spec: dict | None, gen) -> torch.Tensor:
+def _m(levels: int, scale: str = "f32", gs: int = 128) -> dict[str, Any]:
+    """m / sqrt(stored v), linear absmax codes -levels..levels, ld rounding."""
+    return {"fmt": "int", "levels": levels, "norm": True, "sr": "ld", "scale": scale, "gs": gs}
+
+
+def _v(codes: int, scale: str = "f32", kbits: int | None = None, gs: int = 128) -> dict:
+    """v as unsigned Mitchell-log codes 0..codes, ld rounding."""
+    spec = {"fmt": "mlog", "codes": codes, "sr": "ld", "scale": scale, "gs": gs}
+    return spec if kbits is None else {**spec, "kbits": kbits}
+
+
+# Budget study (optim_oracle_budget.json): unequal widths, cheap scales, packed pairs.
+VARIANTS.update(
+    {
+        # one moment alone, the other exact: error against width
+        "m_exact|v_ml511_ld": (None, _v(511)),  # 9 bits
+        "m_exact|v_ml1023_ld": (None, _v(1023)),  # 10 bits
+        "m_exact|v_ml360_ld": (None, _v(360)),  # 8.5 bits
+        "m_exact|v_ml511_ld_e8k8": (None, _v(511, "e8", 8)),
+        "mnorm_i63_ld|v_exact": (_m(63), None),  # 7 bits
+        "mnorm_i127_ld|v_exact": (_m(127), None),  # 8 bits
+        "mnorm_i181_ld|v_exact": (_m(181), None),  # 8.5 bits
+        "mnorm_i255_ld|v_exact": (_m(255), None),  # 9 bits
+        "mnorm_i127_ld_s8q4|v_exact": (_m(127, "l8q4"), None),
+        # pairs within 17.2 bits (2.15 bytes) a parameter
+        "mnorm_i127_ld_s8q4|v_ml511_ld_e8k8": (_m(127, "l8q4"), _v(511, "e8", 8)),  # 8 + 9
+        "mnorm_i63_ld_s8q4|v_ml1023_ld_e8k8": (_m(63, "l8q4"), _v(1023, "e8", 8)),  # 7 + 10
+        "mnorm_i255_ld_s8q4|v_mlog16u_ld_e8k8": (  # 9 + 8
+            _m(255, "l8q4"),
+            {"fmt": "mlog16u", "sr": "ld", "scale": "e8", "kbits": 8},
+        ),
+        "mnorm_i181_ld_s8q4|v_ml360_ld_e8k8": (_m(181, "l8q4"), _v(360, "e8", 8)),  # 8.5 + 8.5
+        "mnorm_i181_ld_s8q4_g64|v_ml360_ld_e8k8_g256": (
+            _m(181, "l8q4", 64),
+            _v(360, "e8", 8, 256),
+        ),
+        "mnorm_i127_ld_s8q4_g64|v_ml511_ld_e8k8_g256": (
+            _m(127, "l8q4", 64),
+            _v(511, "e8", 8, 256),
+        ),
+        # the 8 + 9 pair with exact fp32 scales (over budget: what the cheap scales cost)
+        "mnorm_i127_ld|v_ml511_ld": (_m(127), _v(511)),
+    }
+)
+
+
+def store_m(
+    m: torch.Tensor, v_stored: torch.Tensor, spec: dict | None, gen, tag: str | None = None
+) -> torch.Tensor:
     """m as stored; ``spec["norm"]``: m / sqrt(stored v) is quantized (scaled back here)."""
     if spec is None:
         return m
     rows = m.shape[0]
     if not spec.get("norm"):
-        return roundtrip(m.reshape(rows, -1), spec, gen).view_as(m)
+        return roundtrip(m.reshape(rows, -1), spec, gen, tag).view_as(m)
     r = v_stored.sqrt()
     if spec["norm"] == "pow2":  # 2^floor(log2 sqrt(v)): exact scaling, no division
         _, e = torch.frexp(r)
         r = torch.where(r > 0, torch.ldexp(torch.ones_like(r), e - 1), torch.zeros_like(r))
     safe = torch.where(r > 0, r, torch.ones_like(r))
     mn = torch.where(r > 0, m / safe, torch.zeros_like(m))
-    return roundtrip(mn.reshape(rows, -1), spec, gen).view_as(m) * r
+    return roundtrip(mn.reshape(rows, -1), spec, gen, tag).view_as(m) * r
 
 
 class OracleShadows:
@@ -277,8 +434,9 @@ class OracleShadows:
                     root = roundtrip(v.sqrt().reshape(rows, -1), vspec, vgen)
                     self.v[name][i] = (root * root).view_as(v)
                 else:
-                    self.v[name][i] = roundtrip(v.reshape(rows, -1), vspec, vgen).view_as(v)
-                self.m[name][i] = store_m(m, self.v[name][i], mspec, mgen)
+                    vq = roundtrip(v.reshape(rows, -1), vspec, vgen, f"{name}:v")
+                    self.v[name][i] = vq.view_as(v)
+                self.m[name][i] = store_m(m, self.v[name][i], mspec, mgen, f"{name}:m")
             self.err[name].append(math.sqrt(diff) / ref_norm)
 
 
@@ -311,7 +469,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     parser.add_argument("--output", type=Path, default=fid.RESULTS / "optim_oracle.json")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     started = time.perf_counter()
     tokens, vocab = fid.corpus_tokens((args.steps + fid.EVAL_BATCHES) * fid.BATCH * fid.SEQ)
     batches = tokens[: (len(tokens) // (fid.BATCH * fid.SEQ)) * fid.BATCH * fid.SEQ]
@@ -343,6 +504,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "formats": FORMATS,
         "variants": {n: VARIANTS[n] for n in args.variants},
+        "bits": {n: state_bits(*VARIANTS[n]) for n in args.variants},
+        "scale_codes": {k: v for k, v in SCALE_CODES.items() if k.split(":")[0] in args.variants},
+        "threads": torch.get_num_threads(),
+        "load_average_before_after": [list(load_before), list(os.getloadavg())],
         "summary": summary,
         "curves": {n: [round(x, 5) for x in e] for n, e in shadows.err.items()},
         "wall_s": round(time.perf_counter() - started, 1),
