@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_optim import make_params  # noqa: E402
-from hf_fp8.optim import AdamWFp8, _cpu_kernel  # noqa: E402
+from hf_fp8.optim import AdamWFp8, _cpu_kernel, _step  # noqa: E402
 from hf_fp8.utils import native  # noqa: E402
 
 ENTRY = r"""
@@ -49,20 +49,33 @@ double ab_bench(const int64_t* t, int64_t nlim, int inner) {
 """
 
 
-def captured_task(options: dict) -> tuple[list[int], AdamWFp8]:
-    """The kernel task of the largest parameter after a few steps with ``options``, and the
-    optimizer whose tensors it points into (keep it alive while the task runs)."""
+def captured_task(options: dict) -> tuple[list[int], tuple[AdamWFp8, torch.Tensor]]:
+    """The kernel task of the largest parameter after a few steps with ``options``, and what
+    it points into (keep it alive while the task runs): the optimizer, and a copy of the
+    step's hyper-parameters, whose own tensor is a temporary freed after the step (a task
+    left pointing at it ran with whatever the allocator put there: a step size of 3e-41
+    and a decay of -2e-35 were seen, whose denormal products slowed the update loop 20 %)."""
     opt = AdamWFp8(make_params(), **options)
     for _ in range(3):
         opt.step()
     tasks: list[list[int]] = []
+    hps: list[torch.Tensor] = []
+    hp_field = _cpu_kernel.TASK_FIELDS.index("hp")
+
+    def capture(batch: list[list[int]]) -> None:
+        for task in batch:
+            values = (ctypes.c_float * len(_step.HP_FIELDS)).from_address(task[hp_field])
+            hps.append(torch.tensor(list(values), dtype=torch.float32))
+            tasks.append([*task[:hp_field], hps[-1].data_ptr(), *task[hp_field + 1 :]])
+
     launch = _cpu_kernel.launch
-    _cpu_kernel.launch = tasks.extend
+    _cpu_kernel.launch = capture
     try:
         opt.step()
     finally:
         _cpu_kernel.launch = launch
-    return max(tasks, key=lambda t: t[_cpu_kernel.TASK_FIELDS.index("p_n")]), opt
+    i = max(range(len(tasks)), key=lambda i: tasks[i][_cpu_kernel.TASK_FIELDS.index("p_n")])
+    return tasks[i], (opt, hps[i])
 
 
 def main(argv: list[str] | None = None) -> dict:
