@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -219,6 +220,26 @@ _ACTIVE: dict[str, str | None] = {}
 # (the ``avx512bf16`` path) unless the CPU has AMX, whose oneDNN matmul a vdpbf16ps GEMM
 # cannot match; ``True`` / ``False`` force it on / off (tests, benchmarks).
 FUSED_MM: bool | None = None
+# bf16 products above the GEMV limit through an fp32 matmul of the same bf16 operands, rounded
+# to bf16 once as the bf16 matmul rounds them (fp32 sums both ways): where torch's bf16 matmul
+# has no fast kernel (oneDNN without bf16 support: AVX2 CPUs such as AMD Zen 1-3), it runs at
+# about 1/5 of the fp32 matmul (benchmarks/bench_linear.py). None: decided from the CPU.
+BF16_VIA_FP32: bool | None = None
+
+
+def bf16_matmul_via_fp32() -> bool:
+    """Whether bf16 decode + matmul products run as fp32 matmuls (see ``BF16_VIA_FP32``)."""
+    if BF16_VIA_FP32 is not None:
+        return BF16_VIA_FP32
+    return not _mkldnn_bf16()
+
+
+@functools.cache
+def _mkldnn_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the query: its bf16 matmul
+        return True
 
 
 def fused_mm_enabled(path: str) -> bool:
@@ -485,10 +506,16 @@ def _fp8_mm_impl(
     )
     if a.dtype == torch.bfloat16 and k % 2 == 0 and fused_mm_enabled(path):
         return fused_mm(a, w, w_scale, a_scale, bias, w_gran, bn, bk, w_post, path)
-    rows = max(16, min(n, TILE_BYTES // (k * a.element_size()) // 16 * 16))
+    # bf16 operands in fp32 (exact) where the bf16 matmul is slow: the same products and fp32
+    # sums, rounded to bf16 once per output as the bf16 matmul rounds them
+    via_fp32 = a.dtype == torch.bfloat16 and bf16_matmul_via_fp32()
+    mm_dtype = torch.float32 if via_fp32 else a.dtype
+    rows = max(16, min(n, TILE_BYTES // (k * mm_dtype.itemsize) // 16 * 16))
     # out.T tile by tile (tile @ a.T: rows of out.T), joined by one cat. Measured with 2
     # threads: torch.mm(..., out=) and a @ tile.T per tile ran 5-10x slower than this.
     buf = torch.empty(rows * k, dtype=a.dtype)
+    buf32 = torch.empty(rows * k, dtype=torch.float32) if via_fp32 else None
+    a_mm = a.float() if via_fp32 else a
     parts = []
     # without scales after the matmul the bias joins the fp32 sum before the one rounding to
     # bf16, as F.linear(a, w, bias) does (the epilogue would round twice)
@@ -496,12 +523,19 @@ def _fp8_mm_impl(
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         scale = None if w_post else w_scale
-        tile = decode(w, scale, w_gran, (bn, bk), a.dtype, rows=(r0, r1), out=buf, path=path)
+        if via_fp32 and w_post:  # unscaled fp8 values: exact in fp32 as in bf16
+            tile = decode(w, None, w_gran, (bn, bk), mm_dtype, rows=(r0, r1), out=buf32, path=path)
+        else:  # folded scales: the emulation's bf16 operand, then exactly to fp32
+            tile = decode(w, scale, w_gran, (bn, bk), a.dtype, rows=(r0, r1), out=buf, path=path)
+            if via_fp32:
+                tile = buf32[: tile.numel()].view(tile.shape).copy_(tile)
         if bias_in_mm:
-            parts.append(torch.addmm(bias[r0:r1, None], tile, a.t()))
+            parts.append(torch.addmm(bias[r0:r1, None].to(mm_dtype), tile, a_mm.t()))
         else:
-            parts.append(torch.nn.functional.linear(tile, a))
+            parts.append(torch.nn.functional.linear(tile, a_mm))
     out_t = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if via_fp32:
+        out_t = out_t.to(torch.bfloat16)
     if a.dtype != torch.bfloat16:
         out = out_t.t()
         return (out if bias is None else out + bias).contiguous()

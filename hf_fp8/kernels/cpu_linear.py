@@ -8,7 +8,9 @@ lengths never recompile), then
 * up to ``gemv_limit()`` tokens (16 with bf16 dot products, else 4): the fused GEMV (fp32 activation, fp32 accumulation,
   the emulation's epilogue in C; block weight scales applied per K-block partial sum);
 * above: the weight decoded tile by tile into the compute dtype (bf16 / fp32, bit-identical
-  to the emulation's decode) and torch's matmul, then the emulation's epilogue; with bf16
+  to the emulation's decode) and torch's matmul, then the emulation's epilogue (bf16 operands
+  multiplied as fp32 and rounded to bf16 once where torch's bf16 matmul is slow:
+  ``cpu_kernel.BF16_VIA_FP32``, AVX2 CPUs); with bf16
   on the ``avx512bf16`` path, the fused decode + GEMM instead (``cpu_kernel.fused_mm``),
   which also fake-quantizes dynamic (per token or per tensor) and static activations itself
   while packing them (same bits as ``quantize_activation``, one C call, no ``[M, K]``

@@ -166,13 +166,21 @@ def _multiply(
         codes, None if w_post else w_scale, plan.weight_granularity, (bn, bk), out.dtype,
         out=buffer, path=path,
     )  # fmt: skip
+    # bf16 operands in fp32 (exact) where the bf16 matmul is slow (cpu_kernel.BF16_VIA_FP32):
+    # the same products and fp32 sums, rounded to bf16 once as the bf16 matmul rounds them
+    via_fp32 = out.dtype == torch.bfloat16 and cpu_kernel.bf16_matmul_via_fp32()
+    if via_fp32:
+        a, w = a.float(), w.float()
+        bias = None if bias is None else bias.float()
     if not (w_post or a_post):  # scales folded into the operands
-        if bias is None:
+        if bias is None and not via_fp32:
             torch.mm(a, w.t(), out=out)
         else:
             out.copy_(F.linear(a, w, bias))
         return
     acc = torch.mm(a, w.t())  # bf16 x fp32 scale promotes to fp32: no .float() pass
+    if via_fp32:
+        acc = acc.to(torch.bfloat16)
     out.copy_(
         _emu._epilogue(acc, a_scale if a_post else None, w_scale if w_post else None, bias,
                        out.dtype)
