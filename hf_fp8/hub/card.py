@@ -1,5 +1,17 @@
 """Model cards: render ``hf_fp8/hub/templates/hf_fp8_model_card.md.j2`` (Jinja2, package data),
-embed the facts so a later push can re-render them, and respect cards the user wrote."""
+embed the facts so a later push can re-render them, and respect cards the user wrote.
+
+hf_fp8 writes its part of a card between two marker lines, ``<!-- hf_fp8:begin ... -->`` and
+``<!-- hf_fp8:end sha256:<digest> -->`` (the digest of what it wrote there), and of the YAML
+metadata only its own keys (``library_name``, ``tags``, ``base_model``,
+``base_model_relation``). A later render (:func:`merge_card`) replaces that part only, and only
+when it is still what hf_fp8 wrote: text the user wrote around it, and metadata keys and values
+the user set, stay byte for byte (a BOM and CRLF line endings included). A card whose marked
+part the user edited, or whose markers are not as hf_fp8 wrote them, is kept as it is (hf_fp8's
+missing metadata keys added) with one warning that names the fix. A card of an older hf_fp8
+(no markers) is re-rendered around the user's additions when its generated text is found
+unchanged in it, else kept whole with the new part added after it (one warning).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +27,21 @@ from typing import Any
 import jinja2
 from huggingface_hub import ModelCard, ModelCardData
 
-from hf_fp8.hub.card_file import read_card, write_card
+from hf_fp8.hub.card_file import (
+    BEGIN_MARKER,
+    END_MARKER,
+    FRONT_MATTER,
+    MarkedPart,
+    digest,
+    find_marked_part,
+    marked_part,
+    merge_metadata,
+    normal_text,
+    read_card,
+    split_card,
+    warn_card,
+    write_card,
+)
 from hf_fp8.hub.card_info import UNKNOWN_SCALES, CardInfo, hub_model_id
 from hf_fp8.serialization.summary import activation_words, weight_words
 
@@ -138,8 +164,22 @@ def render_model_card(
     tags: Iterable[str] = (),
     template: str | os.PathLike | None = None,
 ) -> str:
-    """Markdown of the model card (YAML metadata first). ``model_id`` is what the load
-    snippet passes to ``from_pretrained`` (default ``info.repo_id``)."""
+    """Markdown of the model card (YAML metadata first), the generated text between hf_fp8's
+    markers. ``model_id`` is what the load snippet passes to ``from_pretrained`` (default
+    ``info.repo_id``)."""
+    head, body = _render_parts(info, model_id=model_id, tags=tags, template=template)
+    return f"{head}\n{marked_part(body)}" if head else marked_part(body)
+
+
+def _render_parts(
+    info: CardInfo,
+    *,
+    model_id: str | None = None,
+    tags: Iterable[str] = (),
+    template: str | os.PathLike | None = None,
+) -> tuple[str, str]:
+    """The template's rendering split into its YAML block (with its ``---`` lines; ``""``
+    when the template writes none) and the text after it."""
     model_id = model_id or info.repo_id or "path/to/this/model"
     base = hub_model_id(info.base_model)
     name = model_id.rstrip("/").rsplit("/", 1)[-1]
@@ -168,11 +208,17 @@ def render_model_card(
         "import_dir": f"{name}-hf-fp8",
         "data_comment": f"{_DATA_START}{info.to_json()}{_DATA_END}",
     }
-    return _load_template(template).render(**context)
+    text = _load_template(template).render(**context)
+    match = FRONT_MATTER.match(text)
+    return (text[: match.end()], text[match.end() :]) if match else ("", text)
 
 
 def read_card_info(text: str) -> CardInfo | None:
-    """The facts embedded in a card hf_fp8 rendered, else ``None``."""
+    """The facts embedded in a card hf_fp8 rendered (in its marked part when the card has a
+    valid one), else ``None``."""
+    found = find_marked_part(split_card(text).body) if text else None
+    if isinstance(found, MarkedPart):
+        text = found.content
     start = text.rfind(_DATA_START)
     if start < 0:
         return None
@@ -213,37 +259,107 @@ def is_placeholder_card(text: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _template_lines() -> frozenset[str]:
-    """The lines of huggingface_hub's installed default model card template, unfilled."""
+    """The lines of huggingface_hub's installed default model card template, unfilled, and
+    those of its 0.14 - 0.17 versions: the same lines but two guidance comments that said
+    "Data Card" where today's say "Dataset Card" (and one field fewer, "Funded by"), checked
+    with ``git diff v0.14.0 v0.19.0 -- src/huggingface_hub/templates/modelcard_template.md``.
+    (Older versions differ in headings and a table of contents: their cards count as the
+    user's and are kept.)"""
     text = ModelCard.from_template(ModelCardData()).text
-    return frozenset(line.strip() for line in text.splitlines())
+    lines = {line.strip() for line in text.splitlines()}
+    return frozenset(lines | {line.replace("Dataset Card", "Data Card") for line in lines})
 
 
 def merge_card(
     existing: str | None, info: CardInfo, *, carry_figures: bool = True, **render_kwargs
 ) -> str:
-    """The card to upload: a fresh rendering that keeps the existing card's tags and the
-    facts an earlier hf_fp8 card recorded when it describes the same model
-    (:func:`same_model`): its base model, and its fidelity figures when they were also measured
-    in the compute dtype of ``info`` (:func:`same_compute_dtype`); a card the user wrote is
-    kept as written, with hf_fp8's metadata added. ``carry_figures=False``: never the earlier
-    card's fidelity figures (an export takes its source's, not those of the folder it
-    replaces)."""
-    old_tags: list[str] = []
-    if existing:
-        card = ModelCard(existing, ignore_metadata_errors=True)
-        old_tags = list(card.data.tags or [])
-        if is_user_card(existing):
-            fresh = card_metadata(info, old_tags).to_dict()
-            for key, value in fresh.items():
-                if key == "tags" or card.data.get(key) is None:
-                    card.data[key] = value
-            return str(card)
-        previous = read_card_info(existing)
-        if previous is not None and same_model(previous, info):
-            info.base_model = info.base_model or previous.base_model
-            if carry_figures and same_compute_dtype(previous.compute_dtype, info.compute_dtype):
-                info.fidelity = info.fidelity or previous.fidelity
-    return render_model_card(info, tags=old_tags, **render_kwargs)
+    """The card to write: hf_fp8's part rendered afresh in ``existing`` (see the module
+    docstring for what is kept and when a card is kept as it is, with one warning). The facts
+    an earlier hf_fp8 card recorded are carried over when it describes the same model
+    (:func:`same_model`): its base model, and its fidelity figures when they were also
+    measured in the compute dtype of ``info`` (:func:`same_compute_dtype`).
+    ``carry_figures=False``: never the earlier card's fidelity figures (an export takes its
+    source's, not those of the folder it replaces). A placeholder card
+    (:func:`is_placeholder_card`) is replaced, keeping its tags."""
+    if not existing or not existing.strip():
+        return render_model_card(info, **render_kwargs)
+    if is_placeholder_card(existing):
+        old_tags = ModelCard(existing, ignore_metadata_errors=True).data.tags or []
+        return render_model_card(info, tags=list(old_tags), **render_kwargs)
+    parts = split_card(existing)
+    found = find_marked_part(parts.body)
+    previous = read_card_info(existing)
+    if previous is not None and same_model(previous, info):
+        info.base_model = info.base_model or previous.base_model
+        if carry_figures and same_compute_dtype(previous.compute_dtype, info.compute_dtype):
+            info.fidelity = info.fidelity or previous.fidelity
+    _, fresh = _render_parts(info, **render_kwargs)
+    region = marked_part(fresh, parts.newline)
+    body, ours = parts.body, previous  # ours: whose metadata values hf_fp8 may update
+    if isinstance(found, MarkedPart):
+        if found.digest == digest(found.content) or not normal_text(found.content):
+            body = body[: found.start] + region + body[found.end :]
+        else:
+            ours = None
+            warn_card(
+                f"README.md's generated part (between its {BEGIN_MARKER} --> and "
+                f"{END_MARKER} --> lines) was edited after hf-fp8 wrote it, so the card is kept "
+                "as it is and that part is not updated: its facts may be out of date. To let "
+                "hf-fp8 update it, move your text above or below the two marker lines and "
+                "delete what lies between them (keep the marker lines)"
+            )
+    elif found is not None:
+        ours = None
+        warn_card(
+            f"README.md's hf_fp8 markers are not as hf-fp8 wrote them ({found}), so the card is "
+            "kept as it is and its generated part is not updated. To fix: keep exactly one "
+            f"{BEGIN_MARKER} --> line and one {END_MARKER} --> line after it, outside code "
+            "blocks and mentioned nowhere else, with your own text above or below them (an "
+            "empty pair is filled in on the next save)"
+        )
+    elif previous is not None:  # an hf_fp8 card without markers: an older hf_fp8 wrote it
+        span = _old_generated_span(parts.body, previous, render_kwargs)
+        if span is not None:
+            body = body[: span[0]] + region + body[span[1] :]
+        else:
+            gap = parts.newline * (1 + (not body.endswith("\n")))
+            body = f"{body}{gap}{region}"
+            warn_card(
+                "README.md was written by an older hf_fp8 (without hf_fp8:begin / hf_fp8:end "
+                "markers) and edited since: every line of it is kept and hf-fp8's updated part "
+                "is added after it, between markers. Delete the old generated text (from its "
+                "title to its '<!-- hf_fp8 card data' line) if you do not need it; from now on "
+                "only the part between the markers is rewritten"
+            )
+    wrote = card_metadata(ours).to_dict() if ours is not None else None
+    head = merge_metadata(parts, card_metadata(info).to_dict(), wrote)
+    return f"{parts.bom}{head}{body}"
+
+
+def _old_generated_span(
+    body: str, previous: CardInfo, render_kwargs: dict[str, Any]
+) -> tuple[int, int] | None:
+    """Where ``body`` (of a card without markers) holds, unchanged, the text hf_fp8 renders
+    for ``previous`` (for one of the model ids the card names): ``(start, end)`` offsets of
+    its lines; ``None`` when it is not there (edited, or another template)."""
+    names = re.findall(r'from_pretrained\("([^"\n]+)"\)|vllm serve (\S+)', body)
+    candidates = [render_kwargs.get("model_id"), previous.repo_id, None]
+    candidates += list(dict.fromkeys(a or b for a, b in names))[:8]
+    lines = body.splitlines(keepends=True)
+    normal = [line.rstrip() for line in lines]
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    kwargs = {k: v for k, v in render_kwargs.items() if k != "model_id"}
+    for model_id in dict.fromkeys(candidates):
+        _, expected = _render_parts(previous, model_id=model_id, **kwargs)
+        want = normal_text(expected).split("\n")
+        if want == [""]:
+            return None
+        for i, line in enumerate(normal):
+            if line == want[0] and normal[i : i + len(want)] == want:
+                return starts[i], starts[i + len(want)]
+    return None
 
 
 def same_model(previous: CardInfo, info: CardInfo) -> bool:
