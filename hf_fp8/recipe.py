@@ -171,21 +171,27 @@ def parse(enum: type[E], value: Any, field: str) -> E:
         raise ValueError(f"{field}={value!r} is not supported; use one of {values(enum)}") from None
 
 
+# The largest block side: a larger one means no more (one block covers any real matrix), and
+# the C kernels take int64 sizes (2**64 + 32 would wrap to 32: R22 F1).
+MAX_BLOCK = 2**31 - 1
+
+
 def _block_size(block_size: Any) -> tuple[int, int]:
-    """``block_size`` as ``(rows, cols)``: a list or tuple of two positive ints. Floats,
-    bools and strings are refused, not rounded or converted (``[32.7, 64]`` is an error)."""
+    """``block_size`` as ``(rows, cols)``: a list or tuple of two ints in [1, MAX_BLOCK].
+    Floats, bools and strings are refused, not rounded or converted (``[32.7, 64]`` is an
+    error)."""
     ok = (
         isinstance(block_size, (list, tuple))
         and len(block_size) == 2
         and all(
-            isinstance(b, numbers.Integral) and not isinstance(b, bool) and b >= 1
+            isinstance(b, numbers.Integral) and not isinstance(b, bool) and 1 <= b <= MAX_BLOCK
             for b in block_size
         )
     )
     if not ok:
         raise ValueError(
-            "block_size must be two positive ints [rows, cols] (a list or tuple of int, not "
-            f"float or bool), e.g. block_size=[128, 128]; got {block_size!r}"
+            f"block_size must be two positive ints [rows, cols] of at most {MAX_BLOCK} (a list "
+            f"or tuple of int, not float or bool), e.g. block_size=[128, 128]; got {block_size!r}"
         )
     return (int(block_size[0]), int(block_size[1]))
 

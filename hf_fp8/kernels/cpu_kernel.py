@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from hf_fp8.numerics.formats import min_scale
+from hf_fp8.recipe import MAX_BLOCK
 from hf_fp8.utils.native import cpu_features, load_library
 
 logger = logging.getLogger("hf_fp8")
@@ -333,7 +334,10 @@ def _check_weight(w: torch.Tensor, w_scale: torch.Tensor | None, gran: str, bn: 
     _check(
         gran in GRANULARITIES, lambda: f"weight granularity {gran!r} not in {tuple(GRANULARITIES)}"
     )
-    _check(bn >= 1 and bk >= 1, lambda: f"block size must be positive, got {(bn, bk)}")
+    _check(
+        1 <= bn <= MAX_BLOCK and 1 <= bk <= MAX_BLOCK,
+        lambda: f"block size must be in [1, {MAX_BLOCK}], got {(bn, bk)}",
+    )
     if w_scale is None:
         return
     n, k = w.shape
@@ -461,7 +465,10 @@ def quantize_activation(
         x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.is_contiguous(),
         lambda: f"activation must be contiguous 2-D float32 / bf16, got {tuple(x.shape)} {x.dtype}",
     )
-    _check(act_dtype in FORMATS and gran in GRANULARITIES and bk >= 1, "activation recipe")
+    _check(
+        act_dtype in FORMATS and gran in GRANULARITIES and 1 <= bk <= MAX_BLOCK,
+        lambda: f"activation recipe: {act_dtype}, {gran!r}, block size {bk}",
+    )
     _check(out_dtype in _OUT, lambda: f"activation output dtype {out_dtype}")
     m, k = x.shape
     kb = -(-k // bk)
