@@ -244,9 +244,10 @@ def _save(model, args: argparse.Namespace, model_id: str, out: Path) -> None:
         if source is not None:
             copy_companion_files(source, tmp)
         old_card = read_card(out) if out.is_dir() else None  # a link, FIFO, huge file: refused
-        if old_card is not None:  # --overwrite: merge, never drop it
-            card = merge_card(old_card, info_from_model(model))
-            (tmp / CARD_NAME).write_text(card, encoding="utf-8")
+        # rendered again for out: save_pretrained(tmp) named the temporary folder in the card;
+        # with --overwrite merged into out's card (the user's text in it is kept)
+        card = merge_card(old_card, info_from_model(model), model_id=out.resolve().name)
+        (tmp / CARD_NAME).write_text(card, encoding="utf-8")
     info = info_from_model(model)
     print(
         f"wrote {out}: {info.scheme_text}; {info.fp8_layers} FP8 layers; "

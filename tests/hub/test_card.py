@@ -194,6 +194,9 @@ def test_custom_and_missing_template(tmp_path):
     template = tmp_path / "mine.md.j2"
     template.write_text("---\n{{ metadata_yaml }}\n---\n{{ info.format }} for {{ model_id }}\n")
     text = render_model_card(CardInfo(repo_id="org/x"), template=template)
-    assert text.endswith("hf_fp8 for org/x\n")
+    # the template's text, between hf_fp8's markers (a later render keeps the user's text)
+    assert "\nhf_fp8 for org/x\n" in text
+    assert text.index("<!-- hf_fp8:begin") < text.index("hf_fp8 for org/x")
+    assert text.index("hf_fp8 for org/x") < text.index("<!-- hf_fp8:end")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         render_model_card(CardInfo(), template=tmp_path / "missing.j2")

@@ -147,9 +147,6 @@ def test_cli_overwrite_keeps_the_users_text(command, llama_dir, tmp_path, capsys
     assert_kept(card.read_text(encoding="utf-8"))
 
 
-@pytest.mark.xfail(
-    strict=True, reason="hf_fp8/cli.py names the temporary folder: /work/notes/diffs/HK1-1.diff"
-)
 def test_cli_card_names_the_output_folder_not_its_temporary_one(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["quantize", tiny_model_dir("llama"), "--out", str(out)]) == 0
