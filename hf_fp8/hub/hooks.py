@@ -16,6 +16,8 @@ here touches the network.
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import os
 import warnings
 from collections.abc import Callable
@@ -93,16 +95,38 @@ def set_card_info(
         state[FIDELITY_DTYPE] = compute_dtype_name(model)  # they hold for this dtype only
 
 
-# Weight files one save_pretrained writes: an older set in the folder is replaced, not kept
-# (other files there -- adapters, tokenizer, sentence-transformers modules -- stay).
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model-*-of-*.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model-*-of-*.bin",
-    "pytorch_model.bin.index.json",
-)
+def weight_files(variant: str | None = None) -> tuple[str, ...]:
+    """``atomic_folder`` drop patterns of the weight set one ``save_pretrained`` writes
+    (transformers 5 writes safetensors only): ``model{.variant}.safetensors``, its index
+    ``model.safetensors.index{.variant}.json`` and its shards
+    ``model{.variant}-NNNNN-of-NNNNN.safetensors`` (transformers' ``_add_variant`` names).
+    ``.bin`` files, other variants and everything else in the folder are never among them."""
+    v = f".{glob.escape(variant)}" if variant else ""
+    digits = "[0-9]" * 5
+    return (
+        f"model{v}.safetensors",
+        f"model.safetensors.index{v}.json",
+        f"model{v}-{digits}-of-{digits}.safetensors",
+    )
+
+
+# The main (no variant) weight set: an older one in the folder is replaced, not kept.
+WEIGHT_FILES = weight_files()
+
+
+def stale_weights(variant: str | None = None) -> Callable[[Path], tuple[str, ...]]:
+    """``drop`` for ``atomic_folder``: called on the temporary folder once the save ran, it
+    names the files of the weight set written (:func:`weight_files`) when the save wrote
+    that set, and nothing when it did not (an adapter-only save of a model with a PEFT
+    adapter attached writes ``adapter_model.safetensors`` only: the base weights stay)."""
+    names = weight_files(variant)
+
+    def drop(tmp: Path) -> tuple[str, ...]:
+        written = os.listdir(tmp)
+        wrote = any(fnmatch.fnmatchcase(f, pattern) for f in written for pattern in names)
+        return names if wrote else ()
+
+    return drop
 
 
 def _marked(model: nn.Module) -> bool:
@@ -131,7 +155,10 @@ def save_pretrained(
     renamed into place with its model card, so an interrupted save over an existing
     checkpoint leaves the old one loadable (``hf_fp8.serialization.atomic.atomic_folder``: a
     folder swap, or file-by-file renames inside a folder that cannot be swapped — a mount
-    point, the current directory, another user's folder, a read-only parent).
+    point, the current directory, another user's folder, a read-only parent). Of the files
+    already there, only the stale ones of the weight set this save wrote are removed
+    (:func:`stale_weights`: its variant's old shards and index, as transformers does); ``.bin``
+    files, other variants and, after an adapter-only save, the base weights stay.
 
     A README.md already in ``save_directory`` that hf_fp8 must not read (a symlink, not a
     regular file, oversized) raises ``UnsafePathError`` before anything is written.
@@ -163,7 +190,7 @@ def save_pretrained(
         return result
     from hf_fp8.serialization.atomic import atomic_folder
 
-    with atomic_folder(dest, drop=WEIGHT_FILES) as tmp:
+    with atomic_folder(dest, drop=stale_weights(kwargs.get("variant"))) as tmp:
         result = original(model, tmp, **kwargs)
         _write_card(model, tmp, existing, model_id=_local_name(dest))
     return result

@@ -46,7 +46,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -333,13 +333,17 @@ def _remove_stale_temps(folder: Path, lead: str = "") -> None:
 
 
 @contextmanager
-def atomic_folder(dest: str | os.PathLike, *, drop: Iterable[str] = ()) -> Iterator[Path]:
+def atomic_folder(
+    dest: str | os.PathLike, *, drop: Iterable[str] | Callable[[Path], Iterable[str]] = ()
+) -> Iterator[Path]:
     """Write a folder atomically: ``with atomic_folder(out) as tmp: save_into(tmp)``.
 
     ``tmp`` is a new empty sibling of ``dest`` (or a hidden folder inside it, see the module
     docstring for when and what that guarantees). When the block succeeds, ``dest`` becomes
     ``tmp``'s files plus the files ``dest`` already had that the block did not write, except
-    those matching ``drop`` (relative paths or glob patterns, e.g. stale weight shards).
+    those matching ``drop`` (relative paths or glob patterns, e.g. stale weight shards; or a
+    callable that is given ``tmp`` once the block has run and returns them, so that what is
+    dropped can depend on what the block wrote).
     When the block raises (or the process dies), ``dest`` is left as it was and only ``tmp``
     is removed (a killed process leaves ``tmp`` behind). A ``dest`` that is a symlink is
     written through to its target folder.
@@ -368,10 +372,11 @@ def atomic_folder(dest: str | os.PathLike, *, drop: Iterable[str] = ()) -> Itera
         tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(), dir=dest))
     try:
         yield tmp
+        patterns = tuple(drop(tmp) if callable(drop) else drop)
         if in_folder:
-            _move_in_place(tmp, dest, list(_walk(tmp)), tuple(drop))
+            _move_in_place(tmp, dest, list(_walk(tmp)), patterns)
         else:
-            _commit(tmp, dest, tuple(drop))
+            _commit(tmp, dest, patterns)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for folder in created:  # the parents made for dest, innermost first, if still empty
