@@ -664,12 +664,26 @@ AI void requant_e4m3_ex_v8(const float* restrict buf, uint8_t* restrict q, int64
                 c[u] = _mm256_blendv_epi8(cn, cs, _mm256_castps_si256(sub));
             }
         }
-        for (int u = 0; u < U; ++u) { /* | the sign bit (bit 31 of x moved to bit 7) */
-            __m256i code = _mm256_or_si256(
-                c[u], _mm256_and_si256(_mm256_srli_epi32(xb[u], 24), I8(0x80)));
-            __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(code),
-                                         _mm256_extracti128_si256(code, 1));
-            _mm_storel_epi64((__m128i*)(q + i0 + 8 * u), _mm_packus_epi16(w, w));
+        if (U == 4) {
+            /* the 32 codes packed to bytes (values <= 0x7E: no saturation) and x packed alike
+               with signed saturation, which keeps the sign bit: a byte of x's pack has bit 7
+               set exactly when x has bit 31 set; then the bytes in order (the packs work per
+               128-bit lane: dword d of lane l holds 4 codes of vector d at offset 4l) */
+            __m256i cb = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]),
+                                             _mm256_packus_epi32(c[2], c[3]));
+            __m256i sb = _mm256_packs_epi16(_mm256_packs_epi32(xb[0], xb[1]),
+                                            _mm256_packs_epi32(xb[2], xb[3]));
+            __m256i code = _mm256_or_si256(cb, _mm256_and_si256(sb, _mm256_set1_epi8((char)0x80)));
+            code = _mm256_permutevar8x32_epi32(code, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i*)(q + i0), code);
+        } else {
+            for (int u = 0; u < U; ++u) { /* | the sign bit (bit 31 of x moved to bit 7) */
+                __m256i code = _mm256_or_si256(
+                    c[u], _mm256_and_si256(_mm256_srli_epi32(xb[u], 24), I8(0x80)));
+                __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                             _mm256_extracti128_si256(code, 1));
+                _mm_storel_epi64((__m128i*)(q + i0 + 8 * u), _mm_packus_epi16(w, w));
+            }
         }
     }
     for (int64_t i = n; i < gs; ++i) q[i] = 0;
