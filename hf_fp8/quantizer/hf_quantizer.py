@@ -49,9 +49,10 @@ from hf_fp8.quantizer.validation import (
     stored_dtype,
     validate_loaded_model,
 )
-from hf_fp8.utils.folders import check_loaded_files, check_loaded_keys
+from hf_fp8.utils.folders import check_loaded_files, check_loaded_keys, shard_tensor_names
 
 _FP8_PARAMS = ("weight", "weight_scale")
+EXPERTS_INPUT_SCALE_SUFFIX = "_input_scale"  # Fp8Experts: ``<proj>_input_scale``
 
 # ``hook(model, hf_quantizer)`` run at the end of every hf_fp8 load. Upper layers add theirs
 # (hf_fp8.hub: model cards on save_pretrained / push_to_hub) so this layer imports none of them.
@@ -128,6 +129,37 @@ def _dequantize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise ValueError(
         f"dequantize: dtype {dtype!r} is not a high-precision float dtype; pass "
         "torch.bfloat16, torch.float16 or torch.float32 (or their names)"
+    )
+
+
+def _is_input_scale(name: str) -> bool:
+    """``name`` is a static activation scale: an ``Fp8Linear``'s ``<module>.input_scale`` or an
+    ``Fp8Experts`` projection's ``<module>.<proj>_input_scale``."""
+    leaf = name.rpartition(".")[2]
+    return leaf == "input_scale" or leaf.endswith(EXPERTS_INPUT_SCALE_SUFFIX)
+
+
+def _refuse_stored_input_scales(names: set[str], scheme: str, root: str) -> None:
+    """A pre-quantized load whose config says ``scheme`` ("dynamic", "weight_only")
+    activations, of a checkpoint storing static input scales (``names``: its tensor names):
+    the loader would drop them as unexpected keys and the layers would run without their
+    calibrated scales (reviewer R22 F2). ``hf-fp8 inspect`` / ``export`` refuse it too.
+    ``Fp8Config(dequantize=True)`` loads are not refused: a dequantized layer has no
+    activation quantization."""
+    stored = sorted(n for n in names if _is_input_scale(n))
+    if not stored:
+        return
+    shown = ", ".join(stored[:4]) + (" …" if len(stored) > 4 else "")
+    config_json = os.path.join(root, "config.json") if root else "its config.json"
+    raise CheckpointTensorError(
+        f"{stored[0]}: the checkpoint {checkpoint_file(root, stored[0])} stores "
+        f"{len(stored)} static activation scale(s) ({shown}), but its quantization_config "
+        f"says {scheme!r} activations: from_pretrained would drop them and the layers would "
+        "run without their calibrated scales. If the checkpoint was calibrated, set "
+        '"activation_scheme": "static" (with "activation_granularity": "tensor") in the '
+        f"quantization_config of {config_json}; to run {scheme!r}, remove the input_scale "
+        "tensors from the checkpoint. Fp8Config(dequantize=True) loads it in high precision "
+        "as it is"
     )
 
 
@@ -257,6 +289,10 @@ class Fp8HfQuantizer(HfQuantizer):
             check_loaded_keys(self.checkpoint_files)
         if self.pre_quantized:
             self.stored_names = file_tensor_names(self.checkpoint_files)
+            if config.activation_scheme != "static" and not config.dequantize:
+                _refuse_stored_input_scales(
+                    self._header_names(), config.activation_scheme, self.checkpoint_root
+                )
             if not saved_skips:  # a hand-written config: the default skips, but a task head
                 stored_fp8 = heads_stored_fp8(model, self.stored_names)  # stored FP8 is FP8
                 skip = sorted(set(skip) - set(stored_fp8))
@@ -318,6 +354,16 @@ class Fp8HfQuantizer(HfQuantizer):
         if not self.pre_quantized:  # a key that names no converted layer: refused, named
             check_activation_scales(model, config.activation_scales)
         model.config.quantization_config = config
+
+    def _header_names(self) -> set[str]:
+        """The tensor names of the checkpoint files read: ``stored_names``, else (a ``.bin``
+        among them) what the capped header readers can read of each file."""
+        if self.stored_names is not None:
+            return self.stored_names
+        names: set[str] = set()
+        for file in self.checkpoint_files:
+            names.update(shard_tensor_names(file) or ())
+        return names
 
     def update_parallel_plan(self, model, plan: dict[str, str]) -> None:
         # The base class walks every parameter name to add tensor-parallel entries for the

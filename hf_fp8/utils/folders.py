@@ -29,6 +29,11 @@ _LOAD_ORDER = (
     "pytorch_model.bin.index.json",
 )
 
+# The JSON files of the folder read (root/subfolder) that a model's from_pretrained reads
+# besides the weights: its config (before the quantizer runs) and, for a generative model,
+# its generation config (after the weights load). Neither may be a symlink (R22 F5).
+LOADED_CONFIGS = ("config.json", "generation_config.json")
+
 # A weight index larger than this is not one save_pretrained wrote (DeepSeek-V3's, ~91k
 # tensors, is 9 MB): refused unread when it is the index transformers reads, else ignored.
 MAX_INDEX_BYTES = 64 * 2**20
@@ -227,9 +232,12 @@ def check_loaded_files(root: str | os.PathLike, files: Sequence[str] | None) -> 
     ``os.path.join(root, subfolder, name)`` with ``name`` from the index it read: each must lie
     in ``root`` by a relative name (no ``..``, not absolute), reach it through no symlink
     (except a Hub cache snapshot's links into its ``blobs/``) and exist. The index itself, in
-    the folder it was read from, must not be a symlink either. Other files of the tree
-    (another index, ``logs/``, linked tokenizer files) are not looked at. Returns the folder
-    transformers reads (``root/subfolder``, as spelled). Raises ``UnsafePathError`` /
+    the folder it was read from, must not be a symlink either, nor that folder's
+    ``config.json`` / ``generation_config.json`` (:data:`LOADED_CONFIGS`: transformers read
+    the config before the quantizer runs; a linked one is refused here, before any weight
+    is read, as ``hf-fp8 inspect`` refuses it). Other files of the tree (another index,
+    ``logs/``, linked tokenizer files) are not looked at. Returns the folder transformers
+    reads (``root/subfolder``, as spelled). Raises ``UnsafePathError`` /
     ``FileNotFoundError`` naming the file."""
     spelled = os.fspath(root)
     real = Path(spelled).expanduser().resolve()
@@ -250,19 +258,25 @@ def check_loaded_files(root: str | os.PathLike, files: Sequence[str] | None) -> 
                 "checkpoint is incomplete; download or save it again"
             )
         rels.append(rel)
+    folder = os.path.commonpath([os.path.dirname(rel) or "." for rel in rels]) if rels else "."
+    sharded = bool(rels) and not _is_single_file(rels)
+    read = folder  # root/subfolder: the index's folder, or the single weights file's
+    if sharded:
+        kind = "bin" if rels[0].endswith(".bin") else "safetensors"
+        read = _check_read_index(real, folder, kind, links_within) or folder
+    for name in LOADED_CONFIGS:  # transformers reads them from root/subfolder
+        contained(real, os.path.join(read, name), links_within=links_within)
     if not rels:
         return spelled
-    folder = os.path.commonpath([os.path.dirname(rel) or "." for rel in rels])
-    if not _is_single_file(rels):
-        kind = "bin" if rels[0].endswith(".bin") else "safetensors"
-        _check_read_index(real, folder, kind, links_within)
+    if sharded:
         check_loaded_keys([real / rel for rel in rels], root=real)
     return os.path.normpath(os.path.join(spelled, folder))
 
 
-def _check_read_index(real: Path, folder: str, kind: str, links_within: Path | None) -> None:
+def _check_read_index(real: Path, folder: str, kind: str, links_within: Path | None) -> str | None:
     """The ``*{kind}.index*.json`` of the nearest folder at or above ``folder`` (relative to
-    ``real``) that has one: not a symlink. Only the name is looked at; nothing is parsed."""
+    ``real``) that has one: not a symlink. Only the name is looked at; nothing is parsed.
+    Returns that folder (relative to ``real``), ``None`` when none has one."""
     parts = Path(folder).parts if folder not in ("", ".") else ()
     for depth in range(len(parts), -1, -1):
         here = Path(*parts[:depth]) if depth else Path()
@@ -275,7 +289,8 @@ def _check_read_index(real: Path, folder: str, kind: str, links_within: Path | N
         for name in names:
             contained(real, here / name, links_within=links_within)
         if names:
-            return
+            return os.fspath(here)
+    return None
 
 
 def shard_tensor_names(path: str | os.PathLike) -> list[str] | None:
@@ -449,6 +464,7 @@ def check_files_inside(root: str | os.PathLike, files: list[str] | None) -> None
 
 
 __all__ = [
+    "LOADED_CONFIGS",
     "MAX_INDEX_BYTES",
     "ShardKeyError",
     "UnsafePathError",
