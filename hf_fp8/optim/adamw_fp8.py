@@ -31,8 +31,11 @@ element): resuming and FSDP2 sharding draw the same bits. Measured update-direct
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -208,6 +211,13 @@ class AdamWFp8(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Ctrl-C (SIGINT) and SIGTERM handlers run after the step, never inside it: the step is
+        # applied whole or not at all (see _deferred_signals).
+        with _deferred_signals():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self._check_step(index)  # refuses before any weight or state changes, like torch
         # Every kernel launch of the step (all groups, one batch) runs before any eager update:
@@ -218,7 +228,7 @@ class AdamWFp8(Optimizer):
         try:
             plans = [self._plan_group(g, index, batch, stepped, fresh) for g in self.param_groups]
             batch.run()
-        except Exception as err:
+        except BaseException as err:  # KeyboardInterrupt too: nothing half-counted
             if not getattr(err, "applied", False):  # nothing touched: the step can be retaken
                 for state in stepped:
                     state["step"] -= 1
@@ -229,7 +239,6 @@ class AdamWFp8(Optimizer):
             for run in eager:
                 run()
             self._fp32_steps(group, fp32)
-        return loss
 
     def _check_step(self, index: dict[torch.Tensor, int]) -> None:
         """Raise now, before anything changes, on a sparse gradient. (A tensor
@@ -569,6 +578,51 @@ class AdamWFp8(Optimizer):
                 raise ValueError(f"loaded param group {i}: {exc}") from exc
             merged.append(new)
         return merged
+
+
+@contextlib.contextmanager
+def _deferred_signals() -> Iterator[None]:
+    """Hold the Python handlers of SIGINT and SIGTERM while the block runs; call them after it.
+
+    A handler runs between two bytecodes of the main thread: Ctrl-C's ``KeyboardInterrupt``
+    raised as the C kernel's call returned left its weights updated and the other parameters
+    counted but not stepped. Held here, the step completes, then each signal's own handler runs
+    (``KeyboardInterrupt`` is raised after the step). A second signal of the same kind while one
+    is held runs its handler at once (an impatient second Ctrl-C still interrupts a long first
+    ``torch.compile``; that step may then be half-applied). Only the main thread can set
+    handlers: elsewhere, and for signals without a Python handler, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: dict[int, Any] = {}  # signal -> its handler, while this block holds it
+    pending: list[tuple[int, Any]] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if signum in held and any(s == signum for s, _ in pending):  # a second one: at once
+            handler = held.pop(signum)
+            signal.signal(signum, handler)
+            handler(signum, frame)
+            return
+        pending.append((signum, frame))
+
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                signal.signal(signum, hold)
+                held[signum] = handler
+    except ValueError:  # not the main interpreter's main thread
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in held.items():
+            if signal.getsignal(signum) is hold:  # not replaced meanwhile
+                signal.signal(signum, handler)
+        for signum, frame in pending:
+            handler = held.get(signum)
+            if callable(handler):
+                handler(signum, frame)
 
 
 def step_options(group: dict[str, Any]) -> dict[str, bool]:
