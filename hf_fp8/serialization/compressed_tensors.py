@@ -215,6 +215,19 @@ def _check_args(args: dict[str, Any], role: str) -> None:
         raise _unsupported(f"{role} scales are stored as {args['scale_dtype']}")
 
 
+def checked_size(value: Any, field: str) -> int:
+    """``value`` when it is an int >= 1 (not a bool); else ``ValueError`` naming ``field``
+    of config.json's ``quantization_config``. Floats, bools and strings are refused, never
+    rounded or converted (R22 F6: ``true`` imported as 1, 32.9 and ``"32"`` as 32)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(
+        f"config.json's quantization_config.{field} is {value!r}: expected a whole number "
+        "of elements >= 1 (an int, not a float, bool or string); the config is damaged or "
+        "was written by another tool: fix it or re-export the checkpoint"
+    )
+
+
 def _group_kwargs(name: str, group: dict[str, Any]) -> dict[str, Any]:
     weights = group.get("weights")
     if not weights:
@@ -231,7 +244,11 @@ def _group_kwargs(name: str, group: dict[str, Any]) -> dict[str, Any]:
     if granularity is None:
         raise _unsupported(f"weight strategy {strategy!r}")
     kwargs: dict[str, Any] = {"weight_granularity": granularity}
-    block = list(weights.get("block_structure") or [128, 128])
+    where = f"config_groups.{name}"
+    block = weights.get("block_structure") or [128, 128]
+    if not isinstance(block, (list, tuple)) or len(block) != 2:
+        raise _unsupported(f"{where}.weights.block_structure {block!r} is not [rows, cols]")
+    block = [checked_size(b, f"{where}.weights.block_structure[{i}]") for i, b in enumerate(block)]
     acts = group.get("input_activations")
     if not acts:
         kwargs["activation_scheme"] = "weight_only"
@@ -241,7 +258,7 @@ def _group_kwargs(name: str, group: dict[str, Any]) -> dict[str, Any]:
         if dynamic is True and a_strategy in ("token", "tensor"):
             kwargs.update(activation_scheme="dynamic", activation_granularity=a_strategy)
         elif dynamic is True and a_strategy == "group":
-            size = int(acts["group_size"])
+            size = checked_size(acts.get("group_size"), f"{where}.input_activations.group_size")
             if granularity == "block" and size != block[1]:
                 raise _unsupported(f"group_size {size} differs from the weight block {block}")
             block = [block[0], size]

@@ -455,6 +455,11 @@ class ExpertMerger:
             if hit is None or leaf not in ("weight", "weight_scale", "input_scale"):
                 out[key] = value
                 continue
+            if key in self.pending[hit[0]]:  # two stored names of one tensor (import checks first)
+                raise ValueError(
+                    f"{key}: the checkpoint holds it twice (under two names, or in two shards): "
+                    "nothing says which one is meant; keep one and re-export"
+                )
             self.pending[hit[0]][key] = value
         for name, group in self.groups.items():
             got = self.pending[name]

@@ -82,7 +82,7 @@ def _high_precision_experts(
     fused = high_precision_fused_tensors(config.get("model_type"), tensors)
     unfused: dict[str, int] = {}
     if has_high_precision_3d(tensors):  # experts of other shapes: found on the model
-        model = build_meta_model(config)
+        model = build_meta_model(config, tensors)
         fused.update(high_precision_fused_experts(model, tensors, plan.high_precision_experts))
         if fmt_name == COMPRESSED_TENSORS and fused:
             unfused = transformers_unfused_experts(model, fused)

@@ -18,7 +18,7 @@ from hf_fp8.serialization.checkpoint import (
 from hf_fp8.serialization.experts import ExpertMerger, expert_modules, experts_view
 from hf_fp8.serialization.formats import EXPORT_FORMATS, FORMATS, format_of
 from hf_fp8.serialization.layers import build_meta_model, plan_layers
-from hf_fp8.serialization.tensors import check_complete, compute_dtype_of
+from hf_fp8.serialization.tensors import check_complete, check_scale_aliases, compute_dtype_of
 from hf_fp8.serialization.unfused_experts import (
     ExpertFuser,
     UnfusedExperts,
@@ -43,7 +43,7 @@ def _unfused_experts(checkpoint: Checkpoint) -> dict[str, UnfusedExperts]:
     tensors = checkpoint.tensors()
     if not has_unfused_candidates(tensors):
         return {}
-    return find_unfused_experts(build_meta_model(checkpoint.config), tensors)
+    return find_unfused_experts(build_meta_model(checkpoint.config, tensors), tensors)
 
 
 def import_config(checkpoint: Checkpoint) -> tuple[str, Fp8Config]:
@@ -95,6 +95,8 @@ def import_checkpoint(
     unfused = _unfused_experts(src)
     tensors = fused_view(src.tensors(), unfused)
     tensors, groups = experts_view(src.config.get("model_type"), tensors)
+    fmt = FORMATS[fmt_name]
+    check_scale_aliases(tensors, fmt.import_renames)  # all shards, before any tensor is read
     plan = plan_layers(src.config, tensors, experts=expert_modules(groups))
     config = Fp8Config(
         scheme.activation_scheme,
@@ -103,7 +105,6 @@ def import_checkpoint(
         block_size=scheme.block_size,
         modules_to_not_convert=plan.modules_to_not_convert(),
     )
-    fmt = FORMATS[fmt_name]
     check_complete(plan, _renamed(tensors, fmt.import_renames), config)
     out = check_out_dir(out_dir, source=src.root, overwrite=overwrite)
     with output_folder(out) as tmp:

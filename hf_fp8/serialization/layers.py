@@ -3,7 +3,7 @@ device from ``config.json``) matched against the tensors that carry a ``weight_s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,9 +65,76 @@ def registered_model_class(model_type: str, architecture: object) -> type | None
     return None
 
 
-def build_meta_model(config: dict[str, Any]) -> nn.Module:
+# config.json's words for the length of a layer stack (top level and nested sub-configs:
+# text_config, vision_config, encoder / decoder …)
+LAYER_COUNT_KEYS = (
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "n_layers",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "encoder_layers",
+    "decoder_layers",
+)
+# How many more layers than the tensors hold a config may describe and still be built: models
+# that run one stored layer several times (ALBERT: 12 passes through albert_layers.0) or store
+# a stack shorter than the count say are built as before; a count beyond this is refused.
+LAYER_SLACK = 64
+
+
+def stored_layer_count(names: Iterable[str]) -> int:
+    """The most layers one stack of the tensors ``names`` holds: the largest number of
+    distinct indices under one name prefix (``model.layers.<i>``, ``….experts.<e>``).
+    Distinct indices, not the largest index: one tensor named ``layers.19999`` holds one."""
+    found: dict[str, set[int]] = {}
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                found.setdefault(".".join(parts[:i]), set()).add(int(part))
+    return max((len(indices) for indices in found.values()), default=0)
+
+
+def _layer_counts(config: Mapping[str, Any], where: str = "") -> Iterable[tuple[str, int]]:
+    for key, value in config.items():
+        if key == "quantization_config":
+            continue
+        if isinstance(value, Mapping):
+            yield from _layer_counts(value, f"{where}{key}.")
+        elif key in LAYER_COUNT_KEYS and isinstance(value, int) and not isinstance(value, bool):
+            yield f"{where}{key}", value
+
+
+def check_layer_counts(config: Mapping[str, Any], names: Iterable[str]) -> None:
+    """Refuse (``ValueError`` naming the field, both counts and the fix) a config that
+    describes far more layers (``LAYER_COUNT_KEYS``, nested sub-configs too) than the tensors
+    ``names`` hold (:func:`stored_layer_count` + ``LAYER_SLACK``): such a checkpoint is
+    incomplete or its config is wrong, and building the model it describes on the meta device
+    takes time and memory in proportion to the count, not to the files (R22: 170 s and
+    1.1 GB for a 124 KB folder whose config said 20000 layers). Not truncated instead: per-layer structure can depend on the count (the last
+    layer's bias in GPT-NeoX-Japanese, Gemma-4's KV-shared layers, Swin's stages)."""
+    held = stored_layer_count(names)
+    for field_name, count in _layer_counts(config):
+        if count > held + LAYER_SLACK:
+            raise ValueError(
+                f"config.json's {field_name} is {count}, but the checkpoint's tensors hold "
+                f"{held} layer(s) at most (distinct indices under one name, e.g. "
+                "model.layers.<i>): the checkpoint is incomplete (a missing shard?) or its "
+                f"config.json is wrong. Set {field_name} to the number of layers the "
+                "checkpoint stores, or download the whole checkpoint again"
+            )
+
+
+def build_meta_model(
+    config: dict[str, Any], tensor_names: Iterable[str] | None = None
+) -> nn.Module:
     """The stock transformers model ``config`` describes, on the meta device (no weights;
-    the architecture must be part of transformers)."""
+    the architecture must be part of transformers). With the checkpoint's ``tensor_names``,
+    a config describing far more layers than they hold is refused first
+    (:func:`check_layer_counts`)."""
+    if tensor_names is not None:
+        check_layer_counts(config, tensor_names)
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     model_type = config.get("model_type")
     if not model_type:
@@ -87,13 +154,16 @@ def build_meta_model(config: dict[str, Any]) -> nn.Module:
         return transformers.AutoModel.from_config(hf_config)
 
 
-def stock_linear_layers(config: dict[str, Any]) -> dict[str, str]:
-    """``{module name: "linear" | "conv1d"}`` of the model ``config`` describes.
+def stock_linear_layers(
+    config: dict[str, Any], tensor_names: Iterable[str] | None = None
+) -> dict[str, str]:
+    """``{module name: "linear" | "conv1d"}`` of the model ``config`` describes (checked
+    against ``tensor_names`` first when given, see :func:`build_meta_model`).
 
     Every ``nn.Linear`` (subclasses included), on purpose not ``modules.is_convertible``:
     the foreign formats' loaders quantize every linear that the ``ignore`` list does not name,
     so the high-precision list must also hold the linears hf_fp8 keeps by rule (routers …)."""
-    model = build_meta_model(config)
+    model = build_meta_model(config, tensor_names)
     return {
         name: "conv1d" if is_conv1d(module) else "linear"
         for name, module in model.named_modules()
@@ -111,9 +181,11 @@ def plan_layers(
     not a plain ``nn.Linear`` of that model (Conv1D, renamed tensors). ``experts`` names the
     per-expert linears of FP8 MoE experts (``serialization.experts.expert_modules``): they
     count as FP8 linears, never as high-precision ones. Experts stored per expert in high
-    precision are found by name (``high_precision_experts``)."""
+    precision are found by name (``high_precision_experts``). A config describing far more
+    layers than ``tensors`` hold is refused before the model is built
+    (:func:`check_layer_counts`)."""
     experts = experts or {}
-    stock = stock_linear_layers(config)
+    stock = stock_linear_layers(config, tensors)
     stock.update(dict.fromkeys(experts, "expert"))
     fp8: dict[str, tuple[int, int]] = {}
     for name, info in tensors.items():

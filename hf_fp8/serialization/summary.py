@@ -30,6 +30,7 @@ from hf_fp8.serialization.formats import FORMATS, format_of
 from hf_fp8.serialization.layers import LayerPlan, plan_layers
 from hf_fp8.serialization.tensors import (
     check_merged_weight_scale,
+    check_scale_aliases,
     compute_dtype_of,
     to_hf_fp8_tensors,
 )
@@ -233,6 +234,8 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
     """Summary of an opened checkpoint (a folder, or a Hub repo's headers)."""
     tensors = checkpoint.tensors()
     fmt = format_of(checkpoint.quantization_config)
+    if fmt in FORMATS:  # headers only: a Hub repo's too
+        check_scale_aliases(tensors, FORMATS[fmt].import_renames)
     config, note = _config(checkpoint, fmt) if fmt != "unquantized" else (None, None)
     try:
         view, groups = experts_view(checkpoint.config.get("model_type"), tensors)

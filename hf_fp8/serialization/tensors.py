@@ -103,6 +103,31 @@ def _check_bias(name: str, value: torch.Tensor, out_features: int) -> torch.Tens
     return value
 
 
+def check_scale_aliases(names: Iterable[str], renames: Mapping[str, str]) -> None:
+    """Refuse two stored tensors that are one hf_fp8 tensor once renamed (``renames``: leaf
+    → leaf): vLLM's ``weight_scale`` next to transformers' ``weight_scale_inv``,
+    ``input_scale`` next to ``activation_scale``. Keeping either would be a guess (the last
+    name read won, silently: R22 F3); raises ``CheckpointTensorError`` naming both, before
+    anything is written. Run on every name of a checkpoint (all shards, per-expert linears)."""
+    seen: dict[str, str] = {}
+    for name in sorted(names):
+        module, _, leaf = name.rpartition(".")
+        if leaf not in renames and leaf not in renames.values():
+            continue
+        target = f"{module}.{renames.get(leaf, leaf)}"
+        other = seen.setdefault(target, name)
+        if other != name:
+            raise CheckpointTensorError(_alias_message(other, name, target))
+
+
+def _alias_message(first: str, second: str, target: str) -> str:
+    return (
+        f"{first} and {second} are both the scale {target}: the checkpoint stores one scale "
+        "under two names, and nothing says which one its writer meant. Keep one of them "
+        "(re-export the checkpoint, or delete the other tensor)"
+    )
+
+
 def to_hf_fp8_tensors(
     tensors: Mapping[str, torch.Tensor],
     plan: LayerPlan,
@@ -116,12 +141,14 @@ def to_hf_fp8_tensors(
     cast to fp32 and reshaped; all-zero symmetric ``zero_points`` dropped; anything else on
     an fp8 layer is an error. Every fp8 weight and scale is checked (dtype, shape, finite,
     scales > 0 and bounded, static input scales ``>= min_input_scale``): a bad one raises
-    ``CheckpointTensorError`` naming it."""
+    ``CheckpointTensorError`` naming it; so do two names of one tensor (``weight_scale`` and
+    ``weight_scale_inv``, see :func:`check_scale_aliases`)."""
     zero_points = set(zero_points)
     renames = renames or {}
     fp8_dtype = FP8_DTYPES[config.fp8_format]
     fit = {"fp8_dtype": fp8_dtype, "compute_dtype": compute_dtype}
     out: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}  # target -> the stored name it came from
     for name, value in tensors.items():
         module, leaf = module_of(name)
         if module not in plan.fp8:
@@ -129,6 +156,9 @@ def to_hf_fp8_tensors(
             continue
         leaf = renames.get(leaf, leaf)
         target = f"{module}.{leaf}"
+        if source.setdefault(target, name) != name:
+            first, second = sorted((source[target], name))
+            raise CheckpointTensorError(_alias_message(first, second, target))
         if leaf == "weight":
             out[target] = check_fp8_tensor(name, value, dtype=fp8_dtype, shape=plan.fp8[module])
         elif leaf == "weight_scale":

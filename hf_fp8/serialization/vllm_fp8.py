@@ -25,7 +25,7 @@ import torch
 
 from hf_fp8.config import Fp8Config
 from hf_fp8.serialization.checkpoint import module_of
-from hf_fp8.serialization.compressed_tensors import BLOCK_STATIC_FIXES
+from hf_fp8.serialization.compressed_tensors import BLOCK_STATIC_FIXES, checked_size
 from hf_fp8.serialization.layers import LayerPlan
 from hf_fp8.serialization.tensors import to_hf_fp8_tensors
 
@@ -144,7 +144,12 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
             "weight_granularity": "tensor",
             "activation_granularity": "tensor",
         }
-    block = [int(b) for b in block]
+    if not isinstance(block, (list, tuple)) or len(block) != 2:
+        raise ValueError(
+            f"config.json's quantization_config.weight_block_size is {block!r}: expected "
+            "[rows, cols] (two ints); the config is damaged: fix it or re-export the checkpoint"
+        )
+    block = [checked_size(b, f"weight_block_size[{i}]") for i, b in enumerate(block)]
     if scheme == "static":
         return {
             "activation_scheme": "static",
