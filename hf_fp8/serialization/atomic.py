@@ -11,12 +11,17 @@
 
   - *swap* (the default): the temporary folder is a hidden ``.NAME.hf_fp8-tmp-*`` sibling,
     the kept files are hard-linked into it and the two folders are exchanged in one step
-    (Linux ``renameat2``). A process killed at any moment leaves the old folder or the new
-    one, whole (plus a sibling that can be deleted).
-  - *in-folder*, where swapping the folder itself would break something: ``dest`` is a mount
-    point, its parent is not writable, ``dest`` or an entry in it belongs to another user
-    (the swap would change their owner or copy their files), or ``dest`` is (or holds) the
-    current directory. The temporary folder is ``dest/.hf_fp8-tmp-*``. Before anything is
+    (Linux ``renameat2``). Before anything is written the temporary folder gets ``dest``'s
+    group, mode (setgid included) and extended attributes (ACLs); subfolders are re-created
+    with their group and mode. A process killed at any moment leaves the old folder or the
+    new one, whole (plus a sibling that can be deleted).
+  - *in-folder*, where swapping the folder itself would break something: ``dest`` is or
+    holds a mount point (another device, or a bind mount in ``/proc/self/mountinfo``), its
+    parent is not writable, ``dest`` or an entry in it belongs to another user (the swap
+    would change their owner or copy their files), ``dest`` or a subfolder has a group this
+    user is not in (or ``dest``'s group cannot be given to the new folder), a subfolder is
+    read-only or cannot be listed by this user, or ``dest`` is (or holds) the current
+    directory. The temporary folder is ``dest/.hf_fp8-tmp-*``. Before anything is
     renamed, every file to replace or remove is checked (its folder writable, the owner rule
     of a sticky folder); a file that cannot be is named in a ``PermissionError`` and ``dest``
     is untouched (folders this user cannot list are skipped, not searched for stale files).
@@ -30,7 +35,8 @@
 
 A later save into the folder removes the temporary folders that killed saves left (in
 ``dest`` and beside it): only this user's, named with this host and a process that is gone,
-untouched for 5 minutes; never one a running save writes.
+untouched for 5 minutes; never one a running save writes. Removing a temporary folder never
+goes into a mount point inside it.
 """
 
 from __future__ import annotations
@@ -133,8 +139,12 @@ def _keep_old_files(old: Path, new: Path, drop: tuple[str, ...], prefix: str = "
                 _keep_old_files(src, dst, drop, f"{rel}/")
             elif not os.path.lexists(dst):
                 dst.mkdir()
-                shutil.copystat(src, dst)
+                gid = entry.stat(follow_symlinks=False).st_gid
+                if dst.stat().st_gid != gid:  # its group (a member's: _in_folder_reason)
+                    with suppress(OSError):
+                        os.chown(dst, -1, gid)
                 _keep_old_files(src, dst, drop, f"{rel}/")
+                shutil.copystat(src, dst)  # after filling it: the mode may be read-only
         elif not os.path.lexists(dst):
             _link_or_copy(src, dst)
 
@@ -143,11 +153,52 @@ def _keep_old_files(old: Path, new: Path, drop: tuple[str, ...], prefix: str = "
 _LAST = ("model.safetensors.index.json", "config.json")
 
 
-def _walk(root: Path, *, skip_unreadable: bool = False) -> Iterator[tuple[str, bool]]:
+def _unescape_mountinfo(field: bytes) -> str:
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field))
+
+
+def _mount_points() -> frozenset[str]:
+    """The mount points this process sees (``/proc/self/mountinfo``: also the bind mounts of
+    a folder of the same file system, which ``st_dev`` cannot tell); empty where there is no
+    such file (then a mount is known by its ``st_dev`` only)."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(
+        _unescape_mountinfo(fields[4])
+        for fields in (line.split(b" ") for line in lines)
+        if len(fields) > 4
+    )
+
+
+class _Fence:
+    """Tells the folders under ``root`` that are mount points (another device, or listed in
+    ``/proc/self/mountinfo``): a walk or a removal never goes into them."""
+
+    def __init__(self, root: Path) -> None:
+        self.real = os.path.realpath(root)
+        self.dev = os.lstat(root).st_dev
+        self.mounts = _mount_points()
+
+    def crosses(self, rel: str, info: os.stat_result) -> bool:
+        return info.st_dev != self.dev or os.path.join(self.real, rel) in self.mounts
+
+    def first_inside(self) -> str | None:
+        """A mount point strictly inside ``root`` (relative path), if any."""
+        inside = sorted(m for m in self.mounts if m.startswith(self.real.rstrip(os.sep) + os.sep))
+        return os.path.relpath(inside[0], self.real) if inside else None
+
+
+def _walk(
+    root: Path, *, skip_unreadable: bool = False, fence: _Fence | None = None, _prefix: str = ""
+) -> Iterator[tuple[str, bool]]:
     """``(relative POSIX path, is a real directory)`` of every entry under ``root``, parents
     first; symlinks are entries, never followed; temporary folders of hf_fp8 are left out.
     With ``skip_unreadable`` a subfolder that cannot be listed (another user's private folder)
-    is an entry without contents instead of a ``PermissionError``."""
+    is an entry without contents instead of a ``PermissionError``; with a ``fence`` a mount
+    point is an entry without contents."""
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except PermissionError:
@@ -158,14 +209,23 @@ def _walk(root: Path, *, skip_unreadable: bool = False) -> Iterator[tuple[str, b
         if TMP_MARKER in entry.name:
             continue
         is_dir = entry.is_dir(follow_symlinks=False)
-        yield entry.name, is_dir
-        if is_dir:
-            for rel, sub_dir in _walk(root / entry.name, skip_unreadable=skip_unreadable):
-                yield f"{entry.name}/{rel}", sub_dir
+        rel = f"{_prefix}{entry.name}"
+        yield rel, is_dir
+        if is_dir and (fence is None or not fence.crosses(rel, entry.stat(follow_symlinks=False))):
+            yield from _walk(
+                root / entry.name, skip_unreadable=skip_unreadable, fence=fence, _prefix=f"{rel}/"
+            )
+
+
+def _access(path: Path | str, mode: int) -> bool:
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
 
 
 def _in_folder_reason(dest: Path) -> str | None:
-    """Why ``dest`` (an existing folder) must be written in place rather than swapped."""
+    """Why ``dest`` (an existing folder) must be written in place rather than swapped: a swap
+    re-creates its subfolders in a new folder and removes the old tree, which must neither
+    enter a mount point nor meet a folder it cannot list, fill or remove, and gives the new
+    folders this user's owner and groups."""
     if os.path.ismount(dest):
         return "it is a mount point"
     try:
@@ -174,13 +234,37 @@ def _in_folder_reason(dest: Path) -> str | None:
         cwd = None
     if cwd is not None and cwd.is_relative_to(dest.resolve()):
         return "it holds the current directory"
+    fence = _Fence(dest)
+    inside = fence.first_inside()
+    if inside is not None:
+        return f"{inside} is a mount point"
     uid = os.geteuid() if hasattr(os, "geteuid") else None
-    if uid is not None:
-        if dest.lstat().st_uid != uid:
-            return "it belongs to another user"
-        for rel, _ in _walk(dest):
-            if (dest / rel).lstat().st_uid != uid:
+    # root may give any group; another user only the groups it is in
+    groups = None if uid in (None, 0) else {os.getegid(), *os.getgroups()}
+    info = dest.lstat()
+    if uid is not None and info.st_uid != uid:
+        return "it belongs to another user"
+    if groups is not None and info.st_gid not in groups:
+        return "its group is not one of this user's"
+    folders = [""]
+    while folders:
+        folder = folders.pop()
+        for entry in sorted(os.scandir(dest / folder), key=lambda e: e.name):
+            if TMP_MARKER in entry.name:
+                continue
+            rel = f"{folder}{entry.name}"
+            info = entry.stat(follow_symlinks=False)
+            if uid is not None and info.st_uid != uid:
                 return f"{rel} belongs to another user"
+            if not stat.S_ISDIR(info.st_mode):
+                continue
+            if fence.crosses(rel, info):
+                return f"{rel} is a mount point"
+            if groups is not None and info.st_gid not in groups:
+                return f"the group of {rel} is not one of this user's"
+            if not _access(entry.path, os.R_OK | os.W_OK | os.X_OK):
+                return f"{rel} is read-only or cannot be listed by this user"
+            folders.append(f"{rel}/")
     return None
 
 
@@ -195,11 +279,7 @@ def _check_replaceable(dest: Path, rels: Iterable[str]) -> None:
         if not parent.is_dir():  # a folder the save creates (its own parent is checked)
             continue
         target = parent / name
-        if not os.access(
-            parent,
-            os.W_OK | os.X_OK,
-            effective_ids=os.access in os.supports_effective_ids,
-        ):
+        if not _access(parent, os.W_OK | os.X_OK):
             raise PermissionError(
                 f"{target}: cannot be replaced, {parent} is not writable by this user; "
                 f"nothing in {dest} was changed. Save to another folder, or ask its owner"
@@ -227,7 +307,7 @@ def _move_in_place(
     files = sorted((rel for rel, is_dir in written if not is_dir), key=lambda r: (r in _LAST, r))
     stale = [
         rel
-        for rel, is_dir in _walk(dest, skip_unreadable=True)
+        for rel, is_dir in _walk(dest, skip_unreadable=True, fence=_Fence(dest))
         if not is_dir and rel not in names and _dropped(rel, drop)
     ]
     _check_replaceable(dest, [*(rel for rel, _ in written), *stale])
@@ -303,6 +383,57 @@ def _newest_mtime(folder: Path) -> float:
     return newest
 
 
+def _remove_tree(path: Path) -> None:
+    """``shutil.rmtree(path, ignore_errors=True)`` that never goes into a mount point (another
+    device, or a bind mount listed in ``/proc/self/mountinfo``): a folder mounted inside a
+    temporary folder, and the folders holding it, stay with their files. Each folder is
+    opened relative to its parent without following symlinks (a folder swapped for a link
+    while this runs is not followed), like ``shutil.rmtree``."""
+    try:
+        fence = _Fence(path)
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+    def empty(fd: int, rel: str) -> bool:  # True once everything in the folder is removed
+        try:
+            with os.scandir(fd) as it:
+                entries = list(it)
+        except OSError:
+            return False
+        done = True
+        for entry in entries:
+            sub = f"{rel}{entry.name}"
+            try:
+                if not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.name, dir_fd=fd)
+                    continue
+                child = os.open(entry.name, flags, dir_fd=fd)
+                try:
+                    if fence.crosses(sub, os.fstat(child)):
+                        done = False  # a mount point: left as it is
+                        continue
+                    cleared = empty(child, f"{sub}/")
+                finally:
+                    os.close(child)
+                if cleared:
+                    os.rmdir(entry.name, dir_fd=fd)
+                else:
+                    done = False
+            except OSError:
+                done = False
+        return done
+
+    try:
+        cleared = empty(top, "")
+    finally:
+        os.close(top)
+    if cleared:
+        with suppress(OSError):
+            os.rmdir(path)
+
+
 def _remove_stale_temps(folder: Path, lead: str = "") -> None:
     """Remove the temporary folders (``lead`` + ``_tmp_prefix()`` + random) that saves killed
     before they finished left in ``folder``: only this user's, made on this host by a
@@ -329,7 +460,7 @@ def _remove_stale_temps(folder: Path, lead: str = "") -> None:
                 continue
         except OSError:
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        _remove_tree(path)
 
 
 @contextmanager
@@ -368,6 +499,9 @@ def atomic_folder(
             if not dest.is_dir():
                 raise
             in_folder = True
+        if tmp is not None and dest.is_dir() and not _take_folder_attributes(tmp, dest):
+            tmp.rmdir()  # it cannot have dest's group: write inside dest
+            tmp, in_folder = None, True
     if tmp is None:
         tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(), dir=dest))
     try:
@@ -378,7 +512,7 @@ def atomic_folder(
         else:
             _commit(tmp, dest, patterns)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_tree(tmp)
         for folder in created:  # the parents made for dest, innermost first, if still empty
             try:
                 folder.rmdir()
@@ -387,7 +521,27 @@ def atomic_folder(
         raise
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_tree(tmp)
+
+
+def _take_folder_attributes(tmp: Path, dest: Path) -> bool:
+    """Give the empty ``tmp`` (mkdtemp: this user's group, 0700) ``dest``'s group, mode with
+    setgid and extended attributes (ACLs) before anything is written into it, so that the
+    swapped-in folder and the files written into it get what they would get in ``dest``.
+    ``False`` where that is not allowed."""
+    info = dest.stat()
+    try:
+        if tmp.stat().st_gid != info.st_gid:
+            os.chown(tmp, -1, info.st_gid)
+        shutil.copystat(dest, tmp)  # mode (setgid included) and xattrs: default ACLs
+        os.utime(tmp)  # not dest's times: a leftover of a killed save looks as old as it is
+        tmp.chmod(stat.S_IMODE(info.st_mode) | stat.S_IRWXU)  # writable until the swap
+        got = tmp.stat()
+    except OSError:
+        return False
+    return got.st_gid == info.st_gid and (got.st_mode & stat.S_ISGID) == (
+        info.st_mode & stat.S_ISGID
+    )
 
 
 def _commit(tmp: Path, dest: Path, drop: tuple[str, ...]) -> None:
@@ -402,7 +556,7 @@ def _commit(tmp: Path, dest: Path, drop: tuple[str, ...]) -> None:
     tmp.chmod(stat.S_IMODE(dest.stat().st_mode))
     try:
         if _exchange(tmp, dest):  # dest now holds the new files, tmp the old ones
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_tree(tmp)
             return
     except OSError as exc:  # busy (a mount point) or not allowed: rename file by file
         if exc.errno not in (errno.EBUSY, errno.EACCES, errno.EPERM):
