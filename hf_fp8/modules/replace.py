@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,18 +37,36 @@ def as_linear(module: nn.Module) -> nn.Linear:
     return linear
 
 
-def _swap_linears(config: Fp8Config, targets: list[tuple[str, nn.Module, nn.Module]]) -> list[str]:
-    """Replace each ``(name, module, parent)`` of ``targets`` (``convertible_modules``) by an
-    ``Fp8Linear`` quantized with ``config``, in place; return the converted names.
-
-    A layer shared by several parents is quantized once and stays shared. The public entry
-    point is ``hf_fp8.quantize_model`` (``hf_fp8.quantizer.convert``).
-    """
+def _build_linears(
+    config: Fp8Config, targets: list[tuple[str, nn.Module, nn.Module]]
+) -> list[tuple[nn.Module, str, nn.Module]]:
+    """An ``Fp8Linear`` quantized with ``config`` for each ``(name, module, parent)`` of
+    ``targets`` (``convertible_modules``), as ``(parent, attribute, new)``; changes nothing
+    (:func:`swapped_modules` installs them). A layer shared by several parents is quantized
+    once and stays shared."""
     done: dict[int, Fp8Linear] = {}
+    swaps = []
     for name, module, parent in targets:
         new = done.get(id(module))
         if new is None:
             new = Fp8Linear.from_linear(as_linear(module), config, module_name=name)
             done[id(module)] = new
-        setattr(parent, name.rpartition(".")[2], new)
-    return [name for name, _, _ in targets]
+        swaps.append((parent, name.rpartition(".")[2], new))
+    return swaps
+
+
+@contextlib.contextmanager
+def swapped_modules(swaps: list[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
+    """Set every ``(parent, attribute, new)`` of ``swaps``, then run the block; when the swap
+    or the block raises (``KeyboardInterrupt`` too), every original is put back: the model is
+    as it was, never half-converted."""
+    olds: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for parent, attr, new in swaps:
+            olds.append((parent, attr, getattr(parent, attr)))
+            setattr(parent, attr, new)
+        yield
+    except BaseException:
+        for parent, attr, old in reversed(olds):
+            setattr(parent, attr, old)
+        raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -19,8 +19,16 @@ from hf_fp8.modules import (
     warn_unmatched,
 )
 from hf_fp8.modules.forward_ops import call_changes
-from hf_fp8.modules.origin import CHECKPOINT, ON_THE_FLY, QUANTIZE_MODEL, mark_origin
-from hf_fp8.modules.replace import _swap_linears
+from hf_fp8.modules.origin import (
+    CHECKPOINT,
+    DEFAULTS_KEY,
+    ON_THE_FLY,
+    ORIGIN_KEY,
+    QUANTIZE_MODEL,
+    SKIPS_KEY,
+    mark_origin,
+)
+from hf_fp8.modules.replace import _build_linears, swapped_modules
 from hf_fp8.modules.selection import ModuleFilter, inside_peft_layers, matches_module
 from hf_fp8.quantizer.experts import experts_to_convert
 from hf_fp8.quantizer.hf_quantizer import (
@@ -280,12 +288,28 @@ def quantize_model(
     converted = [*(t[:2] for t in targets), *(e[:2] for e in experts)]
     check_activation_scales(model, config.activation_scales, converted=converted)
     _refuse_changed_calls(converted)
-    _swap_linears(config, targets)
-    swapped: dict[int, Fp8Experts] = {}  # experts shared by two parents stay shared
+    # Every layer is quantized before the first swap, and the swaps are undone if anything
+    # after them raises (Ctrl-C too): an error (a non-finite weight) leaves the model as it was.
+    swaps = _build_linears(config, targets)
+    built: dict[int, Fp8Experts] = {}  # experts shared by two parents stay shared
     for name, module, parent, fp8_class in experts:
-        if id(module) not in swapped:
-            swapped[id(module)] = fp8_class.from_experts(module, config, module_name=name)
-        setattr(parent, name.rpartition(".")[2], swapped[id(module)])
+        if id(module) not in built:
+            built[id(module)] = fp8_class.from_experts(module, config, module_name=name)
+        swaps.append((parent, name.rpartition(".")[2], built[id(module)]))
+    undo = _saved_marks(model, hf_model)
+    with swapped_modules(swaps):
+        try:
+            _mark(model, hf_model, config, asked)
+        except BaseException:
+            undo()
+            raise
+    return model
+
+
+def _mark(
+    model: nn.Module, hf_model: PreTrainedModel | None, config: Fp8Config, asked: list[str]
+) -> None:
+    """Mark the converted ``model`` (and its transformers model) quantized."""
     # before the hooks (its quantizer says pre_quantized); every FP8 layer, earlier calls' too
     skips, defaults_on = _kept_now(model, asked)
     mark_origin(model, QUANTIZE_MODEL, skips, default_skips=defaults_on, update=True)
@@ -300,4 +324,36 @@ def quantize_model(
         hf_model.quantization_method = saved.quant_method
         for hook in POST_LOAD_HOOKS:
             hook(hf_model, quantizer)
-    return model
+
+
+_MISSING = object()
+_MODEL_MARKS = ("hf_quantizer", "is_quantized", "quantization_method")
+
+
+def _saved_marks(model: nn.Module, hf_model: PreTrainedModel | None) -> Callable[[], None]:
+    """A function putting back what :func:`_mark` changes: the origin marks of the FP8 layers
+    ``model`` holds now, the transformers model's quantization attributes and config entry."""
+    layers = [
+        (m, {k: m.__dict__[k] for k in (ORIGIN_KEY, SKIPS_KEY, DEFAULTS_KEY) if k in m.__dict__})
+        for m in model.modules()
+        if isinstance(m, (Fp8Linear, Fp8Experts))
+    ]
+    owners = [] if hf_model is None else [(hf_model, _MODEL_MARKS)]
+    if hf_model is not None:
+        owners.append((hf_model.config, ("quantization_config",)))
+    attrs = [
+        (obj, name, obj.__dict__.get(name, _MISSING)) for obj, names in owners for name in names
+    ]
+
+    def undo() -> None:
+        for module, marks in layers:
+            for key in (ORIGIN_KEY, SKIPS_KEY, DEFAULTS_KEY):
+                module.__dict__.pop(key, None)
+            module.__dict__.update(marks)
+        for obj, name, value in attrs:
+            if value is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = value
+
+    return undo
