@@ -16,7 +16,9 @@ can write):
   on the CPU it was built for).
 * **Builds** run under an exclusive file lock (``fcntl.flock``) per library, so concurrent
   processes or ranks build once; the library is written to a temporary name and
-  ``os.replace``-d into place. A cached library that fails to load is rebuilt once.
+  ``os.replace``-d into place. A cached library that fails to load is rebuilt once. On Linux
+  (util-linux's ``setpriv``) the compiler processes die with the Python process that started
+  them; the temporary files of killed builds are removed at the next load of that library.
 * **Parts**: ``parts=({"PART": 1}, {"PART": 2})`` compiles the source once per part (its
   defines added) into object files by concurrent compiler processes, then links them into the
   one library: a large source builds in about the time of its largest part on several cores.
@@ -260,12 +262,48 @@ def _check_own_file(path: Path) -> None:
         raise OSError(f"{path} is not owned by this user or is writable by others")
 
 
+# Runs the compiler (its arguments after the parent's pid) and kills the whole process group,
+# cc1 / as / ld included, on SIGTERM: the parent-death signal setpriv sets (see _guarded).
+_GUARD_SCRIPT = 'trap "kill -KILL 0" TERM; [ "$PPID" = "$1" ] || exit 125; shift; "$@" & wait $!'
+
+
+@lru_cache(maxsize=1)
+def _guard_prefix() -> tuple[str, ...]:
+    """``setpriv --pdeathsig TERM sh -c <guard>``: the compiler's group dies with this
+    process (Linux with util-linux's ``setpriv``); ``()`` elsewhere (no guard)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "killpg"):
+        return ()
+    setpriv, sh = shutil.which("setpriv"), shutil.which("sh")
+    if setpriv is None or sh is None:
+        return ()
+    try:  # util-linux >= 2.33 has --pdeathsig
+        ok = subprocess.run(
+            [setpriv, "--pdeathsig", "TERM", sh, "-c", "exit 0"],
+            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    if ok.returncode != 0:
+        return ()
+    return (setpriv, "--pdeathsig", "TERM", sh, "-c", _GUARD_SCRIPT, "hf_fp8-cc")
+
+
+def _guarded(cmd: list[str]) -> list[str]:
+    """``cmd`` run so that it dies with this process: a SIGKILL of Python while it compiles
+    left the compiler running under init, writing into the cache later (R20 F7)."""
+    prefix = _guard_prefix()
+    return [*prefix, str(os.getpid()), *cmd] if prefix else cmd
+
+
 def _run(cmd: list[str], what: str) -> subprocess.Popen[str]:
     """Start a compiler run in a process group of its own, so that :func:`_stop` reaches the
-    driver's children (gcc's cc1 / as hold the output pipes)."""
+    driver's children (gcc's cc1 / as hold the output pipes); on Linux the group is killed
+    when this process dies (:func:`_guarded`)."""
     try:
         return subprocess.Popen(
-            cmd,
+            _guarded(cmd),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
@@ -377,12 +415,14 @@ def _build_and_load(
     try:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX)  # concurrent ranks: one builds, the others wait
+        # also when the library exists: a killed build's compiler may have written its
+        # output after the library was built (scanned once per library and process)
+        _remove_orphans(cache, lib_path.stem)
         if lib_path.exists():
             try:
                 return _open(lib_path)
             except OSError:  # corrupt, truncated, foreign: rebuild once
                 lib_path.unlink(missing_ok=True)
-        _remove_orphans(cache, lib_path.stem)
         _compile(cc, source, flags, lib_path, parts)
         try:
             return _open(lib_path)
