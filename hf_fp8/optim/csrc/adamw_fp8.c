@@ -447,10 +447,10 @@ typedef struct {
 AI planes16_t byte_planes16(const float* t, const int ZERO8) {
     const __m128i gather = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     __m128i r[4];
-    for (int k = 0; k < 4; ++k) {
-        __m128 x = _mm_loadu_ps(t + 4 * k);
-        if (ZERO8 && k == 2) x = _mm_blend_ps(x, _mm_setzero_ps(), 1);
-        r[k] = _mm_shuffle_epi8(_mm_castps_si128(x), gather); /* dword d: byte d of 4 entries */
+    for (int r4 = 0; r4 < 4; ++r4) {
+        __m128 x = _mm_loadu_ps(t + 4 * r4);
+        if (ZERO8 && r4 == 2) x = _mm_blend_ps(x, _mm_setzero_ps(), 1);
+        r[r4] = _mm_shuffle_epi8(_mm_castps_si128(x), gather); /* dword d: byte d of 4 entries */
     }
     const __m128i lo01 = _mm_unpacklo_epi32(r[0], r[1]), lo23 = _mm_unpacklo_epi32(r[2], r[3]);
     const __m128i hi01 = _mm_unpackhi_epi32(r[0], r[1]), hi23 = _mm_unpackhi_epi32(r[2], r[3]);
