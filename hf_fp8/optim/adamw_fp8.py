@@ -64,6 +64,11 @@ DEFAULT_MIN_QUANTIZE_NUMEL = 4096
 FORMAT_OPTIONS = ("group_size", "fp8_format", "dynamic_range_expansion", "sqrt_second_moment")
 # (moment_format is compared resolved: "auto" and what it stands for are the same format)
 STOCHASTIC_ROUNDING = (False, True, "exp_avg_sq")
+# The version of the stored codes and their rounding, saved in every param group of
+# state_dict(): a state of a newer hf_fp8 (newer format) is refused; one without it (an older
+# hf_fp8, torch's AdamW) is read as this format. Raise it when the codes or rounding change.
+STATE_FORMAT = 1
+STATE_FORMAT_KEY = "hf_fp8_state_format"
 # Flags of torch.optim.AdamW / Adam groups that are not AdamWFp8 options: dropped when such a
 # state is loaded (amsgrad / maximize True and Adam's L2 weight decay are refused instead).
 TORCH_ONLY_KEYS = (
@@ -465,6 +470,14 @@ class AdamWFp8(Optimizer):
         return m, v * v if group["sqrt_second_moment"] else v
 
     # ------------------------------------------------------------ state dict
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict()``; every param group also records the state
+        format (:data:`STATE_FORMAT_KEY`: :data:`STATE_FORMAT`), which
+        :meth:`load_state_dict` checks."""
+        sd = super().state_dict()
+        sd["param_groups"] = [{**g, STATE_FORMAT_KEY: STATE_FORMAT} for g in sd["param_groups"]]
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state after checking every tensor against its parameter.
 
@@ -538,6 +551,18 @@ class AdamWFp8(Optimizer):
             )
         merged = []
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            version = saved.get(STATE_FORMAT_KEY, STATE_FORMAT)
+            if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+                raise ValueError(
+                    f"loaded param group {i}: {STATE_FORMAT_KEY} must be an int >= 1, got "
+                    f"{version!r}"
+                )
+            if version > STATE_FORMAT:
+                raise ValueError(
+                    f"loaded param group {i} holds an AdamWFp8 state of format {version}, "
+                    f"written by a newer hf_fp8 (this one reads format {STATE_FORMAT}): "
+                    "upgrade hf_fp8 to resume from it"
+                )
             if "group_size" in saved:  # an AdamWFp8 state from before an option existed
                 saved = {"sqrt_second_moment": False, "moment_format": "fp8", **saved}
             for option in FORMAT_OPTIONS:
@@ -571,7 +596,9 @@ class AdamWFp8(Optimizer):
             # Like torch.optim: every saved key is kept (schedulers' initial_lr, user keys),
             # options the saved group lacks stay this optimizer's; torch-only flags go.
             new = {k: v for k, v in group.items() if k != "params"}
-            new.update({k: v for k, v in saved.items() if k not in TORCH_ONLY_KEYS})
+            new.update(
+                {k: v for k, v in saved.items() if k not in (*TORCH_ONLY_KEYS, STATE_FORMAT_KEY)}
+            )
             try:
                 _validate_group(new)
             except ValueError as exc:
