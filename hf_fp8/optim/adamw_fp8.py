@@ -137,6 +137,10 @@ class AdamWFp8(Optimizer):
     in float64 (never rounded to fp32), but float64 gradients beyond the fp32 range
     (``|g| > 3.4e38``) overflow the fp32 moments: NaN weights. A refused step (a sparse gradient, or a tensor
     ``implementation="cpu_kernel"`` cannot take) raises before any weight or state changes.
+    Ctrl-C (or SIGTERM with a Python handler) during a step in the main thread: the step
+    completes, then the handler runs (``KeyboardInterrupt`` after the step); a second Ctrl-C
+    during the same step interrupts at once. ``state_dict()`` records the state format
+    (``hf_fp8_state_format``); a state of a newer format is refused.
     """
 
     def __init__(

@@ -246,3 +246,24 @@ def test_a_step_in_another_thread_is_unaffected() -> None:
     assert not errors
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     _assert_same(_snapshot(opt, params), _twin(3))
+
+
+def test_a_second_ctrl_c_interrupts_at_once(monkeypatch) -> None:
+    """While a step holds one Ctrl-C, a second one raises at once (a long first
+    ``torch.compile`` stays interruptible); the default handler is back afterwards."""
+    params, opt = _make()
+    _grads(params, 0)
+    reached: list[str] = []
+    real = _cpu_kernel.launch
+
+    def launch(tasks):
+        signal.raise_signal(signal.SIGINT)  # held
+        signal.raise_signal(signal.SIGINT)  # runs the handler now
+        reached.append("after")
+        real(tasks)
+
+    monkeypatch.setattr(_cpu_kernel, "launch", launch)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert reached == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
