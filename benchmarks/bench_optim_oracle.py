@@ -23,8 +23,10 @@ per-group scales. New spec keys, usable on any moment:
 - ``"fmt": "int"`` with ``"levels": L``: linear absmax codes ``-L..L`` (``log2(2L+1)`` bits;
   ``L = 127`` is ``int8``, ``181`` is 8.5 bits);
 - ``"scale"``: how the group's maximum is stored, rounded *up* to its grid: ``"f32"`` (32
-  bits, exact: every older variant), ``"l16"`` (16 bits, 1/256 octave), ``"l8q4"`` (8 bits,
-  1/4 octave: 64 octaves), ``"e8"`` (8 bits, whole octaves: an E8M0 exponent as in OCP MX);
+  bits, exact: every older variant), ``"l16"`` (16 bits, 1/256 octave), ``"l10q16"`` (10
+  bits, 1/16 octave: 64 octaves with an offset per tensor), ``"l8q4"`` (8 bits, 1/4 octave:
+  64 octaves), ``"l8q32"`` (1/32 octave: counted as 8 bits, but not clamped, and the codes
+  used spanned 11 bits), ``"e8"`` (8 bits, whole octaves: an E8M0 exponent as in OCP MX);
   for ``mlog`` the grid is in Mitchell's log (whole octaves = powers of two);
 - ``"kbits"``: COAT's ``k = j/16`` stored in that many bits (``k <= (2^kbits - 1)/16``;
   without it ``k`` counts 32 bits, clamped to 1024 as before).
@@ -35,7 +37,7 @@ The scale codes each run used are recorded (``scale_codes``: smallest and larges
 that they fit their bits).
 
     python benchmarks/bench_optim_oracle.py --steps 300 --variants <budget variants> \
-        --output benchmarks/results/optim_oracle_budget.json
+        --output <file>      # runs merged in optim_oracle_budget.json (its "commands")
 """
 
 from __future__ import annotations
@@ -71,7 +73,16 @@ FORMATS = {
 # pattern read as a number), S codes per octave at k = 1; 0 = zero.
 MLOG = {"mlog8": (127, 8), "mlog16u": (255, 16)}
 # How a group's maximum is stored: (bits, grid step in octaves); rounded up to the grid.
-SCALES = {"f32": (32, 0.0), "l16": (16, 1 / 256), "l8q4": (8, 0.25), "e8": (8, 1.0)}
+SCALES = {
+    "f32": (32, 0.0),
+    "l16": (16, 1 / 256),
+    "l10q16": (10, 1 / 16),  # 64 octaves, with an offset per tensor (see scale_codes)
+    "l8q4": (8, 0.25),  # 64 octaves
+    # 8 octaves: NOT enough for m / sqrt(v) as emulated (no clamp): its group maxima spanned
+    # 2^-43..2^3 in optim_oracle_budget.json (rows whose m decayed); 11 bits at 1/32 octave
+    "l8q32": (8, 1 / 32),
+    "e8": (8, 1.0),
+}
 # Smallest / largest scale code seen, per "variant:moment" (filled by the oracle run).
 SCALE_CODES: dict[str, list[float]] = {}
 
@@ -373,8 +384,15 @@ VARIANTS.update(
             _m(127, "l8q4", 64),
             _v(511, "e8", 8, 256),
         ),
-        # the 8 + 9 pair with exact fp32 scales (over budget: what the cheap scales cost)
+        "mnorm_i215_ld_s8q4|v_ml303_ld_e8k8": (_m(215, "l8q4"), _v(303, "e8", 8)),  # 8.75 + 8.25
+        # finer scales in 8 + 17 bits a group (m's spans a few octaves)
+        "mnorm_i181_ld_s8q32|v_ml360_ld_l10q16k7": (_m(181, "l8q32"), _v(360, "l10q16", 7)),
+        # pairs with exact fp32 scales (over budget: what the cheap scales cost)
         "mnorm_i127_ld|v_ml511_ld": (_m(127), _v(511)),
+        "mnorm_i181_ld|v_ml360_ld": (_m(181), _v(360)),
+        # diagnostics of the scale cost: k clamped to 8 bits alone; 8/10-bit maxima alone
+        "mnorm_i181_ld|v_ml360_ld_k8": (_m(181), _v(360, "f32", 8)),
+        "mnorm_i181_ld_s8q32|v_ml360_ld_l10q16": (_m(181, "l8q32"), _v(360, "l10q16")),
     }
 )
 
