@@ -31,17 +31,32 @@ class LayerPlan:
     # MoE experts, one linear per expert and projection -> the experts module they belong to
     fp8_experts: dict[str, str] = field(default_factory=dict)  # (also in ``fp8``)
     high_precision_experts: dict[str, str] = field(default_factory=dict)
+    # checkpoint name -> the module's name in transformers' model, where the two differ
+    # (save_pretrained writes ViT's ``vit.layers.0.attention.q_proj`` as
+    # ``vit.encoder.layer.0.attention.attention.query``)
+    model_names: dict[str, str] = field(default_factory=dict)
 
     def ignored(self) -> list[str]:
         """Every linear the foreign formats must not quantize: the stock model's
         high-precision linears, then the high-precision per-expert linears (vLLM looks up
-        ``<experts>.0.gate_proj`` … in ``ignore`` / ``ignored_layers``)."""
-        return [*self.high_precision, *sorted(self.high_precision_experts)]
+        ``<experts>.0.gate_proj`` … in ``ignore`` / ``ignored_layers``). A linear renamed on
+        save is listed under both names: vLLM matches checkpoint names (through its own
+        name mapper), transformers' compressed-tensors loader the model's module names."""
+        names: list[str] = []
+        for name in self.high_precision:
+            names.append(name)
+            if self.model_names.get(name, name) != name:
+                names.append(self.model_names[name])
+        return [*names, *sorted(self.high_precision_experts)]
 
     def modules_to_not_convert(self) -> list[str]:
-        """hf_fp8's ``modules_to_not_convert`` for this plan: the high-precision linears and
-        the experts modules whose experts are stored in high precision."""
-        return [*self.high_precision, *sorted(set(self.high_precision_experts.values()))]
+        """hf_fp8's ``modules_to_not_convert`` for this plan (module names of the model, which
+        the quantizer matches): the high-precision linears and the experts modules whose
+        experts are stored in high precision."""
+        return [
+            *(self.model_names.get(n, n) for n in self.high_precision),
+            *sorted(set(self.high_precision_experts.values())),
+        ]
 
 
 def registered_model_class(model_type: str, architecture: object) -> type | None:
@@ -163,12 +178,76 @@ def stock_linear_layers(
     Every ``nn.Linear`` (subclasses included), on purpose not ``modules.is_convertible``:
     the foreign formats' loaders quantize every linear that the ``ignore`` list does not name,
     so the high-precision list must also hold the linears hf_fp8 keeps by rule (routers …)."""
-    model = build_meta_model(config, tensor_names)
+    return _linear_kinds(build_meta_model(config, tensor_names))
+
+
+def _linear_kinds(model: nn.Module) -> dict[str, str]:
     return {
         name: "conv1d" if is_conv1d(module) else "linear"
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) or is_conv1d(module)
     }
+
+
+def save_names(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
+    """``{module name: the name save_pretrained stores its weight under}`` for the modules
+    ``names`` of ``model``: transformers' conversion mapping reversed, as
+    ``revert_weight_conversion`` does for a model built from its config (no legacy renamings,
+    no prefix changes). ViT's ``vit.layers.0.attention.q_proj`` is saved as
+    ``vit.encoder.layer.0.attention.attention.query``. A module whose weight a converter merges
+    or splits on save (no one-to-one name), and every module when transformers' mapping is not
+    available, keeps its own name."""
+    names = list(names)
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            PrefixChange,
+            WeightConverter,
+            WeightRenaming,
+            apply_converters,
+            apply_renamings,
+        )
+
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+        conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+        reverse = [c.reverse_transform() for c in conversions[::-1]]
+        renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
+        converters = [c for c in reverse if isinstance(c, WeightConverter)]
+    except Exception:  # another transformers: names as they are
+        return {name: name for name in names}
+    out: dict[str, str] = {}
+    for name in names:
+        key = f"{name}.weight"
+        try:
+            if apply_converters(key, converters)[1] is not None:
+                saved = key
+            else:
+                saved = apply_renamings(key, renamings)
+        except Exception:
+            saved = key
+        out[name] = saved.removesuffix(".weight") if saved.endswith(".weight") else name
+    return out
+
+
+def saved_linear_layers(
+    config: dict[str, Any], tensor_names: Iterable[str] | None = None
+) -> dict[str, tuple[str, str]]:
+    """``{checkpoint module name: (kind, module name in the model)}`` of the linears of
+    :func:`stock_linear_layers`, named as the checkpoint names them: the model's own name when
+    ``tensor_names`` hold tensors under it, else the name ``save_pretrained`` writes
+    (:func:`save_names`)."""
+    tensor_names = None if tensor_names is None else list(tensor_names)
+    model = build_meta_model(config, tensor_names)
+    kinds = _linear_kinds(model)
+    saved = save_names(model, kinds)
+    stored = set()
+    if tensor_names is not None:
+        stored = {name[:i] for name in tensor_names for i, c in enumerate(name) if c == "."}
+    out: dict[str, tuple[str, str]] = {}
+    for name, kind in kinds.items():
+        on_disk = name if name in stored else saved[name]
+        out.setdefault(on_disk, (kind, name))
+    return out
 
 
 def plan_layers(
@@ -177,15 +256,18 @@ def plan_layers(
     *,
     experts: Mapping[str, tuple[str, int, int]] | None = None,
 ) -> LayerPlan:
-    """Match fp8 weights to the stock model's linear layers; raise on any fp8 weight that is
-    not a plain ``nn.Linear`` of that model (Conv1D, renamed tensors). ``experts`` names the
+    """Match fp8 weights to the stock model's linear layers, under the names the checkpoint
+    uses (:func:`saved_linear_layers`: the model's, or those ``save_pretrained`` writes); raise
+    on any fp8 weight that is not a plain ``nn.Linear`` of that model (Conv1D, tensors renamed
+    by other tools). ``experts`` names the
     per-expert linears of FP8 MoE experts (``serialization.experts.expert_modules``): they
     count as FP8 linears, never as high-precision ones. Experts stored per expert in high
     precision are found by name (``high_precision_experts``). A config describing far more
     layers than ``tensors`` hold is refused before the model is built
     (:func:`check_layer_counts`)."""
     experts = experts or {}
-    stock = stock_linear_layers(config, tensors)
+    saved = saved_linear_layers(config, tensors)
+    stock = {name: kind for name, (kind, _) in saved.items()}
     stock.update(dict.fromkeys(experts, "expert"))
     fp8: dict[str, tuple[int, int]] = {}
     for name, info in tensors.items():
@@ -232,4 +314,5 @@ def plan_layers(
             n: merged.rpartition(".")[0] for n, (merged, _, _) in experts.items() if n in fp8
         },
         high_precision_experts={n: m for n, m in hp_experts.items() if n not in fp8},
+        model_names={n: m for n, (_, m) in sorted(saved.items()) if n != m},
     )
