@@ -264,6 +264,13 @@ def merge_metadata(parts: CardText, fresh: dict[str, Any], wrote: dict[str, Any]
     only missing keys are added); a value the user set stays. Untouched (byte for byte)
     when nothing changes; a block that is not YAML is kept as it is (one warning)."""
     nl = parts.newline
+    if _has_aliases(parts.yaml):  # R23 F1: comparing expanded aliases can take forever
+        warn_card(
+            "README.md's metadata (between its --- lines) uses YAML anchors and aliases "
+            "(&name / *name), so it is kept as it is and hf-fp8 adds none of its keys "
+            "(library_name, tags); write the values out if you want them added"
+        )
+        return parts.head or ""
     try:
         data = yaml.safe_load(parts.yaml) if parts.yaml.strip() else {}
     except yaml.YAMLError:
@@ -307,6 +314,16 @@ def merge_metadata(parts: CardText, fresh: dict[str, Any], wrote: dict[str, Any]
     opening = parts.head[: parts.head.index("\n") + 1]
     closing = parts.head[len(opening) + len(parts.yaml) :]
     return f"{opening}{text}{closing}"
+
+
+def _has_aliases(text: str) -> bool:
+    """Whether the YAML ``text`` uses an alias (``*name``): read as events, never expanded."""
+    try:
+        return any(
+            isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, yaml.SafeLoader)
+        )
+    except yaml.YAMLError:
+        return False  # not YAML: the caller's own check keeps it as it is
 
 
 def _edit_yaml(text: str, updates: dict[str, Any]) -> str | None:
