@@ -26,6 +26,8 @@ from hf_fp8.recipe import Fp8Recipe, Granularity
 if TYPE_CHECKING:
     from hf_fp8.config import Fp8Config
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def weight_scale_shape(
     out_features: int, in_features: int, granularity: str, block_size: tuple[int, int]
@@ -236,6 +238,14 @@ class Fp8Linear(RecipeWords, nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dtype in _FP8_DTYPES:
+            raise TypeError(
+                f"Fp8Linear {self.__dict__.get('fp8_name', '')!s}: the input is "
+                f"{str(input.dtype).removeprefix('torch.')}; FP8 layers take activations in "
+                f"their compute dtype ({str(self.compute_dtype).removeprefix('torch.')}) and "
+                "quantize them themselves: cast the inputs to the compute dtype (a model that casts "
+                "them to model.dtype needs hf_fp8's compute_dtype patch: hf_fp8.patches.status())"
+            )
         if torch.is_grad_enabled():
             check_frozen(self, ("weight", "weight_scale", "input_scale"))
         scale = self.input_scale

@@ -14,6 +14,10 @@ patch                  what it changes                              public alter
                        ``Fp8LoraLinear`` via peft's custom modules  {Fp8Linear: Fp8LoraLinear})``
 ``model_dtype``        ``PreTrainedModel.half()`` / ``.float()``     ``model.to(torch.float16)``
                        act as ``.to(dtype)`` on hf_fp8 models
+``compute_dtype``      ``PreTrainedModel.dtype`` of a model whose    reload with ``dtype=`` the compute
+                       first parameter is an FP8 weight is the      dtype; cast inputs to it yourself
+                       FP8 layers' compute dtype, not fp8 (it is    (a config.json saying fp8 reloads
+                       config.json's ``dtype``)                     in float32, with a warning)
 ``accelerate_fsdp2``   ``accelerator.prepare`` under FSDP2 with a    ``hf_fp8.fully_shard_fp8(model)``
                        casting ``mixed_precision`` shards FP8       before ``accelerator.prepare``
                        modules in fp8-keeping groups first
@@ -92,6 +96,14 @@ PATCHES: dict[str, Patch] = {
         ("transformers.modeling_utils",),
         "model.half() / model.float() on hf_fp8 models",
         "model.to(torch.float16) / model.to(torch.float32)",
+    ),
+    "compute_dtype": Patch(
+        "hf_fp8.patches.compute_dtype",
+        ("transformers.modeling_utils",),
+        "model.dtype is the compute dtype of hf_fp8 models whose first parameter is an FP8 "
+        "weight (else it says fp8, and save_pretrained writes fp8 as config.json's dtype)",
+        "cast inputs to the compute dtype yourself; a config.json saying dtype float8_e4m3fn "
+        "reloads in float32 with a warning, or pass from_pretrained(..., dtype=torch.bfloat16)",
     ),
     "accelerate_ddp": Patch(
         "hf_fp8.patches.accelerate_ddp",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -260,11 +261,25 @@ class Fp8HfQuantizer(HfQuantizer):
             prebuild()
 
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
-        if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return dtype
+        if not self.pre_quantized:
             raise ValueError(
                 "dtype is the compute dtype of an FP8 model (bfloat16, float16 or float32), not fp8"
             )
-        return dtype
+        # hf_fp8 before R21 saved models whose first parameter is an FP8 weight with
+        # "dtype": "float8_e4m3fn" in config.json (transformers' model.dtype). float32 holds
+        # every stored high-precision tensor (bf16 / fp16 / fp32) exactly.
+        name = str(dtype).removeprefix("torch.")
+        warnings.warn(
+            f"hf_fp8: dtype {name} (config.json of a checkpoint saved by an older hf_fp8, or the "
+            "dtype argument) is not a compute dtype: loading in float32; pass "
+            "from_pretrained(..., dtype=torch.bfloat16) to choose, save_pretrained again to "
+            "repair config.json",
+            UserWarning,
+            stacklevel=2,
+        )
+        return torch.float32
 
     # -- before loading: swap modules on the meta device ---------------------------------------
     def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, **kwargs):
