@@ -537,12 +537,13 @@ def _fp8_mm_impl(
             if via_fp32:
                 tile = buf32[: tile.numel()].view(tile.shape).copy_(tile)
         if bias_in_mm:
-            parts.append(torch.addmm(bias[r0:r1, None].to(mm_dtype), tile, a_mm.t()))
+            part = torch.addmm(bias[r0:r1, None].to(mm_dtype), tile, a_mm.t())
         else:
-            parts.append(torch.nn.functional.linear(tile, a_mm))
+            part = torch.nn.functional.linear(tile, a_mm)
+        # the fp32 route rounds each tile's products at once (elementwise: the same bits as
+        # rounding the joined result), so only one fp32 tile of products is alive (R23 F3)
+        parts.append(part.to(torch.bfloat16) if via_fp32 else part)
     out_t = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if via_fp32:
-        out_t = out_t.to(torch.bfloat16)
     if a.dtype != torch.bfloat16:
         out = out_t.t()
         return (out if bias is None else out + bias).contiguous()

@@ -334,7 +334,9 @@ def high_precision_reason(
             *(qc.get("ignore") or []),
             *(qc.get("ignored_layers") or []),
         ]
-        if any(module == s or module.endswith(f".{s}") for s in skipped):
+        # a layer renamed on save (ViT) is named in modules_to_not_convert by its model name
+        names = {module, plan.model_names.get(module, module) if plan is not None else module}
+        if any(n == s or n.endswith(f".{s}") for n in names for s in skipped):
             return "modules_to_not_convert", (
                 "named in modules_to_not_convert (lm_head and task heads such as score / "
                 "classifier by default: the output head is the layer most sensitive to FP8 "
