@@ -239,8 +239,9 @@ class Fp8Linear(RecipeWords, nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype in _FP8_DTYPES:
+            name = self.__dict__.get("fp8_name")
             raise TypeError(
-                f"Fp8Linear {self.__dict__.get('fp8_name', '')!s}: the input is "
+                f"{f'Fp8Linear {name}' if name else 'Fp8Linear'}: the input is "
                 f"{str(input.dtype).removeprefix('torch.')}; FP8 layers take activations in "
                 f"their compute dtype ({str(self.compute_dtype).removeprefix('torch.')}) and "
                 "quantize them themselves: cast the inputs to the compute dtype (a model that casts "
