@@ -29,6 +29,7 @@ Three ways to run one grouped projection (:func:`grouped_fp8_linear`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -56,21 +57,33 @@ class Routing:
     (non-decreasing); ``counts``: rows per expert (host ints, one entry per expert).
     Pairs routed to an id outside ``[0, num_experts)`` (expert-parallel sentinels) are
     dropped: they contribute nothing.
+
+    Static routing (``counts=None``, :func:`route` under ``torch.compile``): no host sync,
+    every shape follows the input's; all ``tokens · top_k`` pairs are kept, the dropped ones
+    sorted last with ``expert_ids == experts`` (one past the last expert), and
+    ``experts`` holds the number of experts.
     """
 
     pair_index: torch.Tensor
     token_index: torch.Tensor
     expert_ids: torch.Tensor
-    counts: tuple[int, ...]
+    counts: tuple[int, ...] | None
     num_tokens: int
     top_k: int
+    experts: int = 0  # static routing only: the number of experts
 
     @property
     def num_experts(self) -> int:
-        return len(self.counts)
+        return self.experts if self.counts is None else len(self.counts)
+
+    @property
+    def is_static(self) -> bool:
+        return self.counts is None
 
     def present(self) -> list[tuple[int, int, int]]:
         """``(expert, start, end)`` row ranges of the experts that received rows."""
+        if self.counts is None:
+            raise RuntimeError("a static routing (under torch.compile) has no host row counts")
         out, start = [], 0
         for expert, count in enumerate(self.counts):
             if count:
@@ -79,8 +92,11 @@ class Routing:
         return out
 
 
-def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
-    """Sort the routed pairs of ``top_k_index`` ``[tokens, top_k]`` by expert id."""
+def route(top_k_index: torch.Tensor, num_experts: int, *, static: bool | None = None) -> Routing:
+    """Sort the routed pairs of ``top_k_index`` ``[tokens, top_k]`` by expert id.
+
+    ``static`` (default: under ``torch.compile``): a static routing (see :class:`Routing`),
+    whose sizes do not depend on the routing decisions, so one graph captures it."""
     if top_k_index.dim() != 2:
         raise ValueError(
             f"top_k_index must be [tokens, top_k], got shape {tuple(top_k_index.shape)}"
@@ -91,6 +107,18 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     # invalid ids sort past every real expert and are cut off below
     keys = torch.where(valid, flat, torch.full_like(flat, num_experts))
     sorted_ids, pair_index = torch.sort(keys, stable=True)
+    if static is None:
+        static = torch.compiler.is_compiling()
+    if static:
+        return Routing(
+            pair_index=pair_index,
+            token_index=pair_index // top_k,
+            expert_ids=sorted_ids,
+            counts=None,
+            num_tokens=num_tokens,
+            top_k=top_k,
+            experts=num_experts,
+        )
     # row ranges from the sorted ids (bincount has no deterministic CUDA kernel)
     bounds = torch.searchsorted(
         sorted_ids, torch.arange(num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
@@ -124,7 +152,11 @@ def combine(
     num_pairs = routing.num_tokens * routing.top_k
     routed = expert_out.shape[0]
     weights = top_k_weights.reshape(-1, 1).to(expert_out.dtype)
-    if routed < num_pairs:  # dropped pairs read this zero row, with weight zero
+    if routing.is_static:  # every pair has a row; the dropped ones get weight zero
+        dropped = routing.expert_ids >= routing.num_experts  # in sorted order
+        dropped = torch.zeros_like(dropped).scatter(0, routing.pair_index, dropped)
+        weights = weights.masked_fill(dropped.unsqueeze(-1), 0)
+    elif routed < num_pairs:  # dropped pairs read this zero row, with weight zero
         expert_out = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[-1])])
         dropped = torch.ones(num_pairs, dtype=torch.bool, device=weights.device)
         dropped[routing.pair_index] = False
@@ -286,6 +318,11 @@ def grouped_fp8_linear(
         )
     if not recipe.is_static:
         input_scale = None
+    if routing.is_static:
+        plan = LinearPlan.from_recipe(recipe)  # dynamo cannot trace the lru_cache
+        return _static_grouped(
+            x_sorted, routing, w_fp8, w_scale, bias, plan, input_scale, from_tokens
+        )
     if len(routing.expert_ids) == 0:
         return x_sorted.new_zeros(0, n)
 
@@ -328,3 +365,51 @@ def grouped_fp8_linear(
             )
         )
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _static_grouped(
+    x: torch.Tensor,
+    routing: Routing,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    plan: LinearPlan,
+    input_scale: torch.Tensor | None,
+    from_tokens: bool,
+) -> torch.Tensor:
+    """The per-expert route for a static routing (``torch.compile``): every expert's
+    ``fp8_linear`` runs on all rows (all token rows with ``from_tokens`` where a row's
+    activation scale is its own, else all routed pairs) and keeps the rows routed to it
+    (``torch.where``), so no size depends on the routing. Same numbers as the eager route:
+    weight-only, per-token and block activation scales are row-local; a dynamic per-tensor
+    activation scale is the amax of the expert's own rows, computed here on those rows and
+    passed as a static scale; static scales are the expert's. Costs ``experts`` times the
+    routed compute (``experts / top_k`` times with ``from_tokens``): the price of one graph.
+    Dropped pairs (ids outside the experts) get zero rows.
+    """
+    num_experts, n, _ = w_fp8.shape
+    group_scale = (
+        plan.act_dtype is not None and not plan.static and plan.act_granularity == "tensor"
+    )
+    per_token = from_tokens and not group_scale
+    rows = x if per_token or not from_tokens else x[routing.token_index]
+    e_plan = dataclasses.replace(plan, static=True) if group_scale else plan
+    out = rows.new_zeros(routing.expert_ids.shape[0], n)
+    for expert in range(num_experts):
+        mask = (routing.expert_ids == expert).unsqueeze(-1)
+        e_scale = None if input_scale is None else input_scale[expert : expert + 1]
+        if group_scale:
+            group_amax = amax(rows.masked_fill(~mask, 0), "tensor")
+            e_scale = amax_to_scale(group_amax, plan.act_dtype).reshape(1)
+        y = fp8_linear(
+            rows,
+            w_fp8[expert],
+            w_scale[expert],
+            None if bias is None else bias[expert].to(rows.dtype),
+            plan=e_plan,
+            input_scale=e_scale,
+        )
+        if per_token:
+            y = y.index_select(0, routing.token_index)
+        out = torch.where(mask, y, out)
+    return out
