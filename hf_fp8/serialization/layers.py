@@ -96,6 +96,9 @@ LAYER_COUNT_KEYS = (
 # that run one stored layer several times (ALBERT: 12 passes through albert_layers.0) or store
 # a stack shorter than the count say are built as before; a count beyond this is refused.
 LAYER_SLACK = 64
+# Looped models run their stored layers several times and count every pass (HRM-text:
+# layers per stack x H_cycles x (L_cycles + 1) = 8 x stored; R23 F2)
+LAYER_RATIO = 16
 
 
 def stored_layer_count(names: Iterable[str]) -> int:
@@ -124,20 +127,20 @@ def _layer_counts(config: Mapping[str, Any], where: str = "") -> Iterable[tuple[
 def check_layer_counts(config: Mapping[str, Any], names: Iterable[str]) -> None:
     """Refuse (``ValueError`` naming the field, both counts and the fix) a config that
     describes far more layers (``LAYER_COUNT_KEYS``, nested sub-configs too) than the tensors
-    ``names`` hold (:func:`stored_layer_count` + ``LAYER_SLACK``): such a checkpoint is
+    ``names`` hold (``LAYER_RATIO`` x :func:`stored_layer_count` + ``LAYER_SLACK``): such a checkpoint is
     incomplete or its config is wrong, and building the model it describes on the meta device
     takes time and memory in proportion to the count, not to the files (R22: 170 s and
     1.1 GB for a 124 KB folder whose config said 20000 layers). Not truncated instead: per-layer structure can depend on the count (the last
     layer's bias in GPT-NeoX-Japanese, Gemma-4's KV-shared layers, Swin's stages)."""
     held = stored_layer_count(names)
     for field_name, count in _layer_counts(config):
-        if count > held + LAYER_SLACK:
+        if count > LAYER_RATIO * held + LAYER_SLACK:
             raise ValueError(
                 f"config.json's {field_name} is {count}, but the checkpoint's tensors hold "
                 f"{held} layer(s) at most (distinct indices under one name, e.g. "
                 "model.layers.<i>): the checkpoint is incomplete (a missing shard?) or its "
-                f"config.json is wrong. Set {field_name} to the number of layers the "
-                "checkpoint stores, or download the whole checkpoint again"
+                "config.json was changed. Download the whole checkpoint again, or restore "
+                f"{field_name} in config.json to what the model was saved with"
             )
 
 
