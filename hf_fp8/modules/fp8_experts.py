@@ -58,8 +58,10 @@ Still open:
   from memory once per call. The up projection quantizes each token once (per-token scales);
   experts small enough for the GEMV (decode, small batches) still quantize their own rows
   there (an ``fp8_linear`` taking a pre-quantized ``(a_fp8, a_scale)`` would remove that).
-  ``route`` syncs the host once (``counts``): ``torch.compile(fullgraph=True)`` and CUDA graphs
-  break there.
+  ``route`` syncs the host once (``counts``) in eager mode; under ``torch.compile`` it returns
+  a static routing and every expert runs on all rows (one graph, same numbers, ``E`` times the
+  routed compute; ``E / top_k`` for the up projection): a grouped kernel taking device offsets
+  (``torch._scaled_grouped_mm`` on GPU) would remove that cost.
 """
 
 from __future__ import annotations
