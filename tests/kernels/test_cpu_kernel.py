@@ -88,6 +88,14 @@ def _activation(x: torch.Tensor, scheme: str, fmt: torch.dtype):
     return q.double() * _expand64(scale, m, k, gran, (1, BLOCK[1])), kwargs
 
 
+def _problem(fmt: str, gran: str, m: int, k: int, n: int):
+    """(fp8 weight over every code, its scale, the exact float64 weight, bf16 bias, bf16 x)."""
+    w8 = _all_codes_weight(n, k, FORMATS[fmt])
+    ws = _weight_scale(n, k, gran)
+    w64 = w8.double() * _expand64(ws, n, k, gran, BLOCK)
+    return w8, ws, w64, torch.randn(n).to(torch.bfloat16), torch.randn(m, k).to(torch.bfloat16)
+
+
 def _bound(a64, w64, out_ref, r1, r3):
     return r1 * out_ref.abs() + r3 * (a64.abs() @ w64.abs().T) + 1e-30
 
@@ -99,11 +107,7 @@ def _bound(a64, w64, out_ref, r1, r3):
 )
 def test_linear_matches_float64_and_the_emulation(path, monkeypatch, fmt, gran, m, k, n) -> None:
     dtype = FORMATS[fmt]
-    w8 = _all_codes_weight(n, k, dtype)
-    ws = _weight_scale(n, k, gran)
-    w64 = w8.double() * _expand64(ws, n, k, gran, BLOCK)
-    bias = torch.randn(n).to(torch.bfloat16)
-    x = torch.randn(m, k).to(torch.bfloat16)
+    w8, ws, w64, bias, x = _problem(fmt, gran, m, k, n)
     for scheme in SCHEMES:
         a64, kwargs = _activation(x, scheme, dtype)
         ref = a64 @ w64.T + bias.double()

@@ -20,10 +20,9 @@ from tests.kernels.test_cpu_kernel import (
     FORMATS,
     SCHEMES,
     _activation,
-    _all_codes_weight,
     _bound,
     _expand64,
-    _weight_scale,
+    _problem,
     path,  # noqa: F401  (fixture: every C path this CPU runs)
 )
 
@@ -59,11 +58,7 @@ def test_linear_via_fp32_matches_float64_and_the_bf16_matmul(
     matmul_dtypes, monkeypatch, fmt, gran, m, k, n
 ) -> None:
     dtype = FORMATS[fmt]
-    w8 = _all_codes_weight(n, k, dtype)
-    ws = _weight_scale(n, k, gran)
-    w64 = w8.double() * _expand64(ws, n, k, gran, BLOCK)
-    bias = torch.randn(n).to(torch.bfloat16)
-    x = torch.randn(m, k).to(torch.bfloat16)
+    w8, ws, w64, bias, x = _problem(fmt, gran, m, k, n)
     for scheme in SCHEMES:
         a64, kwargs = _activation(x, scheme, dtype)
         ref = a64 @ w64.T + bias.double()

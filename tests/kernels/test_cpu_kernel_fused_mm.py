@@ -22,6 +22,7 @@ from tests.kernels.test_cpu_kernel import (
     _all_codes_weight,
     _bound,
     _expand64,
+    _problem,
     _weight_scale,
 )
 
@@ -52,11 +53,7 @@ def _run(x, w8, ws, bias, gran, kwargs, monkeypatch, use_fused: bool):
 @pytest.mark.parametrize(("m", "k", "n"), [(17, 1100, 75), (270, 96, 40), (33, 64, 1100)])
 def test_fused_matches_float64_and_the_tiled_path(fused, monkeypatch, fmt, gran, m, k, n):
     dtype = FORMATS[fmt]
-    w8 = _all_codes_weight(n, k, dtype)
-    ws = _weight_scale(n, k, gran)
-    w64 = w8.double() * _expand64(ws, n, k, gran, BLOCK)
-    bias = torch.randn(n).to(torch.bfloat16)
-    x = torch.randn(m, k).to(torch.bfloat16)
+    w8, ws, w64, bias, x = _problem(fmt, gran, m, k, n)
     for scheme in SCHEMES:
         a64, kwargs = _activation(x, scheme, dtype)
         ref = a64 @ w64.T + bias.double()
