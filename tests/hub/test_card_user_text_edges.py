@@ -74,13 +74,16 @@ def lines_without_markers(card: str) -> str:
     )
 
 
-def kept_as_written(tmp_path, edited: str) -> None:
-    """Save over ``edited``: the card stays byte for byte, with one warning naming the fix."""
+def resave_warned(tmp_path, edited: str) -> tuple[str, list[str]]:
+    """Save over ``edited``: (the card, hf_fp8's warnings)."""
     with pytest.warns(UserWarning) as record:
         text = resave(tmp_path, edited)
-    ours = [str(w.message) for w in record if "hf_fp8" in str(w.message)]
-    assert len(ours) == 1 and "hf_fp8:begin" in ours[0] and "hf_fp8:end" in ours[0], ours
-    assert text == edited
+    return text, [str(w.message) for w in record if "hf_fp8" in str(w.message)]
+
+
+def names_the_fix(warnings_: list[str]) -> bool:
+    """One warning, naming both markers (the fix: put them back as hf_fp8 wrote them)."""
+    return len(warnings_) == 1 and "hf_fp8:begin" in warnings_[0] and "hf_fp8:end" in warnings_[0]
 
 
 # --- markers the user broke or wrote ------------------------------------------------------
@@ -88,12 +91,18 @@ def kept_as_written(tmp_path, edited: str) -> None:
 
 def test_markers_quoted_in_a_code_block_keep_the_card(tmp_path):
     quote = f"\n## Editing this card\n\n```markdown\n{BEGIN} -->\n(generated)\n{END} -->\n```\n"
-    kept_as_written(tmp_path, first_card(tmp_path) + quote)
+    edited = first_card(tmp_path) + quote
+    text, ours = resave_warned(tmp_path, edited)
+    assert text == edited
+    assert names_the_fix(ours), ours
 
 
 def test_a_marker_named_in_a_sentence_keeps_the_card(tmp_path):
     note = "\nhf-fp8 rewrites what lies between `<!-- hf_fp8:begin -->` and its end.\n"
-    kept_as_written(tmp_path, first_card(tmp_path) + note)
+    edited = first_card(tmp_path) + note
+    text, ours = resave_warned(tmp_path, edited)
+    assert text == edited
+    assert names_the_fix(ours), ours
 
 
 @pytest.mark.parametrize("broken", ["no end", "no begin", "half a begin", "two regions", "swapped"])
@@ -112,7 +121,10 @@ def test_broken_markers_keep_the_card(broken, tmp_path):
         lines += ["\n", *lines[begin : end + 1]]
     else:
         lines[begin], lines[end] = lines[end], lines[begin]
-    kept_as_written(tmp_path, "".join(lines))
+    edited = "".join(lines)
+    text, ours = resave_warned(tmp_path, edited)
+    assert text == edited
+    assert names_the_fix(ours), ours
 
 
 def test_markers_removed_with_text_added_around_keep_it_and_update(tmp_path):

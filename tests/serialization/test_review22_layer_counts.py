@@ -95,4 +95,4 @@ def test_nested_and_other_count_fields_are_checked():
 def test_shared_layers_are_not_refused():
     """ALBERT runs one stored layer num_hidden_layers (12) times: a small excess is built."""
     names = ["albert.encoder.albert_layer_groups.0.albert_layers.0.ffn.weight"]
-    check_layer_counts({"num_hidden_layers": 12, "num_hidden_groups": 1}, names)
+    assert check_layer_counts({"num_hidden_layers": 12, "num_hidden_groups": 1}, names) is None
