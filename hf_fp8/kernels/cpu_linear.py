@@ -5,7 +5,7 @@ the activation is fake-quantized by the emulation's own functions, run eagerly (
 inductor compile: the first call costs no more than the eager path, and new sequence
 lengths never recompile), then
 
-* up to ``gemv_limit()`` tokens (16 with bf16 dot products, 12 on AVX2, else 4): the fused GEMV (fp32 activation, fp32 accumulation,
+* up to ``gemv_limit()`` tokens (16 with bf16 dot products, 12 for bf16 on AVX2, else 4): the fused GEMV (fp32 activation, fp32 accumulation,
   the emulation's epilogue in C; block weight scales applied per K-block partial sum);
 * above: the weight decoded tile by tile into the compute dtype (bf16 / fp32, bit-identical
   to the emulation's decode) and torch's matmul, then the emulation's epilogue (bf16 operands
@@ -33,9 +33,10 @@ GEMV_MAX_TOKENS = cpu_kernel.GEMV_MAX_TOKENS
 # (benchmarks/bench_linear.py, AVX-512 path: 0.8x bf16 at 4 tokens, 3x at 16).
 FP32_GEMV_MAX_TOKENS = 4
 # On AVX2 the matmul it loses to is an fp32 one at a fifth of AVX-512's speed: the GEMV wins up
-# to 12-16 tokens (AMD EPYC Zen 1, 1 thread, 2048 -> 5632, bf16: 8 tokens 11.6 vs 15.3 ms,
-# 12 tokens 17.3 vs 23.0 ms, 16 tokens 23.0 vs 21.2 ms).
-FP32_GEMV_MAX_TOKENS_BY_PATH = {"avx2": 12}
+# to 12-16 tokens with bf16 compute (AMD EPYC Zen 1, 1 thread, 2048 -> 5632: 8 tokens 11.6 vs
+# 15.3 ms, 12 tokens 17.3 vs 23.0 ms, 16 tokens 23.0 vs 21.2 ms); fp32 compute (not measured)
+# keeps the general limit.
+BF16_GEMV_MAX_TOKENS_BY_PATH = {"avx2": 12}
 
 
 def gemv_limit(path: str, dtype: torch.dtype, act_block: bool) -> int:
@@ -45,7 +46,8 @@ def gemv_limit(path: str, dtype: torch.dtype, act_block: bool) -> int:
     bf16_dot = path in cpu_kernel.BF16_ACTIVATION_PATHS and dtype == torch.bfloat16
     if bf16_dot and not act_block:
         return GEMV_MAX_TOKENS
-    return min(GEMV_MAX_TOKENS, FP32_GEMV_MAX_TOKENS_BY_PATH.get(path, FP32_GEMV_MAX_TOKENS))
+    by_path = BF16_GEMV_MAX_TOKENS_BY_PATH if dtype == torch.bfloat16 else {}
+    return min(GEMV_MAX_TOKENS, by_path.get(path, FP32_GEMV_MAX_TOKENS))
 
 
 _A_GRAN = {"tensor": "tensor", "row": "token", "block": None}
