@@ -85,6 +85,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--inner", type=int, default=4, help="calls per timing")
     parser.add_argument("--rounds", type=int, default=100, help="round-robin rounds")
     parser.add_argument("--options", default="{}", help="AdamWFp8 options as JSON")
+    parser.add_argument(
+        "--cflags",
+        default="",
+        help="extra compiler flags of every source, space-separated: '-mno-avx512f' times "
+        "the AVX2 loops on a machine with AVX-512",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     task, _opt = captured_task(json.loads(args.options))
@@ -95,7 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
             path = Path(tmp) / f"ab_{i}.c"
             path.write_text(src.read_text() + ENTRY)
             lib = native.load_library(
-                f"adamw_fp8_ab{i}", path, defines=_cpu_kernel.kernel_defines(variant)
+                f"adamw_fp8_ab{i}",
+                path,
+                defines=_cpu_kernel.kernel_defines(variant),
+                cflags=args.cflags.split(),
             )
             lib.ab_bench.restype = ctypes.c_double
             lib.ab_bench.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
@@ -105,17 +114,20 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(args.rounds):
         for t, lib in zip(times, libs, strict=True):
             t.append(lib.ab_bench(ctypes.cast(arr, ctypes.c_void_p), args.groups, args.inner))
-    out = {
-        str(src): {
+    out: dict = {
+        f"{i}:{src}": {
             "ns_per_group_min": round(min(t), 1),
             "ns_per_group_median": round(statistics.median(t), 1),
         }
-        for src, t in zip(args.sources, times, strict=True)
+        for i, (src, t) in enumerate(zip(args.sources, times, strict=True))
     }
     first = times[0]
-    for src, t in zip(args.sources, times, strict=True):
-        out[str(src)]["ratio_min"] = round(min(t) / min(first), 3)
-        out[str(src)]["ratio_median"] = round(statistics.median(t) / statistics.median(first), 3)
+    for i, (src, t) in enumerate(zip(args.sources, times, strict=True)):
+        out[f"{i}:{src}"]["ratio_min"] = round(min(t) / min(first), 3)
+        out[f"{i}:{src}"]["ratio_median"] = round(
+            statistics.median(t) / statistics.median(first), 3
+        )
+    out["cflags"] = args.cflags
     out["load_average"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(json.dumps(out, indent=2))
     return out

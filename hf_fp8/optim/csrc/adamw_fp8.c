@@ -16,7 +16,7 @@
    requantizes (prefetch_group); the log format has its three loops
    (update_group_log_v, requant_log_v_v, requant_log_m_v). With AVX2 and no AVX-512 (Zen 1-3,
    Intel clients), the default variant has 8-lane loops (update_group_ex_v8: decode from
-   byte planes with vpshufb; requant_e4m3_ex_v8: 4 vectors interleaved). Threads take groups from a shared
+   byte planes with vpshufb; requant_e4m3_ex_v8: 8 vectors interleaved). Threads take groups from a shared
    counter; built with -fopenmp (USE_OMP) they are torch's own OpenMP pool.
 
    Built by hf_fp8.utils.native.load_library with -D defines generated from ONE Python table
@@ -581,7 +581,9 @@ AI void update_group_ex_v8(char* p_, const char* g_, const uint8_t* restrict qm,
 }
 
 /* requant's EX branch for E4M3 codes on U vectors of 8 lanes at a time (n a multiple of 8·U),
-   each step applied to the U vectors before the next (interleaved polynomial chains). The
+   each step applied to the U vectors before the next (interleaved polynomial chains: U = 8,
+   64 elements, took 0.85x the whole step's time of U = 4 (-march=znver1 code timed on a Zen 5;
+   llvm-mca's Zen 1 model: the requantization latency-bound, 0.87x), despite spills). The
    scalar loop's operations, except where the result is the same by construction:
    - flog2 of |x| itself, not of (nz ? |x| : 1): the lanes that differ are zeroed by nz;
    - nz ? mag : 0 as an AND with the mask, min(mag, F) as vminps (mag is never NaN);
@@ -664,18 +666,21 @@ AI void requant_e4m3_ex_v8(const float* restrict buf, uint8_t* restrict q, int64
                 c[u] = _mm256_blendv_epi8(cn, cs, _mm256_castps_si256(sub));
             }
         }
-        if (U == 4) {
-            /* the 32 codes packed to bytes (values <= 0x7E: no saturation) and x packed alike
+        if (U % 4 == 0) {
+            /* each 32 codes packed to bytes (values <= 0x7E: no saturation) and x packed alike
                with signed saturation, which keeps the sign bit: a byte of x's pack has bit 7
                set exactly when x has bit 31 set; then the bytes in order (the packs work per
                128-bit lane: dword d of lane l holds 4 codes of vector d at offset 4l) */
-            __m256i cb = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]),
-                                             _mm256_packus_epi32(c[2], c[3]));
-            __m256i sb = _mm256_packs_epi16(_mm256_packs_epi32(xb[0], xb[1]),
-                                            _mm256_packs_epi32(xb[2], xb[3]));
-            __m256i code = _mm256_or_si256(cb, _mm256_and_si256(sb, _mm256_set1_epi8((char)0x80)));
-            code = _mm256_permutevar8x32_epi32(code, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i*)(q + i0), code);
+            for (int u = 0; u < U; u += 4) {
+                __m256i cb = _mm256_packus_epi16(_mm256_packus_epi32(c[u], c[u + 1]),
+                                                 _mm256_packus_epi32(c[u + 2], c[u + 3]));
+                __m256i sb = _mm256_packs_epi16(_mm256_packs_epi32(xb[u], xb[u + 1]),
+                                                _mm256_packs_epi32(xb[u + 2], xb[u + 3]));
+                __m256i code =
+                    _mm256_or_si256(cb, _mm256_and_si256(sb, _mm256_set1_epi8((char)0x80)));
+                code = _mm256_permutevar8x32_epi32(code, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256((__m256i*)(q + i0 + 8 * u), code);
+            }
         } else {
             for (int u = 0; u < U; ++u) { /* | the sign bit (bit 31 of x moved to bit 7) */
                 __m256i code = _mm256_or_si256(
@@ -687,6 +692,21 @@ AI void requant_e4m3_ex_v8(const float* restrict buf, uint8_t* restrict q, int64
         }
     }
     for (int64_t i = n; i < gs; ++i) q[i] = 0;
+}
+
+/* Other multiples of 8 (group sizes other than the default): out of line, so that the default
+   path's inlined loops stay alone in run_groups (with these inlined too the step took 1.05x). */
+__attribute__((noinline)) static void requant_e4m3_ex_v8_other(const float* restrict buf,
+                                                               uint8_t* restrict q, int64_t n,
+                                                               int64_t gs, float k, float lmax,
+                                                               uint32_t key, const int SR) {
+    if (SR) {
+        if (n % 32 == 0) requant_e4m3_ex_v8(buf, q, n, gs, k, lmax, key, 1, 4);
+        else requant_e4m3_ex_v8(buf, q, n, gs, k, lmax, key, 1, 1);
+    } else {
+        if (n % 32 == 0) requant_e4m3_ex_v8(buf, q, n, gs, k, lmax, key, 0, 4);
+        else requant_e4m3_ex_v8(buf, q, n, gs, k, lmax, key, 0, 1);
+    }
 }
 #undef I8
 #undef F8
@@ -812,12 +832,12 @@ AI void requant(const float* restrict buf, uint8_t* restrict q, int64_t n, int64
     }
 #endif
 #if HAVE_AVX2_PATH
-    if (EX && !E5 && n % 32 == 0) {
-        requant_e4m3_ex_v8(buf, q, n, gs, k, lmax, key, SR, 4);
+    if (EX && !E5 && n % 64 == 0) {
+        requant_e4m3_ex_v8(buf, q, n, gs, k, lmax, key, SR, 8);
         return;
     }
     if (EX && !E5 && n % 8 == 0) {
-        requant_e4m3_ex_v8(buf, q, n, gs, k, lmax, key, SR, 1);
+        requant_e4m3_ex_v8_other(buf, q, n, gs, k, lmax, key, SR);
         return;
     }
 #endif
