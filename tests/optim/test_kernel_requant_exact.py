@@ -13,7 +13,7 @@ libraries here are built from the kernel source with a probe that records the ma
 one as the default build (-march=native), one without AVX2 (the scalar loops, which the
 other tests tie to the reference). The same for the AVX2 loops of machines without AVX-512
 (8 lanes, built here with -mno-avx512f): their requantization computes the exponent, the
-floor and the casts with AVX2 instructions instead."""
+floor and the casts with AVX2 instructions instead, and their B tables come from a cache."""
 
 from __future__ import annotations
 
@@ -63,13 +63,32 @@ void probe_tables(const float* scale, const float* expo, int64_t n, float* ta, f
     for (int64_t g0 = 0; g0 < n; g0 += CHUNK) {
         const int nb = (int)((n - g0) < CHUNK ? (n - g0) : CHUNK);
         float a[CHUNK][DEC_NA], b[CHUNK][DEC_NB];
-        dequant_tables(scale + g0, expo + g0, a, b, ea, db, nb, E4M3_MAX, E4M3_LOG2MAX, 0);
+        dequant_tables(scale + g0, expo + g0, a, b, ea, db, nb, E4M3_MAX, E4M3_LOG2MAX, 0, 0);
         for (int j = 0; j < nb; ++j) {
             memcpy(ta + (g0 + j) * 16, a[j], 16 * sizeof(float));
             memcpy(tb + (g0 + j) * 16, b[j], 16 * sizeof(float));
         }
     }
 }
+
+#if HAVE_AVX2_PATH
+/* the B tables of n exponents, in order, from the AVX2 loops' cache (b_planes: byte planes,
+   read back as floats) */
+void probe_b_planes(const float* expo, int64_t n, float* tb) {
+    float ea[32], db[16];
+    decode_log2_tables(ea, db, 0);
+    for (int64_t g = 0; g < n; ++g) {
+        const planes16_t* p = b_planes(b_cache, expo[g], db);
+        uint8_t b[4][32];
+        for (int k = 0; k < 4; ++k) _mm256_storeu_si256((__m256i*)b[k], p->b[k]);
+        for (int e = 0; e < 16; ++e) {
+            uint32_t u = (uint32_t)b[0][e] | (uint32_t)b[1][e] << 8 | (uint32_t)b[2][e] << 16
+                         | (uint32_t)b[3][e] << 24;
+            memcpy(tb + g * 16 + e, &u, 4);
+        }
+    }
+}
+#endif
 """
 
 
@@ -154,3 +173,26 @@ def test_vector_decode_tables_are_the_scalar_ones(probes):
         out[name] = (ta, tb)
     for t_vec, t_sc in zip(out["vector"], out["scalar"], strict=True):
         assert np.array_equal(t_vec.view(np.uint32), t_sc.view(np.uint32))
+
+
+def test_cached_b_tables_are_the_scalar_ones(probes):
+    """The AVX2 loops take each group's B table from a per-thread cache (64 slots tagged with
+    k's bits): every k in turn (random order, so that slots are evicted and refilled) gives
+    the scalar build's table, with the zero code's entry 8 set to 0."""
+    if not hasattr(probes["vector"], "probe_b_planes"):
+        pytest.skip("the AVX-512 build has no B cache")
+    rng = np.random.default_rng(3)
+    k = np.concatenate([np.arange(1, 16385, dtype=np.float32) / 16, [0.7, 3.3e-3, 2000.0]])
+    k = np.concatenate([rng.permutation(k), rng.choice(k, 4096)]).astype(np.float32)
+    scale = np.ones(k.size, np.float32)
+    ta = np.zeros((k.size, 16), np.float32)
+    tb = np.zeros((k.size, 16), np.float32)
+    probes["scalar"].probe_tables(
+        scale.ctypes.data, k.ctypes.data, k.size, ta.ctypes.data, tb.ctypes.data
+    )
+    tb[:, 8] = 0.0
+    cached = np.zeros((k.size, 16), np.float32)
+    probes["vector"].probe_b_planes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    probes["vector"].probe_b_planes(k.ctypes.data, k.size, cached.ctypes.data)
+    differ = (cached.view(np.uint32) != tb.view(np.uint32)).any(axis=1)
+    assert not differ.any(), f"{differ.sum()} tables differ, e.g. k={k[differ][:4]}"
