@@ -78,9 +78,9 @@ void probe_b_planes(const float* expo, int64_t n, float* tb) {
     float ea[32], db[16];
     decode_log2_tables(ea, db, 0);
     for (int64_t g = 0; g < n; ++g) {
-        const planes16_t* p = b_planes(b_cache, expo[g], db);
-        uint8_t b[4][32];
-        for (int k = 0; k < 4; ++k) _mm256_storeu_si256((__m256i*)b[k], p->b[k]);
+        const planes16h_t* p = b_planes(b_cache, expo[g], db);
+        uint8_t b[4][16];
+        for (int k = 0; k < 4; ++k) _mm_storeu_si128((__m128i*)b[k], p->b[k]);
         for (int e = 0; e < 16; ++e) {
             uint32_t u = (uint32_t)b[0][e] | (uint32_t)b[1][e] << 8 | (uint32_t)b[2][e] << 16
                          | (uint32_t)b[3][e] << 24;

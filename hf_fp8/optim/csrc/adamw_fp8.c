@@ -435,16 +435,16 @@ AI uint32_t hmin_epu32_8(__m256i x) {
     return (uint32_t)_mm_cvtsi128_si32(m);
 }
 
-/* The byte planes of a 16-entry float table, each in both 128-bit lanes: plane k holds byte k
-   of every entry, so that vpshufb (in-lane, one cheap instruction) reads byte k of the entries
-   of 16 indices at once. Zen 1's vpermps (cross-lane) is slow: this decode of 16 codes with 8
-   vpshufb and 4 unpacks took about half the time of 8 vpermps with their blends. ZERO8: entry
-   8 is 0 (B of the zero code). */
+/* The byte planes of a 16-entry float table: plane k holds byte k of every entry, so that
+   vpshufb (in-lane, one cheap instruction) reads byte k of the entries of 16 indices at once.
+   Zen 1's vpermps (cross-lane) is slow: this decode of 16 codes with 8 vpshufb and 4 unpacks
+   took about half the time of 8 vpermps with their blends. ZERO8: entry 8 is 0 (B of the
+   zero code). */
 typedef struct {
-    __m256i b[4];
-} planes16_t;
+    __m128i b[4];
+} planes16h_t;
 
-AI planes16_t byte_planes16(const float* t, const int ZERO8) {
+AI planes16h_t byte_planes16(const float* t, const int ZERO8) {
     const __m128i gather = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     __m128i r[4];
     for (int r4 = 0; r4 < 4; ++r4) {
@@ -454,48 +454,55 @@ AI planes16_t byte_planes16(const float* t, const int ZERO8) {
     }
     const __m128i lo01 = _mm_unpacklo_epi32(r[0], r[1]), lo23 = _mm_unpacklo_epi32(r[2], r[3]);
     const __m128i hi01 = _mm_unpackhi_epi32(r[0], r[1]), hi23 = _mm_unpackhi_epi32(r[2], r[3]);
-    const __m128i pl[4] = {_mm_unpacklo_epi64(lo01, lo23), _mm_unpackhi_epi64(lo01, lo23),
-                           _mm_unpacklo_epi64(hi01, hi23), _mm_unpackhi_epi64(hi01, hi23)};
-    planes16_t out;
-    for (int k = 0; k < 4; ++k)
-        out.b[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(pl[k]), pl[k], 1);
+    planes16h_t out = {{_mm_unpacklo_epi64(lo01, lo23), _mm_unpackhi_epi64(lo01, lo23),
+                        _mm_unpacklo_epi64(hi01, hi23), _mm_unpackhi_epi64(hi01, hi23)}};
     return out;
 }
 
-/* The floats of 16 entries of a byte-plane table (idx: the entries of the codes in bytes 0-7
-   (HI = 0) or 8-15 (HI = 1) of each lane, see dec_coat_mv16; the other half's bytes are read
-   too, and dropped by the unpacks; sign: or'ed into the top byte) in code order: lo codes 0-7,
-   hi 8-15. */
-AI void planes16_read_half(planes16_t t, __m256i idx, __m256i sign, __m256* lo, __m256* hi,
-                           const int HI) {
+/* The planes of m's table in the low 128-bit lane and v's in the high one: vpshufb reads m's
+   table for the codes in lane 0 and v's for those in lane 1 (dec_coat_mv16). */
+typedef struct {
+    __m256i b[4];
+} planes_mv_t;
+
+AI planes_mv_t planes_mv(planes16h_t m, planes16h_t v) {
+    planes_mv_t out;
+    for (int k = 0; k < 4; ++k)
+        out.b[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(m.b[k]), v.b[k], 1);
+    return out;
+}
+
+/* The floats of the 16 codes of each lane from a planes_mv_t table (idx: the entries; sign:
+   or'ed into the top byte): r[q] holds codes 4q..4q+3 of m (lane 0) and of v (lane 1). */
+AI void planes_mv_read(planes_mv_t t, __m256i idx, __m256i sign, __m256 r[4]) {
     __m256i x0 = _mm256_shuffle_epi8(t.b[0], idx), x1 = _mm256_shuffle_epi8(t.b[1], idx);
     __m256i x2 = _mm256_shuffle_epi8(t.b[2], idx);
     __m256i x3 = _mm256_or_si256(_mm256_shuffle_epi8(t.b[3], idx), sign);
-    __m256i u01 = HI ? _mm256_unpackhi_epi8(x0, x1) : _mm256_unpacklo_epi8(x0, x1);
-    __m256i u23 = HI ? _mm256_unpackhi_epi8(x2, x3) : _mm256_unpacklo_epi8(x2, x3);
-    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(u01, u23));
-    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(u01, u23));
+    __m256i l01 = _mm256_unpacklo_epi8(x0, x1), h01 = _mm256_unpackhi_epi8(x0, x1);
+    __m256i l23 = _mm256_unpacklo_epi8(x2, x3), h23 = _mm256_unpackhi_epi8(x2, x3);
+    r[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(l01, l23));
+    r[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(l01, l23));
+    r[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(h01, h23));
+    r[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(h01, h23));
 }
 
 /* dec_coat of 16 E4M3 codes of m and the 16 of v at the same elements (lo: codes 0-7, hi:
    8-15), bit for bit: ±A[E] · B'[i], i = j (+8 for exponent field 0), the NaN codes (0x7F,
    0xFF) at i = 8, and B'[8] = 0 (the zero code's entry): a zero or NaN code gives ±A·0 = ±0,
    the scalar (0 | sign); A is finite. The sign bit goes on A (IEEE multiplication: (-A)·B =
-   -(A·B), the scalar's A·B | sign). The codes are placed so that the unpacks give code order:
-   lane 0 holds codes 0-3 and 8-11, lane 1 codes 4-7 and 12-15 (unpacklo_epi16 takes bytes 0-3
-   of each lane, unpackhi 4-7); m's in bytes 0-7 of each lane, v's in bytes 8-15, so that the
-   index, sign, zero and NaN bytes are computed once for both moments (one register each
-   moment, half empty, took 1.02x the step's time). The NaN codes, never written by requant,
-   come only from a loaded state. */
-AI void dec_coat_mv16(const uint8_t* qm, const uint8_t* qv, planes16_t am, planes16_t bm,
-                      planes16_t av, planes16_t bv, __m256* mlo, __m256* mhi, __m256* vlo,
-                      __m256* vhi) {
-    const __m256i sel = _mm256_setr_epi32(0, 2, 0, 2, 1, 3, 1, 3); /* in-lane dword picks */
-    const __m256 m = _mm256_permutevar_ps(
-        _mm256_castsi256_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qm))), sel);
-    const __m256 v = _mm256_permutevar_ps(
-        _mm256_castsi256_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qv))), sel);
-    const __m256i c = _mm256_castps_si256(_mm256_blend_ps(m, v, 0xCC)); /* dwords 2, 3: v */
+   -(A·B), the scalar's A·B | sign). m's codes in the low lane, v's in the high one, read from
+   planes_mv_t tables: every byte of the index, sign, zero and NaN arithmetic and of the 8
+   vpshufb is a code's (before, both lanes held 8 codes of one moment: the tables took 16
+   registers instead of 8 and spilled; llvm-mca -mcpu=znver1: 109 -> 100 cycles per 16
+   elements, znver3 50 -> 44; timed on a Zen 5 with -march=znver1, 1.01x the step's time: its
+   256-bit units gain nothing from the halved vpshufb count); the products are then regrouped
+   per moment by 128-bit halves. The NaN
+   codes, never written by requant, come only from a loaded state. */
+AI void dec_coat_mv16(const uint8_t* qm, const uint8_t* qv, planes_mv_t ta, planes_mv_t tb,
+                      __m256* mlo, __m256* mhi, __m256* vlo, __m256* vhi) {
+    const __m256i c = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)qm)),
+        _mm_loadu_si128((const __m128i*)qv), 1);
     const __m256i b7 = _mm256_set1_epi8(0x7F), b8 = _mm256_set1_epi8(8);
     const __m256i e = _mm256_and_si256(_mm256_srli_epi16(c, 3), _mm256_set1_epi8(0x0F));
     const __m256i nan = _mm256_cmpeq_epi8(_mm256_and_si256(c, b7), b7);
@@ -505,15 +512,15 @@ AI void dec_coat_mv16(const uint8_t* qm, const uint8_t* qv, planes16_t am, plane
     const __m256i i = _mm256_or_si256(_mm256_andnot_si256(nan, j),
                                       _mm256_and_si256(_mm256_or_si256(sub, nan), b8));
     const __m256i sign = _mm256_and_si256(c, _mm256_set1_epi8((char)0x80));
-    __m256 alo, ahi, blo, bhi;
-    planes16_read_half(am, e, sign, &alo, &ahi, 0);
-    planes16_read_half(bm, i, _mm256_setzero_si256(), &blo, &bhi, 0);
-    *mlo = _mm256_mul_ps(alo, blo);
-    *mhi = _mm256_mul_ps(ahi, bhi);
-    planes16_read_half(av, e, sign, &alo, &ahi, 1);
-    planes16_read_half(bv, i, _mm256_setzero_si256(), &blo, &bhi, 1);
-    *vlo = _mm256_mul_ps(alo, blo);
-    *vhi = _mm256_mul_ps(ahi, bhi);
+    __m256 a[4], b[4], p[4];
+    planes_mv_read(ta, e, sign, a);
+    planes_mv_read(tb, i, _mm256_setzero_si256(), b);
+    for (int q = 0; q < 4; ++q) p[q] = _mm256_mul_ps(a[q], b[q]);
+    /* p[q] = m's codes 4q.. (low) | v's (high): m = the low halves, v = the high halves */
+    *mlo = _mm256_insertf128_ps(p[0], _mm256_castps256_ps128(p[1]), 1);
+    *vlo = _mm256_insertf128_ps(p[1], _mm256_extractf128_ps(p[0], 1), 0);
+    *mhi = _mm256_insertf128_ps(p[2], _mm256_castps256_ps128(p[3]), 1);
+    *vhi = _mm256_insertf128_ps(p[3], _mm256_extractf128_ps(p[2], 1), 0);
 }
 
 typedef struct {
@@ -562,8 +569,8 @@ AI void upd_v8(upd8_t* s, char* p_, const char* g_, float* restrict m_out,
 AI void update_group_ex_v8(char* p_, const char* g_, const uint8_t* restrict qm,
                            const uint8_t* restrict qv, float* restrict m_out,
                            float* restrict v_out, const float* tam, const float* tbm,
-                           const float* tav, const float* tbv, const planes16_t* cbm,
-                           const planes16_t* cbv, const float* restrict hp, int64_t n,
+                           const float* tav, const float* tbv, const planes16h_t* cbm,
+                           const planes16h_t* cbv, const float* restrict hp, int64_t n,
                            uint32_t* restrict red, const int PB, const int GB, const int SQ) {
     upd8_t s;
     s.decay = F8(hp[HP_DECAY]); s.step_size = F8(hp[HP_STEP_SIZE]);
@@ -574,11 +581,12 @@ AI void update_group_ex_v8(char* p_, const char* g_, const uint8_t* restrict qm,
     s.avx = s.amx; s.avn = s.amn;
     if (n % 16 == 0) {
         /* B's planes from the cache (b_planes) when given, else from the table */
-        const planes16_t pam = byte_planes16(tam, 0), pbm = cbm ? *cbm : byte_planes16(tbm, 1);
-        const planes16_t pav = byte_planes16(tav, 0), pbv = cbv ? *cbv : byte_planes16(tbv, 1);
+        const planes_mv_t pa = planes_mv(byte_planes16(tam, 0), byte_planes16(tav, 0));
+        const planes_mv_t pb = planes_mv(cbm ? *cbm : byte_planes16(tbm, 1),
+                                         cbv ? *cbv : byte_planes16(tbv, 1));
         for (int64_t i = 0; i < n; i += 16) {
             __m256 mlo, mhi, vlo, vhi;
-            dec_coat_mv16(qm + i, qv + i, pam, pbm, pav, pbv, &mlo, &mhi, &vlo, &vhi);
+            dec_coat_mv16(qm + i, qv + i, pa, pb, &mlo, &mhi, &vlo, &vhi);
             upd_v8(&s, p_, g_, m_out, v_out, mlo, vlo, i, PB, GB, SQ);
             upd_v8(&s, p_, g_, m_out, v_out, mhi, vhi, i + 8, PB, GB, SQ);
         }
@@ -604,13 +612,13 @@ AI void update_group_ex_v8(char* p_, const char* g_, const uint8_t* restrict qm,
 #define B_CACHE_SLOTS 64
 typedef struct {
     uint64_t tag[B_CACHE_SLOTS]; /* (1 << 32) | bits of k; 0: empty */
-    planes16_t planes[B_CACHE_SLOTS];
+    planes16h_t planes[B_CACHE_SLOTS];
 } b_cache_t;
 /* zeroed: every slot empty; per thread (no sharing), one per moment (the pointers that
    b_planes returns for m and v stay valid together) */
 static __thread b_cache_t b_cache[2];
 
-AI const planes16_t* b_planes(b_cache_t* c, float k, const float* db) {
+AI const planes16h_t* b_planes(b_cache_t* c, float k, const float* db) {
     const uint32_t bits = f2b(k);
     const uint32_t slot = (bits * 0x9E3779B1u) >> (32 - 6); /* 64 slots */
     const uint64_t tag = (1ull << 32) | bits;
