@@ -563,6 +563,50 @@ AI void upd_v8(upd8_t* s, char* p_, const char* g_, float* restrict m_out,
     s->avn = _mm256_min_epu32(s->avn, _mm256_sub_epi32(b, fmin));
 }
 
+/* upd_v8 of N vectors (elements i.. i + 8N), each step applied to the N vectors before the
+   next: the sqrt -> division chains of the N vectors are independent and in flight together
+   (the same operations per element, the reductions in another order: max and min are exact) */
+AI void upd_v8n(upd8_t* s, char* p_, const char* g_, float* restrict m_out,
+                float* restrict v_out, const __m256* mo, const __m256* vo_, int64_t i,
+                const int PB, const int GB, const int SQ, const int N) {
+    float* restrict p32 = (float*)p_;
+    uint16_t* restrict pbf = (uint16_t*)p_;
+    const float* restrict g32 = (const float*)g_;
+    const uint16_t* restrict gbf = (const uint16_t*)g_;
+    const __m256i absm = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i fmin = _mm256_set1_epi32((int)FLT_MIN_BITS);
+    __m256 vo[4], g[4], mn[4], vn[4], rt[4], den[4], q[4]; /* N <= 4 */
+    for (int u = 0; u < N; ++u) {
+        vo[u] = SQ ? _mm256_mul_ps(vo_[u], vo_[u]) : vo_[u];
+        g[u] = GB ? bf16x8_to_f(gbf + i + 8 * u) : _mm256_loadu_ps(g32 + i + 8 * u);
+    }
+    for (int u = 0; u < N; ++u) {
+        mn[u] = _mm256_add_ps(mo[u], _mm256_mul_ps(s->w1, _mm256_sub_ps(g[u], mo[u])));
+        vn[u] = _mm256_add_ps(_mm256_mul_ps(vo[u], s->b2),
+                              _mm256_mul_ps(_mm256_mul_ps(s->w2, g[u]), g[u]));
+    }
+    for (int u = 0; u < N; ++u) rt[u] = _mm256_sqrt_ps(vn[u]);
+    for (int u = 0; u < N; ++u) den[u] = _mm256_add_ps(_mm256_mul_ps(rt[u], s->inv_bc2s), s->eps);
+    for (int u = 0; u < N; ++u) q[u] = _mm256_div_ps(_mm256_mul_ps(s->step_size, mn[u]), den[u]);
+    for (int u = 0; u < N; ++u) {
+        const int64_t iu = i + 8 * u;
+        __m256 p = PB ? bf16x8_to_f(pbf + iu) : _mm256_loadu_ps(p32 + iu);
+        __m256 pn = _mm256_sub_ps(_mm256_mul_ps(p, s->decay), q[u]);
+        if (PB) f_to_bf16x8(pbf + iu, pn); else _mm256_storeu_ps(p32 + iu, pn);
+        __m256 vs = SQ ? rt[u] : vn[u];
+        _mm256_storeu_ps(m_out + iu, mn[u]);
+        _mm256_storeu_ps(v_out + iu, vs);
+        __m256i a = _mm256_and_si256(_mm256_castps_si256(mn[u]), absm);
+        __m256i b = _mm256_and_si256(_mm256_castps_si256(vs), absm);
+        s->amx = _mm256_castps_si256(
+            _mm256_max_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(s->amx)));
+        s->avx = _mm256_castps_si256(
+            _mm256_max_ps(_mm256_castsi256_ps(b), _mm256_castsi256_ps(s->avx)));
+        s->amn = _mm256_min_epu32(s->amn, _mm256_sub_epi32(a, fmin));
+        s->avn = _mm256_min_epu32(s->avn, _mm256_sub_epi32(b, fmin));
+    }
+}
+
 /* update_group for E4M3 codes with expansion on 8 lanes (n a multiple of 8): 16 codes at a
    time decoded from byte planes (dec_coat_mv16) when n is a multiple of 16, else 8 with
    vpermps (dec_coat_v8); the reductions as in update_group. */
@@ -584,11 +628,17 @@ AI void update_group_ex_v8(char* p_, const char* g_, const uint8_t* restrict qm,
         const planes_mv_t pa = planes_mv(byte_planes16(tam, 0), byte_planes16(tav, 0));
         const planes_mv_t pb = planes_mv(cbm ? *cbm : byte_planes16(tbm, 1),
                                          cbv ? *cbv : byte_planes16(tbv, 1));
-        for (int64_t i = 0; i < n; i += 16) {
-            __m256 mlo, mhi, vlo, vhi;
-            dec_coat_mv16(qm + i, qv + i, pa, pb, &mlo, &mhi, &vlo, &vhi);
-            upd_v8(&s, p_, g_, m_out, v_out, mlo, vlo, i, PB, GB, SQ);
-            upd_v8(&s, p_, g_, m_out, v_out, mhi, vhi, i + 8, PB, GB, SQ);
+        int64_t i = 0;
+        for (; i + 32 <= n; i += 32) { /* 32 elements: 4 vectors of upd_v8n */
+            __m256 mo[4], vo[4];
+            dec_coat_mv16(qm + i, qv + i, pa, pb, &mo[0], &mo[1], &vo[0], &vo[1]);
+            dec_coat_mv16(qm + i + 16, qv + i + 16, pa, pb, &mo[2], &mo[3], &vo[2], &vo[3]);
+            upd_v8n(&s, p_, g_, m_out, v_out, mo, vo, i, PB, GB, SQ, 4);
+        }
+        for (; i < n; i += 16) {
+            __m256 mo[2], vo[2];
+            dec_coat_mv16(qm + i, qv + i, pa, pb, &mo[0], &mo[1], &vo[0], &vo[1]);
+            upd_v8n(&s, p_, g_, m_out, v_out, mo, vo, i, PB, GB, SQ, 2);
         }
     } else {
         const dec_tab8_t tm = dec_tables_v8(tam, tbm), tv = dec_tables_v8(tav, tbv);
