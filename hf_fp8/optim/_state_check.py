@@ -3,7 +3,8 @@
 A loaded state is untrusted input that the C kernel would address with raw pointers. Before it
 is installed, every tensor is checked against the parameter it belongs to: the layout follows
 from the parameter's shape and the group's ``group_size`` (see :mod:`hf_fp8.optim._layout`),
-codes are fp8 of the configured format, scales and exponents are fp32, finite and in range.
+codes are fp8 of the configured format, scales and exponents are fp32, finite and in range,
+and the padding codes past a row's last column are zero (as the optimizer writes them).
 Values are checked too, with limits that follow from the formats: every code is finite (no
 NaN / inf bit pattern), second-moment codes are not negative, fp32 moments are finite (but
 for a +inf ``exp_avg_sq``: a gradient whose square overflowed, as torch writes it), and
@@ -153,6 +154,27 @@ def _check_codes(t: torch.Tensor, pid: Any, key: str, *, second_moment: bool) ->
         raise _fail(pid, key, "holds negative second-moment codes (v >= 0 always)")
 
 
+def _check_padding(t: torch.Tensor, cols: int, pid: Any, key: str) -> None:
+    """The codes past column ``cols`` (the padding of a row's last group) are zero in every
+    state the optimizer writes (fp8 -0, 0x80, is a zero code too). Non-zero padding would
+    enter the group's statistics in the reference step but not in the C kernel, which skips
+    it: the implementations would diverge silently (R24 finding 5)."""
+    c = local(t)
+    if c.shape[-1] <= cols:
+        return
+    b = c.view(torch.uint8)[:, cols:]
+    if c.is_floating_point():
+        b = b & (SIGN_BIT - 1)
+    if bool((b != 0).any()):
+        raise _fail(
+            pid,
+            key,
+            f"holds non-zero codes in the padding of the last group (columns {cols} and "
+            "later of each row; the optimizer writes zeros there: a corrupt or hand-edited "
+            "state)",
+        )
+
+
 def _check_top_decodes(top: torch.Tensor, pid: Any, key: str, what: str) -> None:
     """``top``: each group's largest decodable value; it must be finite in fp32."""
     if top.numel() and not bool(torch.isfinite(top).all()):
@@ -190,7 +212,7 @@ def _check_log(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], pi
         raise _fail(pid, None, f"unexpected entries {sorted(extra)} beside the moment codes")
     if p.dim() == 0:
         raise _fail(pid, None, "a 0-d parameter cannot have quantized moments")
-    rows, _, gc = layout(p, group["group_size"])
+    rows, cols, gc = layout(p, group["group_size"])
     gs = group["group_size"]
     for key, (dtype, bounds) in LOG_LAYOUT.items():
         if key not in state:
@@ -199,6 +221,8 @@ def _check_log(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], pi
         _check(state[key], pid, key, shape, (dtype,))
         if bounds is not None:
             _check_range(state[key], pid, key, *bounds)
+        if key.endswith("_fp8"):
+            _check_padding(state[key], cols, pid, key)
     # below these amax (scale·127 for m', scale itself for v) quantization writes zero codes
     _check_zero_groups(
         state["exp_avg_fp8"],
@@ -248,7 +272,7 @@ def _check_quantized(
         raise _fail(pid, None, f"unexpected entries {sorted(extra)} beside FP8 moments")
     if p.dim() == 0:
         raise _fail(pid, None, "a 0-d parameter cannot have FP8 moments")
-    rows, _, gc = layout(p, group["group_size"])
+    rows, cols, gc = layout(p, group["group_size"])
     gs = group["group_size"]
     for key in QUANT_KEYS:
         if "exponent" in key and not expand:
@@ -267,6 +291,7 @@ def _check_quantized(
                 )
             _check(t, pid, key, (rows, gc * gs), (want,))
             _check_codes(t, pid, key, second_moment=key == "exp_avg_sq_fp8")
+            _check_padding(t, cols, pid, key)
         elif key.endswith("_scale"):
             _check(t, pid, key, (rows, gc), (torch.float32,))
             _check_range(t, pid, key, 0.0, FLT_MAX / torch.finfo(want).max)
