@@ -69,6 +69,16 @@ STOCHASTIC_ROUNDING = (False, True, "exp_avg_sq")
 # hf_fp8, torch's AdamW) is read as this format. Raise it when the codes or rounding change.
 STATE_FORMAT = 1
 STATE_FORMAT_KEY = "hf_fp8_state_format"
+# The fix for a loaded state whose parameter groups do not match (R26 finding 2). Without
+# optimizer.pt, transformers' Trainer (5.24) loads neither it nor scheduler.pt.
+GROUP_MISMATCH_FIX = (
+    "Build the optimizer over the same trainable parameters and parameter groups as the run "
+    "that saved this state (the same model, frozen layers, adapter / LoRA targets and "
+    "weight-decay grouping), or resume without the optimizer state to restart the moments: "
+    "with transformers' Trainer, move optimizer.pt out of the checkpoint folder (the Trainer "
+    "then loads neither optimizer.pt nor scheduler.pt, so the learning-rate schedule restarts "
+    "too)"
+)
 # Flags of torch.optim.AdamW / Adam groups that are not AdamWFp8 options: dropped when such a
 # state is loaded (amsgrad / maximize True and Adam's L2 weight decay are refused instead).
 TORCH_ONLY_KEYS = (
@@ -508,7 +518,7 @@ class AdamWFp8(Optimizer):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"a loaded parameter group has {len(saved['params'])} parameters, this "
-                    f"optimizer's has {len(group['params'])}"
+                    f"optimizer's has {len(group['params'])}. {GROUP_MISMATCH_FIX}."
                 )
             for pid, p in zip(saved["params"], group["params"], strict=True):
                 params[pid] = (p, merged)
@@ -551,7 +561,7 @@ class AdamWFp8(Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"loaded state has {len(saved_groups)} parameter groups, "
-                f"this optimizer has {len(self.param_groups)}"
+                f"this optimizer has {len(self.param_groups)}. {GROUP_MISMATCH_FIX}."
             )
         merged = []
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
