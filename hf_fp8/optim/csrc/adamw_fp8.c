@@ -652,12 +652,65 @@ AI void update_group_ex_v8(char* p_, const char* g_, const uint8_t* restrict qm,
     red[3] = hmin_epu32_8(s.avn) + FLT_MIN_BITS;
 }
 
+/* fexp2 (the clamp at -126, then fexp2_nc) of N vectors of 8 lanes in place, each step on the
+   N vectors before the next (the chains in flight together); the same values: max(-126, y)
+   keeps a NaN y (the scalar ternary too), floor, y - floor(y) rounded to nearest as the scalar
+   code, and the bit-pattern add of (int)floor(y) << 23 (vcvttps2dq: 0x80000000 for NaN, as
+   the scalar conversion; the shift drops it). */
+AI void fexp2_v8n(__m256* y, const int N) {
+    __m256 fl[4], f[4], acc[4]; /* N <= 4 */
+    for (int u = 0; u < N; ++u) {
+        y[u] = _mm256_max_ps(F8(-126.0f), y[u]);
+        fl[u] = _mm256_floor_ps(y[u]);
+        f[u] = _mm256_sub_ps(y[u], fl[u]);
+    }
+    for (int u = 0; u < N; ++u) acc[u] = _mm256_add_ps(_mm256_mul_ps(f[u], F8(EXP2_C3)), F8(EXP2_C2));
+    for (int u = 0; u < N; ++u) acc[u] = _mm256_add_ps(_mm256_mul_ps(acc[u], f[u]), F8(EXP2_C1));
+    for (int u = 0; u < N; ++u) acc[u] = _mm256_add_ps(_mm256_mul_ps(acc[u], f[u]), F8(EXP2_C0));
+    for (int u = 0; u < N; ++u) {
+        __m256 poly = _mm256_add_ps(_mm256_mul_ps(acc[u], f[u]), F8(1.0f));
+        __m256i sh = _mm256_slli_epi32(_mm256_cvttps_epi32(fl[u]), 23);
+        y[u] = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(poly), sh));
+    }
+}
+
+/* dequant_tables' A tables of E4M3 codes (16 entries: 2 vectors per group), 2 groups at a
+   time (4 exp2 chains in flight: llvm-mca's Zen 1 model had the compiler's 4-lane loop
+   latency-bound) */
+AI void dequant_a_v8(const float* restrict iks, const float* restrict bs, float* restrict ta,
+                     int64_t stride, const float* restrict ea, int nb) {
+    const __m256 e0 = _mm256_loadu_ps(ea), e1 = _mm256_loadu_ps(ea + 8);
+    int j = 0;
+    for (; j + 2 <= nb; j += 2) {
+        __m256 y[4];
+        for (int g = 0; g < 2; ++g) {
+            const __m256 ik = F8(iks[j + g]), b = F8(bs[j + g]);
+            /* (y > max) ? max : y, as vminps(max, y): a NaN y stays NaN */
+            y[2 * g] = _mm256_min_ps(F8(DEC_Y_MAX), _mm256_add_ps(_mm256_mul_ps(e0, ik), b));
+            y[2 * g + 1] = _mm256_min_ps(F8(DEC_Y_MAX), _mm256_add_ps(_mm256_mul_ps(e1, ik), b));
+        }
+        fexp2_v8n(y, 4);
+        for (int g = 0; g < 2; ++g) {
+            _mm256_storeu_ps(ta + (j + g) * stride, y[2 * g]);
+            _mm256_storeu_ps(ta + (j + g) * stride + 8, y[2 * g + 1]);
+        }
+    }
+    if (j < nb) {
+        const __m256 ik = F8(iks[j]), b = F8(bs[j]);
+        __m256 y[2] = {_mm256_min_ps(F8(DEC_Y_MAX), _mm256_add_ps(_mm256_mul_ps(e0, ik), b)),
+                       _mm256_min_ps(F8(DEC_Y_MAX), _mm256_add_ps(_mm256_mul_ps(e1, ik), b))};
+        fexp2_v8n(y, 2);
+        _mm256_storeu_ps(ta + j * stride, y[0]);
+        _mm256_storeu_ps(ta + j * stride + 8, y[1]);
+    }
+}
+
 /* The B table of a group depends on its exponent k alone (coat.dequantize_groups: B[i] =
    fast_exp2(db[i]·(1/k)), db fixed), and a tensor's groups share a few dozen values of k (a
    multiple of 1/16: 37 and 19 distinct values for m and v in 131,072 groups of the benchmark's
    embedding): each thread keeps the byte planes (byte_planes16, entry 8 zeroed) of the B tables
    of the last k seen per slot, tagged with k's bit pattern (any k: the tag is exact), instead of
-   16 exp2 and a transposition per group and moment (0.95x the step's time). The same fp32
+   16 exp2 and a transposition per group and moment (0.97-0.99x the step's time). The same fp32
    operations as dequant_tables' B (fexp2(db[i] * (1.0f / k))), so the same bits. */
 #define B_CACHE_SLOTS 64
 typedef struct {
@@ -1000,6 +1053,15 @@ AI void dequant_tables(const float* restrict scale, const float* restrict expo,
             _mm512_storeu_ps(ta[j], fexp2_v(y, 1));
             _mm512_storeu_ps(tb[j], fexp2_v(_mm512_mul_ps(dbv, ik), 1));
         }
+        return;
+    }
+#endif
+#if HAVE_AVX2_PATH
+    if (!E5) { /* E4M3: A on 8 lanes; B as below */
+        dequant_a_v8(iks, bs, &ta[0][0], DEC_NA, ea, nb);
+        if (!NO_B)
+            for (int j = 0; j < nb; ++j)
+                for (int i = 0; i < nbb; ++i) tb[j][i] = fexp2(db[i] * iks[j]);
         return;
     }
 #endif
