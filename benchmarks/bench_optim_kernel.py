@@ -11,6 +11,10 @@ through its ``dispatch`` (the variant of the optimizer's options), and reported 
 the state in place (each call is a step), which every source sees alike.
 
     python benchmarks/bench_optim_kernel.py old.c hf_fp8/optim/csrc/adamw_fp8.c --groups 512
+
+``--cflags`` adds compiler flags to every source's build: ``--cflags=-march=znver1`` builds the
+AVX2 loops with Zen 1's code generation (on any x86-64 machine that runs AVX2: the timing is
+the host's, not Zen 1's), ``--cflags=-mno-avx512f`` the AVX2 loops tuned for the host.
 """
 
 from __future__ import annotations
