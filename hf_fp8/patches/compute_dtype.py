@@ -14,12 +14,14 @@ quantizer's) is left as transformers reports it.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-_ORIGINAL: dict[str, Callable] = {}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -37,29 +39,46 @@ def compute_dtype(model: Any, first: torch.dtype) -> torch.dtype:
     return first
 
 
-def _dtype(self) -> torch.dtype:
-    first = _ORIGINAL["dtype"](self)
-    if first not in _FP8:
-        return first
-    return compute_dtype(self, first)
+def _wrap(original: Callable) -> Callable:
+    """The getter: transformers' ``original`` kept in the closure (and ``__wrapped__``), not
+    in a module dict that ``importlib.reload`` would empty (R26 1); marked ``_hf_fp8``."""
+
+    @functools.wraps(original)
+    def dtype(self) -> torch.dtype:
+        first = original(self)
+        if first not in _FP8:
+            return first
+        return compute_dtype(self, first)
+
+    dtype._hf_fp8 = True
+    return dtype
+
+
+def _property(cls: type) -> Any:
+    return inspect.getattr_static(cls, "dtype", None)
+
+
+def _is_wrapped(prop: Any) -> bool:
+    return isinstance(prop, property) and bool(getattr(prop.fget, "_hf_fp8", False))
 
 
 def apply() -> None:
     """Wrap the ``dtype`` property once, on ``PreTrainedModel`` (classes that define their
-    own ``dtype``, such as BridgeTower's vision model, keep it)."""
-    if "dtype" in _ORIGINAL:
-        return
+    own ``dtype``, such as BridgeTower's vision model, keep it). "Once" is read from the
+    class: a reloaded module does not wrap its own wrapper."""
     from transformers import PreTrainedModel
 
-    prop = getattr(PreTrainedModel, "dtype")  # noqa: B009 -- the class attribute, not a dtype
+    prop = _property(PreTrainedModel)
+    if _is_wrapped(prop):
+        return
     if not isinstance(prop, property) or prop.fget is None:
         raise TypeError(f"PreTrainedModel.dtype is {type(prop).__name__}, not a property")
-    _ORIGINAL["dtype"] = prop.fget
-    PreTrainedModel.dtype = property(_dtype, doc=prop.__doc__)
+    PreTrainedModel.dtype = property(_wrap(prop.fget), doc=prop.__doc__)
 
 
 def applied() -> bool:
-    return "dtype" in _ORIGINAL
+    cls = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    return cls is not None and _is_wrapped(_property(cls))
 
 
 TRIGGERS = {"transformers.modeling_utils": apply}

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
 _NAME = "_load_pretrained_model"
-_ORIGINAL: dict[str, Callable] = {}
 _FAILED: list[str] = []  # the check failed once: off for this process
 
 
@@ -96,14 +96,21 @@ def _wrapper(original: Callable) -> Callable:
                 _check(bound)
         return original(*args, **kwargs)
 
+    load._hf_fp8 = True  # transformers' method is in the closure (and __wrapped__)
     return load
 
 
+def _is_wrapped(cls: type) -> bool:
+    attr = inspect.getattr_static(cls, _NAME, None)
+    return bool(getattr(getattr(attr, "__func__", None), "_hf_fp8", False))
+
+
 def apply() -> None:
-    """Wrap the static method once, on the class."""
+    """Wrap the static method once, on the class ("once" is read from the class: a module
+    reloaded by ``importlib.reload`` / IPython %autoreload does not wrap it twice, R26 1)."""
     from transformers import PreTrainedModel
 
-    if _NAME in _ORIGINAL:
+    if _is_wrapped(PreTrainedModel):
         return
     original = inspect.getattr_static(PreTrainedModel, _NAME)
     if not isinstance(original, staticmethod):
@@ -121,12 +128,12 @@ def apply() -> None:
     )
     if not {"hf_quantizer", "pretrained_model_name_or_path"} <= set(fields):
         raise TypeError("LoadStateDictConfig no longer names hf_quantizer and the checkpoint path")
-    _ORIGINAL[_NAME] = func
     setattr(PreTrainedModel, _NAME, staticmethod(_wrapper(func)))
 
 
 def applied() -> bool:
-    return _NAME in _ORIGINAL
+    cls = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    return cls is not None and _is_wrapped(cls)
 
 
 TRIGGERS = {"transformers.modeling_utils": apply}

@@ -9,10 +9,11 @@ hf_fp8 models to ``.to(dtype)`` and leave every other model to transformers' own
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
-_ORIGINAL: dict[str, Callable] = {}
 _DTYPES = {"half": "float16", "float": "float32"}
 
 
@@ -20,31 +21,41 @@ def _is_hf_fp8(model: Any) -> bool:
     return getattr(model, "quantization_method", None) == "hf_fp8"
 
 
-def _wrapper(name: str) -> Callable:
+def _wrapper(name: str, original: Callable) -> Callable:
+    """transformers' ``original`` is kept in the closure (and ``__wrapped__``), not in a module
+    dict that ``importlib.reload`` would empty (R26 1); the wrapper is marked ``_hf_fp8``."""
+
+    @functools.wraps(original)
     def cast(self, *args):
         if _is_hf_fp8(self):
             import torch
 
             return self.to(getattr(torch, _DTYPES[name]))
-        return _ORIGINAL[name](self, *args)
+        return original(self, *args)
 
+    cast._hf_fp8 = True
     return cast
 
 
+def _is_wrapped(cls: type, name: str) -> bool:
+    return bool(getattr(inspect.getattr_static(cls, name, None), "_hf_fp8", False))
+
+
 def apply() -> None:
-    """Wrap ``half`` and ``float`` once, on the class."""
+    """Wrap ``half`` and ``float`` once, on the class ("once" is read from the class: a
+    reloaded module does not wrap its own wrappers)."""
     from transformers import PreTrainedModel
 
     for name in _DTYPES:
-        if name in _ORIGINAL:
+        if _is_wrapped(PreTrainedModel, name):
             continue
         original = getattr(PreTrainedModel, name)
-        _ORIGINAL[name] = original
-        setattr(PreTrainedModel, name, functools.wraps(original)(_wrapper(name)))
+        setattr(PreTrainedModel, name, _wrapper(name, original))
 
 
 def applied() -> bool:
-    return len(_ORIGINAL) == len(_DTYPES)
+    cls = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    return cls is not None and all(_is_wrapped(cls, name) for name in _DTYPES)
 
 
 TRIGGERS = {"transformers.modeling_utils": apply}
