@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported on first access)
 _LAZY = {
     "AdamWFp8": "hf_fp8.optim",
+    "AlreadyQuantizedError": "hf_fp8.quantizer.convert",
     "CheckpointTensorError": "hf_fp8.numerics.checks",
     "Fp8Config": "hf_fp8.config",
     "Fp8HfQuantizer": "hf_fp8.quantizer",
@@ -41,6 +42,7 @@ _LAZY = {
 
 __all__ = [
     "AdamWFp8",
+    "AlreadyQuantizedError",
     "CheckpointTensorError",
     "Fp8Config",
     "Fp8HfQuantizer",
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from hf_fp8.numerics.checks import CheckpointTensorError
     from hf_fp8.optim import AdamWFp8
     from hf_fp8.quantizer import Fp8HfQuantizer, quantize_model
+    from hf_fp8.quantizer.convert import AlreadyQuantizedError
     from hf_fp8.serialization import export, import_checkpoint, inspect_checkpoint
 
 
