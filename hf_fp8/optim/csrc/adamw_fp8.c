@@ -15,9 +15,11 @@
    same results (checked exhaustively: see requant_e4m3_ex_v); the next chunk's memory is prefetched while a chunk
    requantizes (prefetch_group); the log format has its three loops
    (update_group_log_v, requant_log_v_v, requant_log_m_v). With AVX2 and no AVX-512 (Zen 1-3,
-   Intel clients), the default variant has 8-lane loops (update_group_ex_v8: decode from
-   byte planes with vpshufb; requant_e4m3_ex_v8: 8 vectors interleaved). Threads take groups from a shared
-   counter; built with -fopenmp (USE_OMP) they are torch's own OpenMP pool.
+   Intel clients), the default variant has 8-lane loops (update_group_ex_v8: m's and v's codes
+   decoded together from byte planes with vpshufb, 4 vectors updated at a time;
+   requant_e4m3_ex_v8: 8 vectors interleaved; dequant_a_v8: the A tables; b_planes: a
+   per-thread cache of the B tables by k). Threads take groups from a shared counter; built
+   with -fopenmp (USE_OMP) they are torch's own OpenMP pool.
 
    Built by hf_fp8.utils.native.load_library with -D defines generated from ONE Python table
    (hf_fp8/optim/_cpu_kernel.py: kernel_defines()): the task layout T_* / T_FIELDS, the
