@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	$(PY) examples/quantize_minilm.py
 
+# Two pytest workers (one per core of the CI machine); whole test files stay on one worker.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
