@@ -18,6 +18,16 @@ _DECODER = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
+# decoder sizes without the MLP width (dense and MoE families set their own)
+DECODER_SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 # one decoder layer, untied head: the peft tests' tiny Llama
 LLAMA_ONE_LAYER = {**_DECODER, "num_hidden_layers": 1, "tie_word_embeddings": False}
 

@@ -16,16 +16,9 @@ import hf_fp8
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.modules.fp8_linear import Fp8Linear
 from hf_fp8.quantizer import convert
+from tests.tiny_models import DECODER_SIZES
 
-SIZES = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
+SIZES = DECODER_SIZES
 
 
 def _llama() -> tf.PreTrainedModel:

@@ -19,17 +19,9 @@ import transformers as tf
 from hf_fp8 import Fp8Config
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.numerics.checks import CheckpointTensorError
+from tests.tiny_models import DECODER_SIZES
 
-SIZES = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    num_experts_per_tok=2,
-)
+SIZES = {**DECODER_SIZES, "num_experts_per_tok": 2}
 # family -> (config class, config, linears kept high precision besides lm_head);
 # mixtral stores its experts as block_sparse_moe (renamed by transformers while loading),
 # llama4_text's are Fp8BmmExperts, jetmoe's Fp8ParallelExperts (in attention too)
