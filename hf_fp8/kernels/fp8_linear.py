@@ -173,6 +173,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, None, None, grad_bias, None, None, None
 
 
+def _fresh(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``out`` (this call's own result, aliased by nothing else) in ``shape``, never a view
+    (R25 F7): ``nn.Linear``'s 2-D output is not one, and FSDP2 warns that an in-place op
+    (``out += residual``) on a view output of a sharded module drops its pre-backward hook.
+    ``aten._unsafe_view`` is what ``matmul`` uses to fold its batch dims: the same storage,
+    no copy, autograd's ``view`` backward, not marked as a view."""
+    if out._base is None and tuple(out.shape) == tuple(shape):
+        return out
+    if not out.is_contiguous():  # strides a view cannot express: reshape copies anyway
+        out = out.contiguous()
+    return torch.ops.aten._unsafe_view(out, shape)
+
+
 def fp8_linear(
     x_hp: torch.Tensor,
     w_fp8: torch.Tensor,
@@ -237,10 +250,10 @@ def fp8_linear(
     x = x_hp.reshape(-1, k)
     if x.shape[0] == 0:  # nothing to quantize: an empty (autograd-connected) result
         out = torch.nn.functional.linear(x, x.new_zeros(w_fp8.shape[0], k), bias)
-        return out.reshape(*lead, w_fp8.shape[0])
+        return _fresh(out, (*lead, w_fp8.shape[0]))
     tensors = (x, w_fp8, w_scale, bias, input_scale)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         out = _Fp8LinearFunction.apply(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
     else:
         out = _forward(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
-    return out.reshape(*lead, w_fp8.shape[0])
+    return _fresh(out, (*lead, w_fp8.shape[0]))
