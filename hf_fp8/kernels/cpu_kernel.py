@@ -408,8 +408,46 @@ def _gemv_impl(
         out.data_ptr(), kind, FORMATS[w.dtype], int(a.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )  # fmt: skip
-    _check(rc == 0, lambda: f"fp8_gemv failed with code {rc}")
+    _check(rc in (0, 1), lambda: f"fp8_gemv failed with code {rc}")
+    if rc == 1:  # an output is +-inf / NaN: maybe an overflow of the unscaled-code sums
+        return _folded_fp32(a, w, w_scale, a_scale if a_gran else None, bias, w_gran, bn, bk,
+                            out_dtype, path)  # fmt: skip
     return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def _folded_fp32(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    w_gran: str,
+    bn: int,
+    bk: int,
+    out_dtype: torch.dtype,
+    path: str,
+) -> torch.Tensor:
+    """The GEMV's product again with every scale folded into fp32 operands (the emulation's
+    fp32 route: ``dequantize``'s rounding of activation and weight, fp32 matmul, bias).
+
+    The GEMV multiplies activations by *unscaled* codes (up to 448) and applies the weight
+    scale after the sum (block scales: after each K-block's partial sum): with activations
+    near ``FLT_MAX / 448`` the sums overflow to +-inf where the dequantized product is finite
+    (R24 F1 / F2). The kernel reports any non-finite output (one compare per output, free on
+    the normal path), and only then is the call redone here; where the inputs themselves are
+    not finite it gives the same +-inf / NaN, at twice the cost."""
+    a32 = a.float()
+    if a_scale is not None:  # [1] (per tensor) or [m] (per token)
+        a32 = a32 * a_scale.reshape(-1, 1)
+    out = _fp8_mm_impl(a32.contiguous(), w, w_scale, None, bias, w_gran, bn, bk, False, path)
+    return out.to(out_dtype)
+
+
+def _fold_activation(a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
+    """bf16 fp8 values times their scale, rounded once to bf16 (``dequantize``'s rounding)."""
+    if a_scale is None:
+        return a
+    return (a.float() * a_scale.reshape(-1, 1)).to(torch.bfloat16).contiguous()
 
 
 def decode(
@@ -569,7 +607,12 @@ def _fp8_mm_impl(
         out_t.data_ptr(), a.shape[0], n, _ptr(a_scale), 0 if a_scale is None else a_scale.numel(),
         _ptr(ws), 0 if ws is None else ws.numel(), _ptr(b), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    _check(rc == 0, lambda: f"fp8_epilogue failed with code {rc}")
+    _check(rc in (0, 1), lambda: f"fp8_epilogue failed with code {rc}")
+    if rc == 1 and (ws is not None or a_scale is not None):
+        # an output is +-inf / NaN and the product multiplied unscaled codes (up to 448):
+        # redo it with the scales folded into the bf16 operands (see _folded_fp32)
+        a_f = _fold_activation(a, a_scale)
+        return _fp8_mm_impl(a_f, w, w_scale, None, bias, w_gran, bn, bk, False, path)
     return out
 
 
@@ -683,8 +726,18 @@ def fused_mm(
         GRANULARITIES["tensor" if a_scale is not None else quantize_gran],
     )  # fmt: skip
     _check(
-        rc == 0, lambda: f"fp8_mm_bf16 failed with code {rc} (-4: out of memory for its scratch)"
+        rc in (0, 1),
+        lambda: f"fp8_mm_bf16 failed with code {rc} (-4: out of memory for its scratch)",
     )
+    if rc == 1 and (w_post or a_scale is not None or quantize is not None):
+        # an output is +-inf / NaN and the product multiplied unscaled codes (up to 448):
+        # redo it with the scales folded into the bf16 operands (see _folded_fp32)
+        if quantize is not None:
+            gran = "tensor" if a_scale is not None else quantize_gran
+            a, _ = quantize_activation(a, a_scale, quantize, gran, bk, torch.bfloat16, False, path)
+        else:
+            a = _fold_activation(a, a_scale)
+        return fused_mm(a, w, w_scale, None, bias, w_gran, bn, bk, False, path, out=out)
     return out
 
 

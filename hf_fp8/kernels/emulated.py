@@ -223,7 +223,9 @@ def emulated_linear(
             input_scale=input_scale,
         )
         return out.reshape(*x.shape[:-1], w_fp8.shape[0])
-    if x.shape[0] == 0:  # no tokens, no scale to compute
+    if 0 in (x.shape[0], x.shape[1], w_fp8.shape[0]):
+        # no tokens, no inputs (nn.Linear(0, n): zeros + bias) or no outputs (R24 F3): an
+        # empty product, nothing to quantize
         return F.linear(x, x.new_zeros(w_fp8.shape[0], x.shape[1]), bias)
     block_size = (int(block_size[0]), int(block_size[1]))
     a_gran = act_granularity if act_dtype is not None else None
@@ -250,9 +252,43 @@ def emulated_linear(
                 out_dtype=torch.float32,
                 post=a_gran != _BLOCK,
             )
-        return compiled.run(
+        out = compiled.run(
             _gemv, a, w_fp8, a_scale, w_scale, bias, tokens=x.shape[0], out_dtype=x.dtype
         )
+        post = True  # the GEMV multiplies unscaled codes
+    else:
+        post = post_scaled(weight_granularity, x.dtype) or (
+            act_dtype is not None and post_scaled(a_gran, x.dtype)
+        )
+        out = _mm(x, w_fp8, w_scale, bias, input_scale, weight_granularity, block_size,
+                  act_dtype, a_gran, post)  # fmt: skip
+    # unscaled codes (up to 448) times activations near FLT_MAX / 448 overflow where the
+    # dequantized product is finite (R24 F2): then the call is redone with folded scales (CPU
+    # only: the check would synchronize a GPU)
+    if (
+        post
+        and x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not bool(out.isfinite().all())
+    ):
+        out = _mm(x, w_fp8, w_scale, bias, input_scale, weight_granularity, block_size,
+                  act_dtype, a_gran, False)  # fmt: skip
+    return out
+
+
+def _mm(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+    weight_granularity: str,
+    block_size: tuple[int, int],
+    act_dtype: torch.dtype | None,
+    a_gran: str | None,
+    post: bool,
+) -> torch.Tensor:
+    """``_mm_forward``, compiled; ``post=False`` folds every scale into the operands."""
     return compiled.run(
         _mm_forward,
         x,
@@ -264,6 +300,6 @@ def emulated_linear(
         block_size=block_size,
         act_dtype=act_dtype,
         a_gran=a_gran,
-        w_post=post_scaled(weight_granularity, x.dtype),
-        a_post=act_dtype is not None and post_scaled(a_gran, x.dtype),
+        w_post=post and post_scaled(weight_granularity, x.dtype),
+        a_post=post and act_dtype is not None and post_scaled(a_gran, x.dtype),
     )

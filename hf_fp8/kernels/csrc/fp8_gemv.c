@@ -25,6 +25,11 @@
  *   out[t, n] = (sum_k a[t,k] * w[n,k]) * (a_scale[t] * w_scale[n]) + bias[n]
  * with block weight scales applied to each K-block's partial sum instead. Sizes are
  * trusted: the Python wrapper checks every shape, dtype and contiguity before the call.
+ * The sums multiply *unscaled* codes (up to 448, or 1.75 for E4M3 times 2^8 after), so
+ * activations near FLT_MAX / 448 overflow them where the dequantized product is finite:
+ * fp8_gemv, fp8_epilogue and fp8_mm_bf16 return 1 (not 0) when some output is +-inf or
+ * NaN, and the Python wrapper recomputes that call with the scales folded into the operands
+ * (R24 F1 / F2). The check costs one compare per output.
  */
 #include <float.h>
 #include <math.h>
@@ -225,6 +230,7 @@ typedef struct {
     void *out;           /* [M, N] fp32 or bf16 */
     int64_t M, K, N, bn, bk, n0, n1;
     int fmt, wgran, agran, out_kind, a_bf16; /* a_bf16: a is [M, K] bf16 (path 4) */
+    int *nonfinite;      /* set (shared by the threads) when an output is not finite */
 } gemv_t;
 
 /* Dot products of MT tokens with one weight row; block scales per K-segment (bs != NULL). */
@@ -462,7 +468,7 @@ static void row_dots_bf16(const gemv_t *g, const uint8_t *wrow, int64_t seg, con
 #endif
 
 static void gemv_epilogue(const gemv_t *g, int64_t n, const float *res, float factor) {
-    int block = g->wgran == GRAN_BLOCK;
+    int block = g->wgran == GRAN_BLOCK, bad = 0;
     float wsc = g->wgran == GRAN_TENSOR ? g->ws[0] : g->wgran == GRAN_ROW ? g->ws[n] : 1.0f;
     for (int64_t t = 0; t < g->M; ++t) {
         float v = res[t] * factor;
@@ -473,9 +479,11 @@ static void gemv_epilogue(const gemv_t *g, int64_t n, const float *res, float fa
         else if (g->agran == ASCALE_TOKEN) sc = g->as[t] * sc;
         if (!block || g->agran == ASCALE_TENSOR || g->agran == ASCALE_TOKEN) v = v * sc;
         if (g->bias) v = v + g->bias[n];
+        bad |= !isfinite(v);
         if (g->out_kind == OUT_BF16) ((uint16_t *)g->out)[t * g->N + n] = f32_to_bf16(v);
         else ((float *)g->out)[t * g->N + n] = v;
     }
+    if (bad) __atomic_store_n(g->nonfinite, 1, __ATOMIC_RELAXED);
 }
 
 #if FP8_PATH == 4
@@ -616,12 +624,14 @@ int fp8_gemv(const float *a, int64_t M, int64_t K, const uint8_t *w, int64_t N,
         return -1;
     if (a_kind != 0 && !(FP8_PATH == 4 && a_kind == 1)) return -1;
     pthread_once(&LUT_ONCE, lut_init);
+    int nonfinite = 0;
     gemv_t g = {a, w, ws, as, bias, out, M, K, N, bn, bk, 0, N, (int)fmt, (int)wgran,
-                (int)agran, (int)out_kind, (int)a_kind};
+                (int)agran, (int)out_kind, (int)a_kind, &nonfinite};
     /* below ~64K weights per thread, starting a thread costs more than it saves */
     int64_t useful = (N * K) / 65536;
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
-    return run_split(gemv_worker, &g, sizeof g, N, nthreads, gemv_range);
+    int rc = run_split(gemv_worker, &g, sizeof g, N, nthreads, gemv_range);
+    return rc ? rc : nonfinite; /* 1: done, some output is +-inf or NaN (see fp8_gemv's doc) */
 }
 #endif
 
@@ -1057,10 +1067,12 @@ typedef struct {
     const float *as, *ws;
     uint16_t *out;
     int64_t M, N, n0, n1, as_n, ws_n;
+    int *nonfinite;
 } epi_t;
 
 static NO_UNSWITCH void *epi_worker(void *arg) {
     const epi_t *e = (const epi_t *)arg;
+    int bad = 0;
     for (int64_t b0 = e->n0 * 32; b0 < e->n1 * 32 && b0 < e->N; b0 += 32) {
         int64_t b1 = b0 + 32 < e->N ? b0 + 32 : e->N;
         for (int64_t m = 0; m < e->M; ++m) {
@@ -1071,10 +1083,12 @@ static NO_UNSWITCH void *epi_worker(void *arg) {
                 else if (e->as) v = v * am;
                 else if (e->ws) v = v * e->ws[e->ws_n == 1 ? 0 : n];
                 if (e->bias) v = v + bf16_bits_to_f32(e->bias[n]);
+                bad |= !isfinite(v);
                 e->out[m * e->N + n] = f32_to_bf16(v);
             }
         }
     }
+    if (bad) __atomic_store_n(e->nonfinite, 1, __ATOMIC_RELAXED);
     return NULL;
 }
 
@@ -1089,10 +1103,12 @@ int fp8_epilogue(const uint16_t *acc_t, int64_t M, int64_t N, const float *as, i
                  int64_t nthreads) {
     if (M < 1 || N < 1 || (as && as_n != 1 && as_n != M) || (ws && ws_n != 1 && ws_n != N))
         return -1;
-    epi_t e = {acc_t, bias, as, ws, out, M, N, 0, 0, as_n, ws_n};
+    int nonfinite = 0;
+    epi_t e = {acc_t, bias, as, ws, out, M, N, 0, 0, as_n, ws_n, &nonfinite};
     int64_t blocks = (N + 31) / 32, useful = (M * N) / 65536;
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
-    return run_split(epi_worker, &e, sizeof e, blocks, nthreads, epi_range);
+    int rc = run_split(epi_worker, &e, sizeof e, blocks, nthreads, epi_range);
+    return rc ? rc : nonfinite; /* 1: done, some output is +-inf or NaN */
 }
 #endif
 
@@ -1138,7 +1154,8 @@ typedef struct {
     const float *as, *ps; /* post scales: activation [1] / [M], weight [1] / [N]; or NULL */
     const uint16_t *bias; /* [N] bf16 or NULL */
     uint16_t *out;        /* [M, N] bf16 */
-    int *err;             /* set when a worker cannot allocate its scratch */
+    int *err;             /* bit 0: a worker could not allocate its scratch; bit 1: an output
+                             is not finite */
     int64_t M, K, N, bn, bk, n0, n1, as_n, ps_n;
     int64_t kc;           /* K block: at most MM_KC, a multiple of 64 (the last one shorter) */
     int64_t mc0, mc, mcp, ldx; /* the token block mm_pack_x packs (pair stride ldx) */
@@ -1341,6 +1358,7 @@ static void mm_epilogue(const mm_t *g, const __m512 *acc, int64_t m0, int64_t mv
     __m512 am = _mm512_setzero_ps();
     if (g->as) am = g->as_n == 1 ? _mm512_set1_ps(g->as[0]) : _mm512_maskz_loadu_ps(mm, g->as + m0);
     __m512i r[16];
+    __mmask16 bad = 0;
     for (int i = 0; i < 16; ++i) {
         if (i >= nvalid || i >= MM_MR) {
             r[i] = _mm512_setzero_si512();
@@ -1357,12 +1375,14 @@ static void mm_epilogue(const mm_t *g, const __m512 *acc, int64_t m0, int64_t mv
             v = _mm512_mul_ps(v, sc);
         }
         if (g->bias) v = _mm512_add_ps(v, _mm512_set1_ps(bf16_bits_to_f32(g->bias[n])));
+        bad |= _mm512_mask_fpclass_ps_mask(mm, v, 0x99); /* NaN (quiet, signalling), +-inf */
         __m512i u = _mm512_castps_si512(v);
         __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
         __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
         __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         r[i] = _mm512_mask_mov_epi32(h, nan, _mm512_set1_epi32(0x7fc0));
     }
+    if (bad) __atomic_fetch_or(g->err, 2, __ATOMIC_RELAXED);
     tr16x16(r); /* r[t]: token m0 + t, rows n0 .. n0 + 16 */
     __mmask16 nm = (__mmask16)((1u << (nvalid < MM_MR ? nvalid : MM_MR)) - 1u);
     for (int64_t t = 0; t < mvalid && t < 16; ++t)
@@ -1548,7 +1568,7 @@ __attribute__((optimize("no-split-loops"))) static void *mm_worker(void *arg) {
     size_t n_c = multi ? (size_t)MM_NC * ldc * 4 : 0;
     char *scratch = (char *)mm_scratch(0, n_wb + n_xp + n_c);
     if (scratch == NULL) {
-        __atomic_store_n(g->err, 1, __ATOMIC_RELAXED);
+        __atomic_fetch_or(g->err, 1, __ATOMIC_RELAXED);
         return NULL;
     }
     uint16_t *wb = (uint16_t *)scratch;
@@ -1692,7 +1712,7 @@ int fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64
     int64_t useful = (M * N * K) / (1 << 22);
     if (nthreads > useful) nthreads = useful < 1 ? 1 : useful;
     int rc = run_split(mm_worker, &g, sizeof g, panels, nthreads, mm_range);
-    return rc ? rc : err ? -4 : 0;
+    return rc ? rc : (err & 1) ? -4 : (err & 2) ? 1 : 0; /* 1: some output is +-inf or NaN */
 #else
     (void)x, (void)M, (void)K, (void)w, (void)N, (void)ws, (void)wgran, (void)bn, (void)bk;
     (void)as, (void)as_n, (void)ps, (void)ps_n, (void)bias, (void)out, (void)fmt, (void)nthreads;
