@@ -249,12 +249,16 @@ class Fp8Linear(RecipeWords, nn.Linear):
             )
         if torch.is_grad_enabled():
             check_frozen(self, ("weight", "weight_scale", "input_scale"))
-        scale = self.input_scale
-        if scale is not None and self._plan.static and not torch.compiler.is_compiling():
-            self._count_saturation(input, scale)
         bias = self.bias
         if bias is not None and bias.dtype != input.dtype and input.is_floating_point():
             bias = bias.to(input.dtype)
+        if 0 in self.weight.shape and input.is_floating_point() and input.dim() > 0:
+            # nn.Linear(0, n) (zeros + bias) or nn.Linear(k, 0) (an empty output), as
+            # nn.Linear computes them: nothing to quantize or multiply (R24 F3)
+            return nn.functional.linear(input, input.new_zeros(self.weight.shape), bias)
+        scale = self.input_scale
+        if scale is not None and self._plan.static and not torch.compiler.is_compiling():
+            self._count_saturation(input, scale)
         return fp8_linear(
             input, self.weight, self.weight_scale, bias, plan=self._plan,
             input_scale=self.input_scale,

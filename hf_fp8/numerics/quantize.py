@@ -120,6 +120,14 @@ def amax(
 ) -> torch.Tensor:
     """Absolute maximum of the finite values, reduced to the shape of the scale."""
     _check_granularity(granularity)
+    if x.numel() == 0:  # e.g. nn.Linear(0, n)'s [n, 0] weight: no value, amax 0 (R24 F3)
+        if granularity == "tensor":
+            shape: tuple[int, ...] = (1,)
+        elif granularity == "row":
+            shape = (*x.shape[:-1], 1)
+        else:
+            shape = block_scale_shape(tuple(x.shape), _check_block(x, block_size))
+        return x.new_zeros(shape, dtype=x.dtype if x.dtype.is_floating_point else torch.float32)
     mag = x.abs().nan_to_num(nan=0.0, posinf=0.0)
     if granularity == "tensor":
         return mag.amax().reshape(1)
