@@ -280,6 +280,11 @@ def _read_samples(path: str, limit: int) -> list[str]:
     return lines[:limit]
 
 
+# hf-fp8-autoload.pth registers hf_fp8 in every process of this install (README "Installed
+# means loadable"); HF_FP8_AUTOLOAD=0 turns it off
+NO_IMPORT_NEEDED = "(hf-fp8 installed: no `import hf_fp8` needed unless HF_FP8_AUTOLOAD=0)"
+
+
 # -- commands ---------------------------------------------------------------------------------------
 def cmd_quantize(args: argparse.Namespace) -> int:
     if args.scheme == "static" and args.activation_scale is None:
@@ -302,6 +307,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     if args.observer not in OBSERVERS:  # before anything is loaded
         raise ValueError(f"--observer {args.observer}: use one of {', '.join(OBSERVERS)}")
+    if args.activation_granularity not in (None, ActivationGranularity.TENSOR.value):
+        raise ValueError(
+            f"--activation-granularity {args.activation_granularity}: calibrate computes static "
+            "activation scales, one per tensor (drop the option, or pass "
+            "--activation-granularity tensor); for per-token or block scales, computed per "
+            "call, use dynamic activations: `hf-fp8 quantize MODEL --scheme dynamic "
+            f"--activation-granularity {args.activation_granularity} --out DIR`"
+        )
     samples = _read_samples(args.data, args.max_samples)
     model_id = _model_path(args.model)
     _check_source(model_id)
@@ -338,7 +351,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from hf_fp8.serialization import import_checkpoint
 
     out = import_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
-    print(f"wrote {out} (hf_fp8); load it after `import hf_fp8`")
+    print(f"wrote {out} (hf_fp8); load it with from_pretrained {NO_IMPORT_NEEDED}")
     return 0
 
 
@@ -418,7 +431,9 @@ def _add_out(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_recipe(p: argparse.ArgumentParser) -> None:
+def _add_recipe(p: argparse.ArgumentParser, *, static_only: bool = False) -> None:
+    """The options every quantizing command takes; ``static_only``: ``hf-fp8 calibrate``,
+    whose activation scales are static, one per tensor (its only granularity)."""
     p.add_argument(
         "model", nargs="?", help=f"local folder or Hub repo id (default: {DEFAULT_MODEL})"
     )
@@ -429,12 +444,23 @@ def _add_recipe(p: argparse.ArgumentParser) -> None:
         choices=values(Granularity),
         help="one weight scale per tensor, per output row (default) or per block",
     )
-    p.add_argument(
-        "--activation-granularity",
-        default=None,
-        choices=values(ActivationGranularity),
-        help="dynamic activations: one scale per token (default), per tensor or per 1×COLS block",
-    )
+    if static_only:
+        p.add_argument(
+            "--activation-granularity",
+            default=None,
+            choices=values(ActivationGranularity),
+            help="static activations: one calibrated scale per tensor (tensor: the default and "
+            "the only choice; per-token or block scales are dynamic: `hf-fp8 quantize "
+            "--scheme dynamic`)",
+        )
+    else:
+        p.add_argument(
+            "--activation-granularity",
+            default=None,
+            choices=values(ActivationGranularity),
+            help="--scheme dynamic: one scale per token (default), per tensor or per 1×COLS "
+            "block; --scheme static: per tensor (default, the only choice)",
+        )
     p.add_argument(
         "--fp8-format",
         default=Fp8Format.E4M3.value,
@@ -510,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="static FP8: activation scales from a text file",
         description="Quantize MODEL with static FP8 activations, calibrate the scales on --data, save.",
     )
-    _add_recipe(p)
+    _add_recipe(p, static_only=True)
     p.add_argument(
         "--data",
         required=True,
@@ -602,7 +628,8 @@ _OPTION_OF = {
     "observer": "--observer",
 }
 _NAMES = "|".join(_OPTION_OF)
-_VALUE = r"(\[[^\]]*\]|[^,)\s]*)"
+# a list, a quoted string, or a bare word (up to , ; ) or a space: "weight_granularity='row';")
+_VALUE = r"(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[^,;)\s]*)"
 _KWARG = re.compile(rf"(?:hf_fp8\.)?Fp8Config\(\b({_NAMES})={_VALUE}\)|\b({_NAMES})={_VALUE}")
 
 

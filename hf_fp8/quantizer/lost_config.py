@@ -212,7 +212,8 @@ def _fix_for_file(file: str, config: Any, passed: str, quantizing: str | None) -
             f"Its quantization_config names quant_method={_quant_method(qc)!r}, which "
             "transformers does not know, so it skipped quantization: load the checkpoint with "
             "the library that wrote it, or (an FP8 compressed-tensors or vLLM fp8 checkpoint) "
-            "convert it with `hf-fp8 import` and load the result after `import hf_fp8`"
+            "convert it with `hf-fp8 import` and load the result with from_pretrained (hf-fp8 "
+            "installed: no `import hf_fp8` needed unless HF_FP8_AUTOLOAD=0)"
         )
     if saved is not None and quantizing is not None:
         return (
@@ -220,7 +221,8 @@ def _fix_for_file(file: str, config: Any, passed: str, quantizing: str | None) -
             "does not use (the config= passed has none, or transformers does not know that "
             "quant_method): load with the checkpoint's own config and no quantization_config= "
             "(an unknown quant_method: load it with the library that wrote it, or convert it "
-            "with `hf-fp8 import` and load the result after `import hf_fp8`)"
+            "with `hf-fp8 import` and load the result with from_pretrained: hf-fp8 installed, no "
+            "`import hf_fp8` needed unless HF_FP8_AUTOLOAD=0)"
         )
     if saved is not None:
         return (
