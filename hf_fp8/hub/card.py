@@ -19,7 +19,9 @@ import functools
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import jinja2
 from huggingface_hub import ModelCard, ModelCardData
 
+from hf_fp8.config import Fp8Config
 from hf_fp8.hub.card_file import (
     BEGIN_MARKER,
     END_MARKER,
@@ -43,6 +46,8 @@ from hf_fp8.hub.card_file import (
     write_card,
 )
 from hf_fp8.hub.card_info import UNKNOWN_SCALES, CardInfo, hub_model_id
+from hf_fp8.serialization import compressed_tensors
+from hf_fp8.serialization.layers import LayerPlan
 from hf_fp8.serialization.summary import activation_words, weight_words
 
 TEMPLATE_NAME = "hf_fp8_model_card.md.j2"
@@ -63,17 +68,77 @@ _AUTO_PATTERNS = (
     re.compile(r"(- \*\*[^*\n]+:\*\* )?\[More Information Needed\]( <!--.*-->)?"),
 )
 _FORMAT_WORDS = {
-    "hf_fp8": 'hf_fp8 (`quant_method: "hf_fp8"`): fp8 `weight`, fp32 `weight_scale` / `input_scale`',
-    "compressed-tensors": "compressed-tensors `float-quantized` (vLLM, SGLang, TGI, transformers)",
     "vllm-fp8": 'vLLM `fp8` (`quant_method: "fp8"`)',
 }
 _SCHEME_NAMES = {
     "dynamic": "dynamic (FP8 weights and activations, activation scales computed per call)",
-    "static": "static (FP8 weights and activations, calibrated activation scales)",
+    # a scale given in the config (activation_scale=) is not calibrated (R25 F3)
+    "static": "static (FP8 weights and activations, static activation scales: given or calibrated)",
     "weight_only": "weight-only (FP8 weights, high-precision activations)",
 }
 _LIBRARY = {"hf_fp8": "hf-fp8"}
 _FORMAT_TAGS = {"compressed-tensors": ["compressed-tensors", "vllm"], "vllm-fp8": ["vllm"]}
+# the experts module named in the exporter's words when a card stands in for the model
+_EXPERTS = "its MoE experts"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the compressed-tensors exporter says about a card's model (R25 F3)."""
+
+    export: bool  # `hf-fp8 export --format compressed-tensors` accepts its scheme
+    vllm: bool  # and vLLM loads that export (for a compressed-tensors card: this checkpoint)
+    why: str | None = None  # the exporter's words when either is false
+
+
+def serving(info: CardInfo) -> Serving:
+    """Ask the exporter, not a copy of its rules: ``compressed_tensors.export_config`` (what
+    ``hf-fp8 export`` runs) on ``info``'s scheme, with FP8 MoE experts when ``info`` has
+    them. It raises ``ValueError`` for what it does not export (e5m2; FP8 experts in a pair
+    vLLM's fused-MoE loader refuses) and warns, naming vLLM, for an export vLLM refuses
+    (block weights with static activations; weight-only FP8 experts). The checks that depend
+    on tensors (block sizes that split experts, ...) are left to the export itself."""
+    scheme = info.scheme
+    if not scheme:
+        return Serving(False, False, "its FP8 scheme is unknown")
+    try:
+        config = Fp8Config(
+            scheme["activation_scheme"],
+            weight_granularity=scheme["weight_granularity"],
+            activation_granularity=scheme.get("activation_granularity"),
+            fp8_format=scheme["fp8_format"],
+            block_size=tuple(scheme["block_size"]),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        return Serving(False, False, f"its FP8 scheme is not one hf-fp8 knows ({err})")
+    experts = {f"{_EXPERTS}.0.gate_proj": _EXPERTS} if info.fp8_experts else {}
+    plan = LayerPlan(fp8={}, high_precision=[], conv1d=[], fp8_experts=experts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            compressed_tensors.export_config(config, plan)
+        except ValueError as err:
+            return Serving(False, False, _exporter_words(err))
+    refused = [str(w.message) for w in caught if "vLLM" in str(w.message)]
+    return Serving(True, not refused, _exporter_words(refused[0]) if refused else None)
+
+
+def _exporter_words(message: object) -> str:
+    text = " ".join(str(message).split()).removeprefix("compressed-tensors export: ")
+    return text.rstrip(".")
+
+
+def format_words(info: CardInfo, serve: Serving) -> str:
+    """The card's Format row: the tensors hf_fp8's format holds for this scheme (an
+    ``input_scale`` only with static activations); who loads a compressed-tensors one."""
+    if info.format == "hf_fp8":
+        static = (info.scheme or {}).get("activation_scheme") == "static"
+        scales = "`weight_scale` / `input_scale`" if static else "`weight_scale`"
+        return f'hf_fp8 (`quant_method: "hf_fp8"`): fp8 `weight`, fp32 {scales}'
+    if info.format == "compressed-tensors":
+        who = "vLLM, SGLang, TGI, transformers" if serve.vllm else "transformers; not vLLM"
+        return f"compressed-tensors `float-quantized` ({who})"
+    return _FORMAT_WORDS.get(info.format, info.format)
 
 
 def default_template() -> str:
@@ -148,7 +213,10 @@ def auto_class_name(architecture: str | None) -> str:
 
 def card_metadata(info: CardInfo, tags: Iterable[str] = ()) -> ModelCardData:
     """Hub metadata: ``library_name``, tags ``fp8`` / ``hf_fp8``, ``base_model`` (+ relation)."""
-    all_tags = list(dict.fromkeys([*TAGS, *_FORMAT_TAGS.get(info.format, []), *tags]))
+    format_tags = _FORMAT_TAGS.get(info.format, [])
+    if info.format == "compressed-tensors" and not serving(info).vllm:
+        format_tags = [t for t in format_tags if t != "vllm"]
+    all_tags = list(dict.fromkeys([*TAGS, *format_tags, *tags]))
     base = hub_model_id(info.base_model)
     data = ModelCardData(library_name=_LIBRARY.get(info.format, "transformers"), tags=all_tags)
     if base:
@@ -184,6 +252,7 @@ def _render_parts(
     base = hub_model_id(info.base_model)
     name = model_id.rstrip("/").rsplit("/", 1)[-1]
     high = info.high_precision_layers
+    serve = serving(info)
     context = {
         "info": info,
         "metadata_yaml": card_metadata(info, tags).to_yaml(),
@@ -197,7 +266,8 @@ def _render_parts(
         "activation_words": (
             activation_words(info.scheme, info.compute_dtype) if info.scheme else "unknown"
         ),
-        "format_words": _FORMAT_WORDS.get(info.format, info.format),
+        "format_words": format_words(info, serve),
+        "serve": serve,
         "scheme_name": _SCHEME_NAMES.get((info.scheme or {}).get("activation_scheme"), "unknown"),
         "high_precision_text": ", ".join(f"`{n}`" for n in high[:8])
         + (f" and {len(high) - 8} more" if len(high) > 8 else "")

@@ -51,6 +51,9 @@ class CardInfo:
     # digest of the model's static input scales (from a loaded static model): figures measured
     # with other scales (before a calibration) are not carried over (hub.card.same_model)
     static_scales: str | None = None
+    # whether the model has FP8 MoE experts (None: not known, e.g. a card of an older
+    # hf_fp8): what vLLM's fused-MoE loader accepts decides the card's export / serve lines
+    fp8_experts: bool | None = None
     hf_fp8_version: str = field(default_factory=lambda: _version())
 
     @property
@@ -160,6 +163,7 @@ def info_from_model(model: nn.Module, **overrides: Any) -> CardInfo:
         fp8_share=share,
         quantization_config=qc.to_dict(),
         static_scales=static_scales_digest(model),
+        fp8_experts=any(isinstance(m, Fp8Experts) for m in model.modules()),
     )
     for key, value in overrides.items():
         setattr(info, key, value)
@@ -257,6 +261,23 @@ if forget_measured_figures not in CALIBRATED_HOOKS:
     CALIBRATED_HOOKS.append(forget_measured_figures)
 
 
+def checkpoint_has_fp8_experts(path: str | os.PathLike) -> bool | None:
+    """Whether the checkpoint folder ``path`` stores FP8 MoE experts, found as ``summarize``
+    finds them (tensor headers only): expert groups of fp8 codes, merged or one per expert
+    (``serialization.experts.experts_view``), or fused 3-D fp8 codes (``fused_experts``).
+    ``None`` when it cannot be read (a Hub repo's headers, a damaged folder)."""
+    from hf_fp8.serialization.checkpoint import Checkpoint
+    from hf_fp8.serialization.experts import experts_view, fused_experts
+
+    try:
+        checkpoint = Checkpoint(path)
+        tensors = checkpoint.tensors()
+        _, groups = experts_view(checkpoint.config.get("model_type"), tensors)
+    except (OSError, ValueError, TypeError):
+        return None
+    return bool(groups) or bool(fused_experts(tensors)[0])
+
+
 def info_from_summary(summary: CheckpointSummary, **overrides: Any) -> CardInfo:
     """Card facts of a checkpoint folder (see ``hf_fp8.serialization.inspect_checkpoint``)."""
     info = CardInfo(
@@ -270,6 +291,7 @@ def info_from_summary(summary: CheckpointSummary, **overrides: Any) -> CardInfo:
         bytes_after=summary.total_bytes,
         fp8_share=summary.fp8_share if summary.parameters else None,
         high_precision_parts=list(summary.high_precision_parts),
+        fp8_experts=checkpoint_has_fp8_experts(summary.path) if summary.scheme else None,
     )
     for key, value in overrides.items():
         setattr(info, key, value)
