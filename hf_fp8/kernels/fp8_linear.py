@@ -173,7 +173,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, None, None, grad_bias, None, None, None
 
 
-def _fresh(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def fresh_output(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``out`` (this call's own result, aliased by nothing else) in ``shape``, never a view
     (R25 F7): ``nn.Linear``'s 2-D output is not one, and FSDP2 warns that an in-place op
     (``out += residual``) on a view output of a sharded module drops its pre-backward hook.
@@ -250,10 +250,10 @@ def fp8_linear(
     x = x_hp.reshape(-1, k)
     if x.shape[0] == 0:  # nothing to quantize: an empty (autograd-connected) result
         out = torch.nn.functional.linear(x, x.new_zeros(w_fp8.shape[0], k), bias)
-        return _fresh(out, (*lead, w_fp8.shape[0]))
+        return fresh_output(out, (*lead, w_fp8.shape[0]))
     tensors = (x, w_fp8, w_scale, bias, input_scale)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         out = _Fp8LinearFunction.apply(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
     else:
         out = _forward(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
-    return _fresh(out, (*lead, w_fp8.shape[0]))
+    return fresh_output(out, (*lead, w_fp8.shape[0]))
