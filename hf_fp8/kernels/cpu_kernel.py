@@ -322,6 +322,14 @@ def _check(cond: bool, message: str | Callable[[], str]) -> None:
         raise ValueError(f"hf_fp8 CPU kernel: {message() if callable(message) else message}")
 
 
+def _backed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds every byte its (contiguous) shape names: FSDP2 frees an
+    unsharded parameter by resizing its storage to 0 and keeps the shape (R25 F7: a dropped
+    pre-backward hook made the backward decode read such a weight: segfault)."""
+    need = (t.storage_offset() + t.numel()) * t.element_size()
+    return t.untyped_storage().nbytes() >= need
+
+
 def _check_weight(w: torch.Tensor, w_scale: torch.Tensor | None, gran: str, bn: int, bk: int):
     _check(
         w.device.type == "cpu" and w.dtype in FORMATS,
@@ -330,6 +338,15 @@ def _check_weight(w: torch.Tensor, w_scale: torch.Tensor | None, gran: str, bn: 
     _check(
         w.dim() == 2 and w.is_contiguous(),
         lambda: f"weight must be contiguous 2-D, {tuple(w.shape)}",
+    )
+    _check(
+        _backed(w) and (w_scale is None or _backed(w_scale)),
+        lambda: (
+            f"weight {tuple(w.shape)} (or its scale) has a storage smaller than its shape: "
+            "freed (FSDP2 reshards parameters after forward; an in-place op on an FSDP2 "
+            "module's view output drops the hook that gathers them again for backward): use "
+            "an out-of-place op there (out = out + y)"
+        ),
     )
     _check(
         gran in GRANULARITIES, lambda: f"weight granularity {gran!r} not in {tuple(GRANULARITIES)}"

@@ -247,7 +247,7 @@ def fp8_linear(
     use_scaled_mm = _choose_gemm(plan, x_hp, w_fp8)
 
     lead, k = x_hp.shape[:-1], x_hp.shape[-1]
-    x = x_hp.reshape(-1, k)
+    x = x_hp.reshape(lead.numel(), k)  # -1 is ambiguous for K = 0 (nn.Linear(0, n))
     if x.shape[0] == 0:  # nothing to quantize: an empty (autograd-connected) result
         out = torch.nn.functional.linear(x, x.new_zeros(w_fp8.shape[0], k), bias)
         return fresh_output(out, (*lead, w_fp8.shape[0]))

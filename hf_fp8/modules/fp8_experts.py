@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hf_fp8.kernels.fp8_linear import fresh_output
 from hf_fp8.kernels.grouped import combine, grouped_fp8_linear, route
 from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
@@ -649,7 +650,9 @@ class Fp8Experts(RecipeWords, nn.Module):
         if self.layout.has_post_expert_norm:
             h = self.post_expert_norm(h)
         weights = top_k_weights.reshape(x.shape[0], -1)
-        return combine(h, routing, weights, hidden_states.dtype).reshape(shape)
+        # not a view (R25 F7): FSDP2 (fully_shard_fp8) warns that out += ... on a view
+        # output drops the pre-backward hook (backward then reads the freed fp8 weights)
+        return fresh_output(combine(h, routing, weights, hidden_states.dtype), tuple(shape))
 
     # -- back to high precision ----------------------------------------------------------
 

@@ -76,3 +76,18 @@ def test_empty_layers_train_like_nn_linear(k, n) -> None:
 def test_amax_of_an_empty_tensor_is_zero_with_the_scale_shape(gran, shape, want) -> None:
     got = amax(torch.empty(shape), gran, (128, 128))
     assert tuple(got.shape) == want and bool((got == 0).all())
+
+
+@pytest.mark.parametrize("lead", [(3,), (2, 4)])
+def test_functional_fp8_linear_with_zero_inputs_gives_the_bias(route, lead) -> None:
+    """The functional ``fp8_linear`` with K = 0 (``reshape(-1, 0)`` was ambiguous and raised):
+    the product is empty, so the output is the bias, as ``F.linear`` gives."""
+    from hf_fp8.kernels.fp8_linear import fp8_linear
+
+    x = torch.randn(*lead, 0)
+    w8 = torch.zeros(6, 0, dtype=torch.float8_e4m3fn)
+    bias = torch.randn(6)
+    out = fp8_linear(x, w8, torch.ones(6, 1), bias)
+    want = torch.nn.functional.linear(x, torch.zeros(6, 0), bias)
+    assert out.shape == (*lead, 6)
+    assert torch.equal(out, want)
