@@ -120,8 +120,8 @@ class AdamWFp8(Optimizer):
             ``sqrt_second_moment=True``), then ``"fp8"``. ``"log"`` (not FP8): ``v`` as unsigned 8-bit
             codes uniform in Mitchell's logarithm with COAT's per-group exponent, ``m`` as int8
             absmax of ``m·2^-e`` (``2^e ≈ sqrt(v̂)``) — no log2/exp2 in the step, 2.09
-            bytes/parameter, about half the update error of the fp8 codes
-            (:mod:`hf_fp8.numerics.log_moments`).
+            bytes/parameter, about a third of the update error of the fp8 codes
+            (0.018 vs 0.052 at 300 steps; :mod:`hf_fp8.numerics.log_moments`).
         seed: seed of the stochastic rounding streams.
         amsgrad: must be ``False`` (not supported).
         implementation: ``"auto"`` (fused C kernel for CPU tensors, else ``torch.compile``
