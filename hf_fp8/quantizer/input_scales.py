@@ -11,11 +11,21 @@ from where a layer went: a disk-offloaded layer's tensors stay on meta whether o
 has them. An offloaded layer reads every tensor from the checkpoint at forward time, so one
 with no stored scale cannot take the config's fallback: refused at load, naming the fix
 (before: a false "lacks … while it stores …", or ``KeyError`` at forward).
+
+A config that gives scales to some layers only (``activation_scales`` without a fallback
+``activation_scale``) saves exactly those: the other layers have none until calibration. Such a
+checkpoint is not partial (reviewer R27 F4: it was refused as "lacks 13 … calibrated"): it
+loads when the stored scales are exactly the config's ``activation_scales`` — every name
+stored is a key, every key is stored, each value equals the key's — and no fallback is set. A
+calibrated checkpoint that lost its other scales fails the value test (calibration overwrote
+the given values) and is still refused.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.quantizer.validation import checkpoint_file
@@ -36,6 +46,7 @@ class StoredInputScales:
         self.stored: list[str] = []
         self.unfilled: list[str] = []
         self.offloaded_unfilled: list[str] = []
+        self._loaded: dict[str, torch.Tensor] = {}  # values read from the checkpoint
 
     def add(self, key: str, param: Any, *, offloaded: bool) -> None:
         """Record the input scale ``key`` (``param``: the module's tensor, ``None`` when the
@@ -44,6 +55,8 @@ class StoredInputScales:
             return
         self._keys.add(key)
         loaded = not offloaded and getattr(param, "_is_hf_initialized", False)
+        if loaded:
+            self._loaded[key] = param
         if self.names is not None:
             stored = loaded or self._in_checkpoint(key)
             if offloaded and not stored:  # stored under a renamed module? decided in check()
@@ -95,10 +108,30 @@ class StoredInputScales:
         stored some input scales but not these, or stores none for a layer offloaded to disk."""
         self._resolve_renamed()
         fallback = getattr(config, "activation_scale", None)
-        if self.stored and self.unfilled:
+        if self.stored and self.unfilled and not self._config_given_only(config):
             self._refuse_partial(checkpoint_root, fallback)
         if self.offloaded_unfilled:
             self._refuse_offloaded(checkpoint_root, fallback)
+
+    def _config_given_only(self, config: Any) -> bool:
+        """The stored scales are exactly the config's ``activation_scales`` (names and values)
+        and there is no fallback: the checkpoint of a model saved before calibration with
+        scales given for some layers, complete as it is."""
+        scales = getattr(config, "activation_scales", None) or {}
+        if not scales or getattr(config, "activation_scale", None) is not None:
+            return False
+        # across the base-model prefix too (``model.`` on one side only, as _in_checkpoint)
+        given = {**{_strip(k): v for k, v in scales.items() if "." in k}, **scales}
+        if any(_given_value(key, given) is not None for key in self.unfilled):
+            return False  # a scale the config gave was saved and lost
+        for key in self.stored:
+            value = _given_value(key, given)
+            if value is None:
+                return False  # a scale no config gave: calibrated, the others lost
+            loaded = self._loaded.get(key)  # offloaded: on disk, not read here
+            if loaded is not None and not _all_equal(loaded, value):
+                return False  # calibrated over the given value
+        return True
 
     def _refuse_partial(self, checkpoint_root: str, fallback: Any) -> None:
         shown = _shown(self.unfilled)
@@ -110,11 +143,13 @@ class StoredInputScales:
         source = checkpoint_file(checkpoint_root, self.stored[0])
         raise CheckpointTensorError(
             f"{self.unfilled[0]}: the static checkpoint {source} lacks {len(self.unfilled)} "
-            f"input_scale tensor(s) ({shown}) while it stores {len(self.stored)} others "
-            f"(calibrated); the missing layers would run with {instead} instead of their "
-            "calibrated scale. Save the calibrated model again (hf_fp8.calibrate, then "
-            "save_pretrained), or restore these tensors; to use the fallback on purpose, "
-            "remove every input_scale from the checkpoint"
+            f"input_scale tensor(s) ({shown}) while it stores {len(self.stored)} others, "
+            "and these are not exactly the config's activation_scales; the missing layers "
+            f"would run with {instead} instead of their saved scale. Save the calibrated model "
+            "again (hf_fp8.calibrate, then save_pretrained), or restore these tensors; scales "
+            "set on some layers only belong in Fp8Config(activation_scales={...}) before "
+            "saving; to use the fallback on purpose, remove every input_scale from the "
+            "checkpoint"
         )
 
     def _refuse_offloaded(self, checkpoint_root: str, fallback: Any) -> None:
@@ -133,6 +168,24 @@ class StoredInputScales:
             "with this device_map, or keep these layers in memory (device_map 'cpu' instead "
             "of 'disk')"
         )
+
+
+def _given_value(key: str, given: dict[str, float]) -> float | None:
+    """The config's scale for the input scale tensor ``key`` (``<linear>.input_scale``, or
+    ``<experts>.<projection>_input_scale``), also across the base-model prefix."""
+    module = key.removesuffix(".input_scale")
+    if module == key:
+        module = key.removesuffix("_input_scale")
+    value = given.get(module)
+    return value if value is not None else given.get(_strip(module))
+
+
+def _all_equal(t: torch.Tensor, value: float) -> bool:
+    """Every element of ``t`` is ``value`` as float32 (``set_input_scale`` stores it so)."""
+    t = t.detach()
+    if t.is_meta:
+        return True
+    return bool((t.float() == torch.tensor(value, dtype=torch.float32)).all())
 
 
 def _shown(keys: list[str]) -> str:
