@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,19 +37,44 @@ def as_linear(module: nn.Module) -> nn.Linear:
     return linear
 
 
+def shared_scale(config: Fp8Config, keys: Sequence[str]) -> float | None:
+    """The static activation scale of one module known under several ``activation_scales``
+    ``keys`` (a module shared by two parents: its full name under each): the config's entry
+    for any of them, whichever name it uses (it names exactly this module), else the fallback
+    ``activation_scale``. Entries that differ are refused (``ValueError`` naming them): a
+    shared module has one input scale, and keeping either would be a guess."""
+    scales = config.activation_scales or {}
+    given = {key: scales[key] for key in keys if key in scales}
+    if len(set(given.values())) > 1:
+        raise ValueError(
+            f"activation_scales gives different scales {given} to one module shared under the "
+            f"names {list(keys)}: a shared module has one input scale. Keep one of these keys, "
+            "or give them the same value"
+        )
+    return next(iter(given.values())) if given else config.activation_scale
+
+
 def _build_linears(
     config: Fp8Config, targets: list[tuple[str, nn.Module, nn.Module]]
 ) -> list[tuple[nn.Module, str, nn.Module]]:
     """An ``Fp8Linear`` quantized with ``config`` for each ``(name, module, parent)`` of
     ``targets`` (``convertible_modules``), as ``(parent, attribute, new)``; changes nothing
     (:func:`swapped_modules` installs them). A layer shared by several parents is quantized
-    once and stays shared."""
+    once and stays shared; its input scale is the one ``activation_scales`` gives under any
+    of its names (:func:`shared_scale`, checked for every layer before any is quantized)."""
+    names: dict[int, list[str]] = {}
+    for name, module, _ in targets:
+        names.setdefault(id(module), []).append(name)
+    scales = {key: shared_scale(config, found) for key, found in names.items() if len(found) > 1}
     done: dict[int, Fp8Linear] = {}
     swaps = []
     for name, module, parent in targets:
         new = done.get(id(module))
         if new is None:
             new = Fp8Linear.from_linear(as_linear(module), config, module_name=name)
+            scale = scales.get(id(module))
+            if scale is not None and scale != config.activation_scale_for(name):
+                new.set_input_scale(scale)  # given under another of its names
             done[id(module)] = new
         swaps.append((parent, name.rpartition(".")[2], new))
     return swaps

@@ -1,0 +1,61 @@
+"""A linear shared under two names (``layers[1].mlp.down_proj = layers[0].mlp.down_proj``) is one
+module with one input scale. ``activation_scales`` keyed by its second name was silently
+ignored: the first name's fallback won (0.02 instead of the 0.5 asked for), and two keys with
+different values kept the first one's (reviewer R27 F3). Now the one explicit key applies
+(whichever name it uses: it names exactly this module), equal keys agree, and different values
+are refused, naming both keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_fp8 import Fp8Config, Fp8Linear, quantize_model
+from tests.tiny_models import TINY
+
+FIRST = "model.layers.0.mlp.down_proj"
+ALIAS = "model.layers.1.mlp.down_proj"
+
+
+def _shared_llama() -> nn.Module:
+    config_cls, model_cls, kwargs = TINY["llama"]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kwargs)).eval()
+    model.model.layers[1].mlp.down_proj = model.model.layers[0].mlp.down_proj
+    return model
+
+
+def _scale(model, name: str) -> float:
+    layer = model.get_submodule(name)
+    assert isinstance(layer, Fp8Linear)
+    return float(layer.input_scale)
+
+
+def test_scale_keyed_by_the_second_name_applies():
+    model = quantize_model(
+        _shared_llama(), Fp8Config("static", activation_scale=0.02, activation_scales={ALIAS: 0.5})
+    )
+    assert model.get_submodule(ALIAS) is model.get_submodule(FIRST)  # still shared
+    assert _scale(model, ALIAS) == 0.5
+    assert _scale(model, "model.layers.0.mlp.up_proj") == pytest.approx(0.02)  # others: fallback
+
+
+def test_scale_keyed_by_the_second_name_without_fallback_applies():
+    model = quantize_model(_shared_llama(), Fp8Config("static", activation_scales={ALIAS: 0.5}))
+    assert _scale(model, FIRST) == 0.5
+
+
+def test_equal_scales_under_both_names_apply():
+    config = Fp8Config("static", activation_scales={FIRST: 0.25, ALIAS: 0.25})
+    model = quantize_model(_shared_llama(), config)
+    assert _scale(model, FIRST) == 0.25
+
+
+def test_different_scales_under_both_names_are_refused_and_nothing_converts():
+    model = _shared_llama()
+    config = Fp8Config("static", activation_scales={FIRST: 0.001, ALIAS: 0.5})
+    with pytest.raises(ValueError, match="shared") as err:
+        quantize_model(model, config)
+    assert FIRST in str(err.value) and ALIAS in str(err.value)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
