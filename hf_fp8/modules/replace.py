@@ -80,6 +80,32 @@ def _build_linears(
     return swaps
 
 
+def _build_experts(
+    config: Fp8Config, experts: list[tuple[str, nn.Module, nn.Module, type]]
+) -> list[tuple[nn.Module, str, nn.Module]]:
+    """As :func:`_build_linears` for MoE experts (``(name, module, parent, fp8_class)`` of
+    ``experts_to_convert``): an experts module shared by several parents is converted once and
+    stays shared; each projection's input scale is the one ``activation_scales`` gives under
+    any of its names (``<name>.<projection>``, :func:`shared_scale`)."""
+    names: dict[int, list[str]] = {}
+    for name, module, _, _ in experts:
+        names.setdefault(id(module), []).append(name)
+    built: dict[int, nn.Module] = {}
+    swaps = []
+    for name, module, parent, fp8_class in experts:
+        new = built.get(id(module))
+        if new is None:
+            new = fp8_class.from_experts(module, config, module_name=name)
+            found = names[id(module)]
+            for proj in new.layout.projections if len(found) > 1 else ():
+                scale = shared_scale(config, [f"{n}.{proj}" for n in found])
+                if scale is not None and scale != config.activation_scale_for(f"{name}.{proj}"):
+                    new.set_input_scale(proj, scale)  # given under another of its names
+            built[id(module)] = new
+        swaps.append((parent, name.rpartition(".")[2], new))
+    return swaps
+
+
 @contextlib.contextmanager
 def swapped_modules(swaps: list[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
     """Set every ``(parent, attribute, new)`` of ``swaps``, then run the block; when the swap

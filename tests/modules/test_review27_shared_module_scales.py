@@ -59,3 +59,39 @@ def test_different_scales_under_both_names_are_refused_and_nothing_converts():
         quantize_model(model, config)
     assert FIRST in str(err.value) and ALIAS in str(err.value)
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+# -- MoE experts shared under two names: the same rule per projection --------------------------
+EXPERTS = "model.layers.{}.mlp.experts"
+
+
+def _shared_moe() -> nn.Module:
+    from tests.serialization.moe_fixtures import tiny_qwen3_moe
+
+    model = tiny_qwen3_moe()
+    model.model.layers[1].mlp.experts = model.model.layers[0].mlp.experts
+    return model
+
+
+def _experts_swaps(config: Fp8Config):
+    from hf_fp8.modules.replace import _build_experts
+    from hf_fp8.quantizer.experts import experts_to_convert
+
+    model = _shared_moe()
+    return _build_experts(config, experts_to_convert(model, skip=["lm_head"]))
+
+
+def test_experts_scale_keyed_by_the_second_name_applies():
+    key = f"{EXPERTS.format(1)}.down_proj"
+    swaps = _experts_swaps(Fp8Config("static", activation_scale=0.02, activation_scales={key: 0.5}))
+    assert len(swaps) == 2 and swaps[0][2] is swaps[1][2]  # converted once, still shared
+    experts = swaps[0][2]
+    assert torch.equal(experts.down_proj_input_scale, torch.full((experts.num_experts,), 0.5))
+    assert torch.equal(experts.gate_up_proj_input_scale, torch.full((experts.num_experts,), 0.02))
+
+
+def test_experts_different_scales_under_both_names_are_refused():
+    first, alias = (f"{EXPERTS.format(i)}.down_proj" for i in (0, 1))
+    with pytest.raises(ValueError, match="shared") as err:
+        _experts_swaps(Fp8Config("static", activation_scales={first: 0.001, alias: 0.5}))
+    assert first in str(err.value) and alias in str(err.value)
