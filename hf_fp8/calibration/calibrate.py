@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from hf_fp8.calibration.batches import ACCEPTED, as_batches, check_batch
 from hf_fp8.calibration.experts import ExpertsObservation, is_static_experts
+from hf_fp8.calibration.masking import TokenMask
 from hf_fp8.calibration.observers import Observer, make_observer
 from hf_fp8.calibration.recipes import observing_recipe
 from hf_fp8.modules import Fp8Linear
@@ -41,6 +42,15 @@ def _run(model: nn.Module, batch: Any) -> None:
         model(*batch)
     else:
         model(batch)
+
+
+def _length(data: Any) -> int | None:
+    """``len(data)``, or None when it has none: a ``DataLoader`` over an
+    ``IterableDataset`` defines ``__len__`` and raises ``TypeError`` (R27 F2)."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
 
 
 def _names(names: list[str], limit: int = 8) -> str:
@@ -134,7 +144,14 @@ def calibrate(
 
     ``observer``: ``"minmax"``, ``"moving_average"`` (``momentum=0.9``), ``"percentile"``
     (``percentile=99.99``) or ``"mse"``. During calibration the static layers run with
-    high-precision activations; the model's train/eval mode is restored.
+    high-precision activations; every module's train/eval flag is restored as it was.
+
+    Padding is not observed: a dict batch's ``attention_mask`` (``[batch, seq]``, and
+    ``decoder_attention_mask``) selects the positions whose activations set the scales, in
+    every layer whose input is laid out per token (``[batch, seq, ...]`` or flattened
+    ``[batch * seq, ...]``), and the expert rows of real tokens; an input laid out otherwise
+    is observed whole (see ``hf_fp8.calibration.masking``). An expert reached only by padding
+    counts as one that saw no tokens.
 
     NaN / inf activations are left out of the scales, with one warning naming the layers.
     Layers that see only zeros, or no token at all, keep the ``input_scale`` they had, or
@@ -159,8 +176,9 @@ def _calibrate(
         for name, m in model.named_modules()
         if isinstance(m, Fp8Linear) and m.activation_scheme == "static"
     }
+    token_mask = TokenMask()
     experts = {
-        name: ExpertsObservation(m, functools.partial(make, fp8_dtype(m.fp8_format)))
+        name: ExpertsObservation(m, functools.partial(make, fp8_dtype(m.fp8_format)), token_mask)
         for name, m in model.named_modules()
         if is_static_experts(m)
     }
@@ -181,10 +199,13 @@ def _calibrate(
             proj, _, expert = key[len(name) + 1 : -1].partition("[")
             current[key] = obs.current_scale(proj, int(expert))
     hooks = [
-        m.register_forward_pre_hook(lambda _m, args, obs=observers[name]: obs.update(args[0]))
+        m.register_forward_pre_hook(
+            lambda _m, args, obs=observers[name]: obs.update(token_mask.rows(args[0]))
+        )
         for name, m in layers.items()
     ]
-    was_training = model.training
+    # each module's own flag (R27 F8): model.train(flag) would set every submodule to one
+    was_training = {m: m.training for m in model.modules()}
     recipes = {name: m.recipe for name, m in layers.items()}  # put back as they are
     installed: list[ExpertsObservation] = []
     device = next(model.parameters()).device
@@ -196,10 +217,12 @@ def _calibrate(
             obs.install()
             installed.append(obs)
         model.eval()
-        total = len(data) if hasattr(data, "__len__") else None
+        total = _length(data)
         for batch in tqdm(data, total=total, desc="calibrating", disable=not progress):
             check_batch(seen, batch)
-            _run(model, _to_device(batch, device))
+            batch = _to_device(batch, device)
+            token_mask.set(batch)  # padding is not observed (R27 F1)
+            _run(model, batch)
             seen += 1
     finally:
         for h in hooks:
@@ -208,7 +231,9 @@ def _calibrate(
             m.set_recipe(recipes[name])
         for obs in installed:
             obs.remove()
-        model.train(was_training)
+        token_mask.clear()
+        for module, training in was_training.items():
+            module.training = training
     if not seen:
         raise ValueError(f"calibrate got no batches: pass {ACCEPTED}")
     _warn_nonfinite(observers)
@@ -218,6 +243,7 @@ def _calibrate(
             scales[name] = float(obs.scale())
     for name, m in layers.items():
         m.set_input_scale(scales[name])
+        m.__dict__.pop("_saturation", None)  # counts under the old scale (R27 F5)
     for name, obs in experts.items():
         obs.apply(name, scales)
     for hook in CALIBRATED_HOOKS:

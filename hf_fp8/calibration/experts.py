@@ -3,7 +3,9 @@
 While observing, each experts module runs weight-only (high-precision activations) and its
 ``_project`` is wrapped on the instance: every projection's input rows, sorted by expert
 (``Routing.present()``; token rows are gathered first), reach the observer of the expert
-they are routed to, and only those.
+they are routed to, and only those; with a ``TokenMask``, only the rows of real tokens
+(padding left out, R27 F1). ``Fp8ParallelExperts`` rows are not tokens (its caller gathered
+them): they are observed whole.
 """
 
 from __future__ import annotations
@@ -13,16 +15,25 @@ from typing import Any
 
 import torch
 
+from hf_fp8.calibration.masking import TokenMask
 from hf_fp8.calibration.observers import Observer
 from hf_fp8.calibration.recipes import observing_recipe
 from hf_fp8.modules.fp8_experts import Fp8Experts
+from hf_fp8.modules.fp8_parallel_experts import Fp8ParallelExperts
 
 
 class ExpertsObservation:
     """Observers of one static ``Fp8Experts`` module; ``install`` / ``remove`` the wrapper."""
 
-    def __init__(self, module: Fp8Experts, make: Callable[[], Observer]) -> None:
+    def __init__(
+        self,
+        module: Fp8Experts,
+        make: Callable[[], Observer],
+        token_mask: TokenMask | None = None,
+    ) -> None:
         self.module = module
+        # the routing's token_index names real tokens (not rows gathered by the caller)
+        self.token_mask = None if isinstance(module, Fp8ParallelExperts) else token_mask
         self.observers = {
             proj: [make() for _ in range(module.num_experts)] for proj in module.layout.projections
         }
@@ -35,8 +46,12 @@ class ExpertsObservation:
             proj: str, x: torch.Tensor, routing: Any, *, from_tokens: bool = False
         ) -> torch.Tensor:
             rows = x[routing.token_index] if from_tokens else x  # sorted by expert
+            keep = None if self.token_mask is None else self.token_mask.tokens(routing.num_tokens)
+            if keep is not None:  # per sorted row: is its token a real one?
+                keep = keep.to(rows.device)[routing.token_index]
             for expert, start, end in routing.present():
-                self.observers[proj][expert].update(rows[start:end])
+                part = rows[start:end]
+                self.observers[proj][expert].update(part if keep is None else part[keep[start:end]])
             return method(module, proj, x, routing, from_tokens=from_tokens)
 
         module._project = observed  # instance attribute: shadows the method while observing

@@ -8,6 +8,9 @@ device tensor (no host sync; saturation is a property of the data, a sample show
 ``SaturationCounter.warn_fraction`` of the activations seen were clipped, one warning per
 layer names it. Under ``torch.compile`` nothing is counted (no graph break, no extra work).
 Set ``SaturationCounter.check_every = 0`` to switch it off.
+
+The counts belong to one input scale: a new scale (``set_input_scale``, ``calibrate``, a
+``load_state_dict`` copying into it) starts the count again, warning included (R27 F5).
 """
 
 from __future__ import annotations
@@ -30,9 +33,29 @@ class SaturationCounter:
         self.elements = 0
         self.clipped: torch.Tensor | None = None  # int64 on the activations' device
         self.warned = False
+        self._scale: torch.Tensor | None = None  # the scale the counts were taken under
+        self._scale_version = -1
+
+    def reset(self) -> None:
+        """Forget the counts (and the warning): the input scale changed."""
+        self.forwards = self.calls = self.elements = 0
+        self.clipped = None
+        self.warned = False
+
+    def _follow(self, input_scale: torch.Tensor) -> None:
+        """Reset when ``input_scale`` is another tensor, or was changed in place, since the
+        last call (identity and version counter: no host sync)."""
+        version = getattr(input_scale, "_version", 0)
+        if input_scale is not self._scale or version != self._scale_version:
+            if self._scale is not None:
+                self.reset()
+            self._scale, self._scale_version = input_scale, version
 
     def update(self, x: torch.Tensor, input_scale: torch.Tensor, fp8_max: float, name: str) -> None:
-        if self.warned or not self.check_every or x.numel() == 0:
+        if not self.check_every or x.numel() == 0:
+            return
+        self._follow(input_scale)
+        if self.warned:
             return
         self.forwards += 1
         if (self.forwards - 1) % self.sample_every:
