@@ -72,6 +72,11 @@ class MovingAverageObserver(Observer):
 
     def __init__(self, fp8_dtype: torch.dtype, momentum: float = 0.9) -> None:
         super().__init__(fp8_dtype)
+        if not 0 <= momentum < 1:  # NaN fails too
+            raise ValueError(
+                f"momentum must be in [0, 1) (the weight of the old average: 0.9 is the "
+                f"default, 0 keeps the last batch only), got {momentum}"
+            )
         self.momentum = momentum
         self._amax: torch.Tensor | None = None
 
@@ -167,7 +172,13 @@ class MseObserver(Observer):
         super().__init__(fp8_dtype)
         if sample < 2:
             raise ValueError(f"sample must be at least 2 (values kept), got {sample}")
-        self.candidates, self.sample = candidates, sample
+        if isinstance(candidates, bool) or int(candidates) != candidates or candidates < 2:
+            raise ValueError(
+                f"candidates must be an integer of at least 2 (clipping values tried, evenly "
+                f"from 0.3 to 1 times max|x|: 1 would try 0.3 * max|x| only), got {candidates}"
+            )
+        self.candidates, self.sample = int(candidates), sample
+        self._best: torch.Tensor | None = None  # the searched amax, until the next update
         self._top = torch.zeros(0)  # the largest |x| kept, each stands for itself
         self._rest = torch.zeros(0)  # other |x| kept, each stands for ``_rest_weight`` values
         self._rest_weight = torch.zeros(0, dtype=torch.float64)
@@ -176,6 +187,7 @@ class MseObserver(Observer):
         self._generator = _generator()
 
     def _update(self, x: torch.Tensor) -> None:
+        self._best = None  # the search must see this batch too
         magnitude = x.abs()
         self._max = torch.maximum(self._max, magnitude.amax().cpu())  # every value
         n, budget = magnitude.numel(), max(2, self.sample // 8)
@@ -224,6 +236,13 @@ class MseObserver(Observer):
         return torch.cat([self._top, self._rest]), weights
 
     def amax(self) -> torch.Tensor:
+        """The searched amax; computed once, cached until the next ``update`` (R27 F7:
+        ``has_information`` and ``scale`` each ask for it)."""
+        if self._best is None:
+            self._best = self._search()
+        return self._best
+
+    def _search(self) -> torch.Tensor:
         x, weight = self._estimate_set()
         best, best_err = self._max, float("inf")
         for frac in torch.linspace(0.3, 1.0, self.candidates):
