@@ -13,10 +13,11 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from hf_fp8.numerics import fp8_dtype
-from hf_fp8.numerics.checks import input_scale_problem
+from hf_fp8.numerics.checks import input_scale_problem, max_scale
 from hf_fp8.recipe import Fp8Recipe, Kernel, parse
 
 QUANT_METHOD = "hf_fp8"
@@ -261,14 +262,24 @@ def _scales(scales: Any) -> dict[str, float] | None:
 
 
 def _check_scale_bounds(scales: dict[str, Any], recipe: Fp8Recipe) -> None:
-    """Refuse static scales below ``min_input_scale`` of the recipe's fp8 format."""
+    """Refuse static scales below ``min_input_scale`` of the recipe's fp8 format, or above
+    ``max_scale`` for any compute dtype (2**64 / fp8_max: a model holding one could not be
+    reloaded; a float16 layer's lower bound is checked when the scale is set on it)."""
     named = {"activation_scale": scales["activation_scale"]}
     named.update(
         (f"activation_scales[{k!r}]", v) for k, v in (scales["activation_scales"] or {}).items()
     )
     dtype = fp8_dtype(recipe.fp8_format)
+    high = max_scale(dtype, torch.float32)
     for name, value in named.items():
         problem = None if value is None else input_scale_problem(name, value, dtype)
+        if problem is None and value is not None and float(value) > high:
+            problem = (
+                f"{name}: {float(value):g} exceeds the largest input scale {high:.6g} "
+                "(2**64 / fp8_max, the bound a checkpoint load accepts): a model holding it "
+                "could not be reloaded. Give the activations' amax / fp8_max, or calibrate "
+                "(hf_fp8.calibrate)"
+            )
         if problem is not None:
             raise ValueError(problem)
 

@@ -77,6 +77,7 @@ from torch import nn
 
 from hf_fp8.kernels.fp8_linear import fresh_output
 from hf_fp8.kernels.grouped import combine, grouped_fp8_linear, route
+from hf_fp8.modules.fp8_linear import input_scale_above_bound
 from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
@@ -444,8 +445,11 @@ class Fp8Experts(RecipeWords, nn.Module):
             raise ValueError(f"projection must be one of {self.layout.projections}")
         scale = torch.as_tensor(scale, dtype=torch.float32).detach()
         scale = scale.reshape(-1).expand(self.num_experts).clone()
-        problem = input_scale_problem(
-            f"{projection} input scales", scale, fp8_dtype(self.fp8_format)
+        name = self.__dict__.get("fp8_name")
+        shown = f"{name}.{projection} input scales" if name else f"{projection} input scales"
+        dtype = fp8_dtype(self.fp8_format)
+        problem = input_scale_problem(shown, scale, dtype) or input_scale_above_bound(
+            shown, scale, dtype, self.compute_dtype
         )
         if problem is not None:
             raise ValueError(problem)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,42 @@ if TYPE_CHECKING:
     from hf_fp8.config import Fp8Config
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _as_float32(value: float) -> float:
+    """``value`` rounded to float32 as it is stored (inf past float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf
+
+
+def input_scale_above_bound(
+    name: str, scale: float | torch.Tensor, fp8: torch.dtype, compute_dtype: torch.dtype
+) -> str | None:
+    """Why ``scale`` (a number or tensor of static input scales, already positive and finite)
+    exceeds ``max_scale(fp8, compute_dtype)``, the bound a checkpoint load refuses past, or
+    ``None``. Judged on the float32 value stored, as the loader judges it (reviewer R27 F9: a
+    scale set past it saved fine and could not be reloaded). Meta tensors are not read."""
+    bound = max_scale(fp8, compute_dtype)
+    if isinstance(scale, torch.Tensor):
+        t = scale.detach()
+        if t.is_meta or not t.numel():
+            return None
+        high = float(t.float().max())
+    else:  # no torch op: this runs under `with torch.device("meta")` too
+        high = _as_float32(float(scale))
+    if high <= bound:
+        return None
+    return (
+        f"{name}: {high:g} exceeds the largest input scale {bound:.6g} (min(the {compute_dtype} "
+        f"compute dtype's max, 2**64) / fp8_max, the bound a checkpoint load accepts): an "
+        f"activation amax of {high * fp8_max(fp8):.3g} is beyond FP8's reach at any scale a "
+        "saved model may hold, so this model could not be reloaded. Find why the activations "
+        "are this large (a diverged or corrupted layer before it, e.g. a norm weight), or keep "
+        "this layer in high precision (Fp8Config(modules_to_not_convert=[...]), or "
+        "quantize_model(skip=[...]))"
+    )
 
 
 def weight_scale_shape(
@@ -167,8 +204,9 @@ class Fp8Linear(RecipeWords, nn.Linear):
         """No-op: FP8 weights come from ``from_linear`` or a checkpoint, never random init."""
 
     def _checked_scale(self, scale: float | torch.Tensor) -> torch.Tensor:
-        """``scale`` as fp32 ``[1]``: a static layer only, positive, finite and at least
-        ``min_input_scale`` of the fp8 format (a meta value cannot be checked)."""
+        """``scale`` as fp32 ``[1]``: a static layer only, positive, finite, at least
+        ``min_input_scale`` of the fp8 format and at most ``max_scale`` of the format and
+        compute dtype (what a checkpoint load accepts; a meta value cannot be checked)."""
         if not self.recipe.is_static:
             raise ValueError(
                 f"input_scale is only used by activation_scheme='static', this layer is "
@@ -179,6 +217,12 @@ class Fp8Linear(RecipeWords, nn.Linear):
             f"{name}.input_scale" if name else "input_scale",
             scale if isinstance(scale, torch.Tensor) else float(scale),
             fp8_dtype(self.fp8_format),
+        )
+        problem = problem or input_scale_above_bound(
+            f"{name}.input_scale" if name else "input_scale",
+            scale if isinstance(scale, torch.Tensor) else float(scale),
+            fp8_dtype(self.fp8_format),
+            self.compute_dtype,
         )
         if problem is not None:
             raise ValueError(problem)
