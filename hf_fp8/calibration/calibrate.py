@@ -176,7 +176,8 @@ def _calibrate(
         for name, m in model.named_modules()
         if isinstance(m, Fp8Linear) and m.activation_scheme == "static"
     }
-    token_mask = TokenMask()
+    config = getattr(model, "config", None)
+    token_mask = TokenMask(bool(getattr(config, "is_encoder_decoder", False)))
     experts = {
         name: ExpertsObservation(m, functools.partial(make, fp8_dtype(m.fp8_format)), token_mask)
         for name, m in model.named_modules()

@@ -9,8 +9,10 @@ spikes after the norm) or give an expert that only padding reaches a scale of it
 encoder-decoder models), each ``[batch, seq]``; the observers then keep:
 
 * a linear's input ``[batch, seq, ..., features]`` whose leading dims equal a mask's shape:
-  the rows that mask keeps (two masks of the same shape: the rows either keeps);
-* an input flattened to ``[batch * seq, features]``: the same rows, flattened;
+  the rows that mask keeps (two masks of the same shape: the rows either keeps; an
+  encoder-decoder batch without ``decoder_attention_mask``: every decoder position);
+* an input flattened to ``[batch * seq, features]``: the same rows, flattened (when only
+  one mask shape has that many positions);
 * expert rows: those whose token (the routing's ``token_index``, over ``batch * seq``
   tokens) is kept.
 
@@ -28,58 +30,80 @@ from typing import Any
 import torch
 
 MASK_KEYS = ("attention_mask", "decoder_attention_mask")
+# where an encoder-decoder batch without a decoder_attention_mask shows its decoder length
+DECODER_KEYS = ("decoder_input_ids", "decoder_inputs_embeds", "labels")
+
+
+def _mask(value: Any) -> torch.Tensor | None:
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.numel() == 0:
+        return None
+    return None if value.is_complex() else value != 0
 
 
 class TokenMask:
-    """The validity masks of the batch being run (``[batch, seq]`` bool each)."""
+    """The positions to observe in the batch being run, by ``[batch, seq]`` shape.
 
-    def __init__(self) -> None:
-        self.masks: list[torch.Tensor] = []
+    ``encoder_decoder`` (``model.config.is_encoder_decoder``): the decoder's positions are
+    all real unless the batch has a ``decoder_attention_mask``; when the decoder's length
+    equals the encoder's, a ``[batch, seq]`` input could be either, so it keeps the
+    positions either mask keeps (all of them, without a decoder mask).
+    """
+
+    def __init__(self, encoder_decoder: bool = False) -> None:
+        self.encoder_decoder = encoder_decoder
+        self.keeps: dict[tuple[int, ...], torch.Tensor | None] = {}  # None: all kept
 
     def set(self, batch: Any) -> None:
-        self.masks = []
+        self.keeps = {}
         if not isinstance(batch, Mapping):
             return
-        for key in MASK_KEYS:
-            mask = batch.get(key)
-            if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.numel() == 0:
-                continue
-            if mask.is_complex():
-                continue
-            keep = mask != 0
-            if not bool(keep.all()):
-                self.masks.append(keep)
+        masks = {key: _mask(batch.get(key)) for key in MASK_KEYS}
+        if masks["attention_mask"] is None and masks["decoder_attention_mask"] is None:
+            return
+        if self.encoder_decoder and masks["decoder_attention_mask"] is None:
+            value = next(
+                (batch[k] for k in DECODER_KEYS if isinstance(batch.get(k), torch.Tensor)), None
+            )
+            if value is None or value.dim() < 2:
+                return  # the decoder's positions are unknown: mask nothing
+            masks["decoder_attention_mask"] = torch.ones(
+                tuple(value.shape[:2]), dtype=torch.bool, device=value.device
+            )
+        keeps: dict[tuple[int, ...], torch.Tensor] = {}
+        for keep in masks.values():
+            if keep is not None:
+                shape = tuple(keep.shape)
+                keeps[shape] = keep if shape not in keeps else keeps[shape] | keep
+        self.keeps = {shape: None if bool(k.all()) else k for shape, k in keeps.items()}
+        if all(k is None for k in self.keeps.values()):
+            self.keeps = {}
 
     def clear(self) -> None:
-        self.masks = []
+        self.keeps = {}
 
     def _keep_for(self, lead: tuple[int, ...]) -> torch.Tensor | None:
-        """The keep mask for leading dims ``lead`` (``[b, s]`` or ``[b * s]``), or None."""
-        keep = None
-        for mask in self.masks:
-            if lead == tuple(mask.shape):
-                this = mask
-            elif lead == (mask.numel(),):
-                this = mask.reshape(-1)
-            else:
-                continue
-            keep = this if keep is None else keep | this
-        return keep
+        """The keep mask for leading dims ``lead`` (``[b, s]`` or ``[b * s]``), or None
+        (keep all: no mask of that shape, every position real, or ambiguous)."""
+        if len(lead) == 2:
+            return self.keeps.get(lead)
+        shapes = [shape for shape in self.keeps if shape[0] * shape[1] == lead[0]]
+        if len(shapes) != 1:
+            return None
+        keep = self.keeps[shapes[0]]
+        return None if keep is None else keep.reshape(-1)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """The rows of ``x`` (a linear's input, features last) at real tokens."""
-        if not self.masks or x.dim() < 2:
+        if not self.keeps or x.dim() < 2:
             return x
-        for lead in (tuple(x.shape[:2]), (x.shape[0],)):
-            if len(lead) == 2 and x.dim() < 3:
-                continue  # a 2-D input is [tokens, features]: only the flat form applies
-            keep = self._keep_for(lead)
-            if keep is not None:
-                return x[keep.to(x.device)]
-        return x
+        lead = tuple(x.shape[:2]) if x.dim() > 2 else (x.shape[0],)
+        keep = self._keep_for(lead)
+        if keep is None and x.dim() > 2 and lead not in self.keeps:
+            keep = self._keep_for((x.shape[0],))  # [batch * seq, k, features]
+        return x if keep is None else x[keep.to(x.device)]
 
     def tokens(self, num_tokens: int) -> torch.Tensor | None:
         """``[num_tokens]`` keep mask when the tokens are the batch's, flattened; else None."""
-        if not self.masks:
+        if not self.keeps:
             return None
         return self._keep_for((num_tokens,))

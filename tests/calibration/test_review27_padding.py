@@ -134,3 +134,51 @@ def test_experts_see_only_real_tokens_and_pad_only_experts_warn():
         ), e
     calibrated = [v for k, v in scales.items() if not k.endswith(f"[{last}]")]
     assert scales[f"experts.gate_up_proj[{last}]"] == max(calibrated)
+
+
+def _t5_reference(path: str, batch: dict) -> dict[str, float]:
+    """max |x| per linear: the encoder's and the cross-attention k / v (which read the
+    encoder's output) over the unpadded encoder positions, the decoder's over all."""
+    from transformers import T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration.from_pretrained(path).eval()
+    _spiky_pad(model)
+    keep = batch["attention_mask"].bool()
+    seen: dict[str, float] = {}
+
+    def hook(_m, args, name):
+        x = args[0].detach().float()
+        encoder_side = name.startswith("encoder.") or name.endswith(
+            ("EncDecAttention.k", "EncDecAttention.v")
+        )
+        x = x[keep] if encoder_side else x
+        seen[name] = max(seen.get(name, 0.0), float(x.abs().max()))
+
+    hooks = [
+        m.register_forward_pre_hook(lambda m, a, n=name: hook(m, a, n))
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name != "lm_head"
+    ]
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_encoder_decoder_masks_the_encoder_side_only(tiny_model_dir):
+    from transformers import T5ForConditionalGeneration
+
+    path = tiny_model_dir("t5")
+    batch = _padded_batch()
+    batch["decoder_input_ids"] = batch["input_ids"][:, :5].clone()
+    batch["decoder_input_ids"][:, 0] = 0
+    reference = _t5_reference(path, batch)
+    model = T5ForConditionalGeneration.from_pretrained(
+        path, quantization_config=Fp8Config("static")
+    )
+    _spiky_pad(model)
+    scales = hf_fp8.calibrate(model, batch, progress=False)
+    assert len(scales) > 10 and scales.keys() <= reference.keys()  # T5 keeps wo unquantized
+    for name, scale in scales.items():
+        assert scale == pytest.approx(reference[name] / 448, rel=0.05), name
