@@ -503,6 +503,20 @@ def _add_recipe(p: argparse.ArgumentParser, *, static_only: bool = False) -> Non
     p.add_argument("--base-model", help="Hub id of the original model, for the model card")
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of ``hf-fp8 calibrate``'s counts: an integer of at least 1 (R27: 0 and
+    negative values crashed deep inside, or silently dropped a sample)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of at least 1, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-fp8", description="FP8 checkpoints for the Hugging Face stack.")
     sub = parser.add_subparsers(
@@ -549,12 +563,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="how activation ranges become scales: minmax (default), moving_average, "
         "percentile or mse (see hf_fp8.calibration.OBSERVERS)",
     )
-    p.add_argument("--batch-size", type=int, default=8, help="samples per batch (default 8)")
     p.add_argument(
-        "--max-samples", type=int, default=512, help="samples read from --data (default 512)"
+        "--batch-size", type=_positive_int, default=8, help="samples per batch (default 8)"
     )
     p.add_argument(
-        "--max-length", type=int, default=512, help="tokens per sample, truncated (default 512)"
+        "--max-samples",
+        type=_positive_int,
+        default=512,
+        help="samples read from --data (default 512)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=_positive_int,
+        default=512,
+        help="tokens per sample, truncated (default 512)",
     )
     p.set_defaults(func=cmd_calibrate)
 
