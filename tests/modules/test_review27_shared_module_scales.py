@@ -95,3 +95,43 @@ def test_experts_different_scales_under_both_names_are_refused():
     with pytest.raises(ValueError, match="shared") as err:
         _experts_swaps(Fp8Config("static", activation_scales={first: 0.001, alias: 0.5}))
     assert first in str(err.value) and alias in str(err.value)
+
+
+# -- the call sites outside hf_fp8/modules (owned by the coordinator): strict xfails until the
+# diffs in /work/notes/diffs/ are applied; then drop the markers.
+_CONVERT_DIFF = "needs notes/diffs/HF21-shared-experts-scales.diff (hf_fp8/quantizer/convert.py)"
+_LOAD_DIFF = "needs notes/diffs/HF21-shared-linear-scales-from-pretrained.diff (hf_quantizer.py)"
+
+
+@pytest.mark.xfail(strict=True, reason=_CONVERT_DIFF)
+def test_quantize_model_shared_experts_take_the_second_names_scale():
+    key = f"{EXPERTS.format(1)}.down_proj"
+    model = quantize_model(
+        _shared_moe(),
+        Fp8Config("static", activation_scale=0.02, activation_scales={key: 0.5}),
+        skip=["lm_head"],
+    )
+    experts = model.get_submodule(EXPERTS.format(1))
+    assert torch.equal(experts.down_proj_input_scale, torch.full((experts.num_experts,), 0.5))
+
+
+@pytest.mark.xfail(strict=True, reason=_LOAD_DIFF)
+def test_from_pretrained_shared_linear_takes_the_second_names_scale(tmp_path):
+    import transformers as tf
+
+    class SharedLlama(tf.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model.layers[1].mlp.down_proj = self.model.layers[0].mlp.down_proj
+
+    config_cls, _, kwargs = TINY["llama"]
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config_cls(**kwargs)).save_pretrained(tmp_path)  # nothing shared on disk
+    model = SharedLlama.from_pretrained(
+        tmp_path,
+        quantization_config=Fp8Config(
+            "static", activation_scale=0.02, activation_scales={ALIAS: 0.5}
+        ),
+    )
+    assert model.get_submodule(ALIAS) is model.get_submodule(FIRST)
+    assert _scale(model, ALIAS) == 0.5
