@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,6 +43,20 @@ def _run(model: nn.Module, batch: Any) -> None:
         model(*batch)
     else:
         model(batch)
+
+
+def _positional_names(model: nn.Module) -> tuple[str, ...]:
+    """The names ``model(*batch)`` binds a tuple batch's tensors to (empty: unknown)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    names = []
+    for p in parameters:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(p.name)
+    return tuple(names)
 
 
 def _length(data: Any) -> int | None:
@@ -177,7 +192,9 @@ def _calibrate(
         if isinstance(m, Fp8Linear) and m.activation_scheme == "static"
     }
     config = getattr(model, "config", None)
-    token_mask = TokenMask(bool(getattr(config, "is_encoder_decoder", False)))
+    token_mask = TokenMask(
+        bool(getattr(config, "is_encoder_decoder", False)), _positional_names(model)
+    )
     experts = {
         name: ExpertsObservation(m, functools.partial(make, fp8_dtype(m.fp8_format)), token_mask)
         for name, m in model.named_modules()

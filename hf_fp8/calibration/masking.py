@@ -18,8 +18,10 @@ encoder-decoder models), each ``[batch, seq]``; the observers then keep:
 
 An input whose leading dims match no mask (inputs not laid out per token, e.g. after a
 model inserts or drops positions, or rows an older MoE gathered per expert) is observed
-whole: rows that cannot be told apart are never dropped. A batch that is not a mapping
-(positional tensors), or whose mask is all ones or not ``[batch, seq]``, masks nothing.
+whole: rows that cannot be told apart are never dropped. A tuple batch (``model(*batch)``)
+is read by the forward's parameter names (``[(input_ids, attention_mask)]`` for a model
+whose second parameter is ``attention_mask``). A bare tensor batch, or a mask that is all
+ones or not ``[batch, seq]``, masks nothing.
 """
 
 from __future__ import annotations
@@ -49,12 +51,15 @@ class TokenMask:
     positions either mask keeps (all of them, without a decoder mask).
     """
 
-    def __init__(self, encoder_decoder: bool = False) -> None:
+    def __init__(self, encoder_decoder: bool = False, positional: tuple[str, ...] = ()) -> None:
         self.encoder_decoder = encoder_decoder
+        self.positional = positional  # the forward's parameter names, for tuple batches
         self.keeps: dict[tuple[int, ...], torch.Tensor | None] = {}  # None: all kept
 
     def set(self, batch: Any) -> None:
         self.keeps = {}
+        if isinstance(batch, (list, tuple)):  # model(*batch): named by the forward's signature
+            batch = dict(zip(self.positional, batch, strict=False))
         if not isinstance(batch, Mapping):
             return
         masks = {key: _mask(batch.get(key)) for key in MASK_KEYS}

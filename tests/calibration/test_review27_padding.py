@@ -182,3 +182,17 @@ def test_encoder_decoder_masks_the_encoder_side_only(tiny_model_dir):
     assert len(scales) > 10 and scales.keys() <= reference.keys()  # T5 keeps wo unquantized
     for name, scale in scales.items():
         assert scale == pytest.approx(reference[name] / 448, rel=0.05), name
+
+
+def test_a_tuple_batch_masks_by_the_forward_parameter_names(tiny_model_dir):
+    # LlamaForCausalLM.forward(input_ids, attention_mask, ...): [(ids, mask)] is one batch
+    path = tiny_model_dir("llama")
+    batch = _padded_batch()
+    real, _ = _reference(path, batch)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=Fp8Config("static"))
+    _spiky_pad(model)
+    scales = hf_fp8.calibrate(
+        model, [(batch["input_ids"], batch["attention_mask"])], progress=False
+    )
+    for name, amax in real.items():
+        assert scales[name] == pytest.approx(amax / 448, rel=0.05), name
