@@ -426,7 +426,9 @@ def _gemv_impl(
         torch.get_num_threads(),
     )  # fmt: skip
     _check(rc in (0, 1), lambda: f"fp8_gemv failed with code {rc}")
-    if rc == 1:  # an output is +-inf / NaN: maybe an overflow of the unscaled-code sums
+    if rc == 1 and redo_helps(out, a, a_scale if a_gran else None):
+        # an output is +-inf / NaN, from a finite activation row: maybe an overflow of the
+        # unscaled-code sums
         return _folded_fp32(a, w, w_scale, a_scale if a_gran else None, bias, w_gran, bn, bk,
                             out_dtype, path)  # fmt: skip
     return out if out.dtype == out_dtype else out.to(out_dtype)
@@ -452,12 +454,33 @@ def _folded_fp32(
     near ``FLT_MAX / 448`` the sums overflow to +-inf where the dequantized product is finite
     (R24 F1 / F2). The kernel reports any non-finite output (one compare per output, free on
     the normal path), and only then is the call redone here; where the inputs themselves are
-    not finite it gives the same +-inf / NaN, at twice the cost."""
+    not finite the redo would give the same +-inf / NaN (measured 3.4-5.4x the GEMV's cost at
+    one token, 4096 x 4096, R28 C), so it runs only where :func:`redo_helps`."""
     a32 = a.float()
     if a_scale is not None:  # [1] (per tensor) or [m] (per token)
         a32 = a32 * a_scale.reshape(-1, 1)
     out = _fp8_mm_impl(a32.contiguous(), w, w_scale, None, bias, w_gran, bn, bk, False, path)
     return out.to(out_dtype)
+
+
+def redo_helps(
+    out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor | None, nan_only: bool = False
+) -> bool:
+    """Whether redoing a product whose output ``out`` ``[M, N]`` is not finite everywhere
+    could change it: some row of ``out`` is not finite while its activation row of ``a``
+    ``[M, K]`` (and its scale: ``a_scale`` with 1, M or M x blocks values) is. A NaN / inf
+    activation gives a non-finite output row on the folded route as well, so a non-finite
+    input costs no second product (R28 C). ``nan_only``: the activation is the raw input of
+    a static quantization, which saturates +-inf to finite codes: only NaN counts there.
+    Runs only after the kernel reported a non-finite output."""
+    bad = ~out.isfinite().all(1)
+    ok = ~a.isnan().any(1) if nan_only else a.isfinite().all(1)
+    if a_scale is not None:
+        if a_scale.numel() == 1:
+            ok = ok & bool(a_scale.isfinite().all())
+        else:
+            ok = ok & a_scale.reshape(a.shape[0], -1).isfinite().all(1)
+    return bool((bad & ok).any())
 
 
 def _fold_activation(a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
@@ -625,7 +648,7 @@ def _fp8_mm_impl(
         _ptr(ws), 0 if ws is None else ws.numel(), _ptr(b), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     _check(rc in (0, 1), lambda: f"fp8_epilogue failed with code {rc}")
-    if rc == 1 and (ws is not None or a_scale is not None):
+    if rc == 1 and (ws is not None or a_scale is not None) and redo_helps(out, a, a_scale):
         # an output is +-inf / NaN and the product multiplied unscaled codes (up to 448):
         # redo it with the scales folded into the bf16 operands (see _folded_fp32)
         a_f = _fold_activation(a, a_scale)
@@ -746,7 +769,11 @@ def fused_mm(
         rc in (0, 1),
         lambda: f"fp8_mm_bf16 failed with code {rc} (-4: out of memory for its scratch)",
     )
-    if rc == 1 and (w_post or a_scale is not None or quantize is not None):
+    if (
+        rc == 1
+        and (w_post or a_scale is not None or quantize is not None)
+        and redo_helps(out, a, None if quantize is not None else a_scale, quantize is not None)
+    ):
         # an output is +-inf / NaN and the product multiplied unscaled codes (up to 448):
         # redo it with the scales folded into the bf16 operands (see _folded_fp32)
         if quantize is not None:

@@ -270,10 +270,19 @@ def emulated_linear(
         and x.device.type == "cpu"
         and not torch.compiler.is_compiling()
         and not bool(out.isfinite().all())
+        and _redo_helps(out, x, input_scale is not None)
     ):
         out = _mm(x, w_fp8, w_scale, bias, input_scale, weight_granularity, block_size,
                   act_dtype, a_gran, False)  # fmt: skip
     return out
+
+
+def _redo_helps(out: torch.Tensor, x: torch.Tensor, static: bool) -> bool:
+    """Some non-finite output row has a finite input row (NaN only for static scales, which
+    saturate +-inf): otherwise the folded redo gives the same +-inf / NaN (R28 C)."""
+    bad = ~out.isfinite().all(1)
+    ok = ~x.isnan().any(1) if static else x.isfinite().all(1)
+    return bool((bad & ok).any())
 
 
 def _mm(
