@@ -161,6 +161,8 @@ def _multiply(
         _multiply_via_fp32(
             a, a_scale, codes, w_scale, bias, out, plan, a_post, w_post, buffer, path
         )
+        _redo_if_overflow(a, a_scale, codes, w_scale, bias, out, plan, a_post, w_post, buffer,
+                          path)  # fmt: skip
         return
     if buffer is None:  # the C decode + GEMM + epilogue, straight into ``out``
         if a_scale is not None:
@@ -185,6 +187,34 @@ def _multiply(
         _emu._epilogue(acc, a_scale if a_post else None, w_scale if w_post else None, bias,
                        out.dtype)
     )  # fmt: skip
+    _redo_if_overflow(a, a_scale, codes, w_scale, bias, out, plan, a_post, w_post, buffer,
+                      path)  # fmt: skip
+
+
+def _redo_if_overflow(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    codes: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    plan: LinearPlan,
+    a_post: bool,
+    w_post: bool,
+    buffer: torch.Tensor,
+    path: str,
+) -> None:
+    """After a post-scaled product (unscaled codes, up to 448, times the activation):
+    activations near ``FLT_MAX / 448`` overflow its fp32 sums where the dequantized product
+    is finite (R28 A, as R24 F2 for the dense routes). Where some output is not finite and
+    its activation row is (``cpu_kernel.redo_helps``), the expert is multiplied again with
+    every scale folded into the bf16 operands (the emulation's folded route)."""
+    if not (w_post or a_post) or bool(out.isfinite().all()):
+        return
+    if not cpu_kernel.redo_helps(out, a, a_scale if a_post else None):
+        return  # the non-finite outputs come from non-finite inputs: the redo gives them too
+    a_f = cpu_kernel._fold_activation(a, a_scale if a_post else None)
+    _multiply(a_f, None, codes, w_scale, bias, out, plan, False, False, buffer, path)
 
 
 def _tile_rows(n: int, k: int) -> int:
