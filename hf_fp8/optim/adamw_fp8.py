@@ -77,7 +77,7 @@ GROUP_MISMATCH_FIX = (
     "weight-decay grouping), or resume without the optimizer state to restart the moments: "
     "with transformers' Trainer, move optimizer.pt out of the checkpoint folder (the Trainer "
     "then loads neither optimizer.pt nor scheduler.pt, so the learning-rate schedule restarts "
-    "too)"
+    "too; under FSDP the optimizer files are optimizer.bin or optimizer_*/)"
 )
 # Flags of torch.optim.AdamW / Adam groups that are not AdamWFp8 options: dropped when such a
 # state is loaded (amsgrad / maximize True and Adam's L2 weight decay are refused instead).
@@ -141,7 +141,8 @@ class AdamWFp8(Optimizer):
     Non-finite gradients give non-finite parameters, as with ``torch.optim.AdamW``: one NaN or
     inf gradient element makes that one weight non-finite, never its group (a NaN element is
     left out of the group's maxima and stores zero codes; an inf saturates the group's
-    maximum), and the state stays finite and reloads. Plain FP8 never stores a non-zero
+    maximum), and the quantized state stays finite and reloads (states kept in fp32 follow
+    torch and hold the NaN / inf, which ``load_state_dict`` refuses). Plain FP8 never stores a non-zero
     second moment as 0 (it rounds up to the smallest code: no ``m / eps`` update). Moments
     and the update are fp32 for every parameter dtype; float64 weights are decayed and updated
     in float64 (never rounded to fp32), but float64 gradients beyond the fp32 range
