@@ -265,24 +265,34 @@ def emulated_linear(
     # unscaled codes (up to 448) times activations near FLT_MAX / 448 overflow where the
     # dequantized product is finite (R24 F2): then the call is redone with folded scales (CPU
     # only: the check would synchronize a GPU)
-    if (
-        post
-        and x.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not bool(out.isfinite().all())
-        and _redo_helps(out, x, input_scale is not None)
-    ):
-        out = _mm(x, w_fp8, w_scale, bias, input_scale, weight_granularity, block_size,
-                  act_dtype, a_gran, False)  # fmt: skip
+    if not post or x.device.type != "cpu":
+        return out
+
+    def folded() -> torch.Tensor:
+        return _mm(x, w_fp8, w_scale, bias, input_scale, weight_granularity, block_size,
+                   act_dtype, a_gran, False)  # fmt: skip
+
+    if torch.compiler.is_compiling():
+        # traced: a data-dependent branch without a graph break (R28 B); the folded product
+        # runs only where the predicate holds
+        return torch.cond(
+            _redo_helps(out, x, input_scale is not None),
+            lambda o: folded(),
+            lambda o: o.clone(),
+            (out,),
+        )
+    if not bool(out.isfinite().all()) and bool(_redo_helps(out, x, input_scale is not None)):
+        out = folded()
     return out
 
 
-def _redo_helps(out: torch.Tensor, x: torch.Tensor, static: bool) -> bool:
+def _redo_helps(out: torch.Tensor, x: torch.Tensor, static: bool) -> torch.Tensor:
     """Some non-finite output row has a finite input row (NaN only for static scales, which
-    saturate +-inf): otherwise the folded redo gives the same +-inf / NaN (R28 C)."""
+    saturate +-inf): otherwise the folded redo gives the same +-inf / NaN (R28 C). A bool
+    tensor (``torch.cond``'s predicate under compile)."""
     bad = ~out.isfinite().all(1)
     ok = ~x.isnan().any(1) if static else x.isfinite().all(1)
-    return bool((bad & ok).any())
+    return (bad & ok).any()
 
 
 def _mm(
