@@ -243,6 +243,9 @@ class Fp8Linear(RecipeWords, nn.Linear):
             )
         scale = scale.detach().to(self.weight.device, copy=True)
         self.input_scale = nn.Parameter(scale, requires_grad=False)
+        # the clipping counts were taken under the old scale (R27 F5): saturation_fraction()
+        # must not report them before the next forward (the counter itself restarts there)
+        self.__dict__.pop("_saturation", None)
 
     @classmethod
     def from_linear(

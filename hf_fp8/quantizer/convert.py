@@ -28,7 +28,7 @@ from hf_fp8.modules.origin import (
     SKIPS_KEY,
     mark_origin,
 )
-from hf_fp8.modules.replace import _build_linears, swapped_modules
+from hf_fp8.modules.replace import _build_experts, _build_linears, swapped_modules
 from hf_fp8.modules.selection import ModuleFilter, inside_peft_layers, matches_module
 from hf_fp8.quantizer.experts import experts_to_convert
 from hf_fp8.quantizer.hf_quantizer import (
@@ -291,11 +291,7 @@ def quantize_model(
     # Every layer is quantized before the first swap, and the swaps are undone if anything
     # after them raises (Ctrl-C too): an error (a non-finite weight) leaves the model as it was.
     swaps = _build_linears(config, targets)
-    built: dict[int, Fp8Experts] = {}  # experts shared by two parents stay shared
-    for name, module, parent, fp8_class in experts:
-        if id(module) not in built:
-            built[id(module)] = fp8_class.from_experts(module, config, module_name=name)
-        swaps.append((parent, name.rpartition(".")[2], built[id(module)]))
+    swaps += _build_experts(config, experts)  # shared experts stay shared, one scale (R27 F3)
     undo = _saved_marks(model, hf_model)
     with swapped_modules(swaps):
         try:

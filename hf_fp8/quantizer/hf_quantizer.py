@@ -23,7 +23,7 @@ from hf_fp8.modules import (
     warn_unmatched,
 )
 from hf_fp8.modules.fp8_experts import Fp8Experts
-from hf_fp8.modules.replace import linear_shape
+from hf_fp8.modules.replace import linear_shape, shared_scale
 from hf_fp8.modules.selection import task_heads
 from hf_fp8.numerics import fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.checks import CheckpointTensorError
@@ -321,9 +321,13 @@ class Fp8HfQuantizer(HfQuantizer):
                 self.quantization_config = config
         static_pre_quantized = self.pre_quantized and config.activation_scheme == "static"
         swapped: dict[int, Fp8Linear] = {}  # a linear shared by two parents stays shared
+        aliases: dict[int, list[str]] = {}  # its names: one scale under any of them (R27 F3)
         for name, module, parent in convertible_modules(model, skip=skip):
             new = swapped.get(id(module))
             if new is not None:
+                names = aliases.setdefault(id(module), [new.__dict__["fp8_name"]])
+                names.append(name)
+                new._hf_fp8_input_scale = shared_scale(config, names)
                 setattr(parent, name.rpartition(".")[2], new)
                 continue
             in_features, out_features = linear_shape(module)

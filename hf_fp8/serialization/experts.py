@@ -19,6 +19,7 @@ linear per expert and projection), so the format code handles experts like any l
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -432,6 +433,25 @@ def _merge_scales(name: str, parts: list[torch.Tensor], granularity: str) -> tor
     return torch.cat(parts, dim=0)
 
 
+def _merge_input_scales(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One static input scale for the merged sources of one expert: their largest, as vLLM
+    does for fused gate/up (``w13_input_scale.max()``). The sources of one merged projection
+    read the same input (gate and up both read the hidden state), so the largest scale covers
+    every source's calibrated amax without saturating; the others lose at most their ratio in
+    precision. A difference is warned about (R27: the weight-scale advice made no sense here)."""
+    merged = torch.stack([p.reshape(()) for p in parts]).max()
+    low = min(float(p.reshape(-1)[0]) for p in parts)
+    if float(merged) != low:
+        warnings.warn(
+            f"hf_fp8: {name}: the merged sources' static input scales differ "
+            f"({[float(p.reshape(-1)[0]) for p in parts]}); they read the same input, so the "
+            f"largest ({float(merged):g}) is kept, as vLLM does",
+            UserWarning,
+            stacklevel=2,
+        )
+    return merged
+
+
 class ExpertMerger:
     """Shard-by-shard merge of per-expert hf_fp8 tensors (``weight``, ``weight_scale``,
     ``input_scale`` of each expert linear) into the merged names; a group is written into the
@@ -495,7 +515,7 @@ class ExpertMerger:
         if self.config.activation_scheme == "static":
             out[f"{group.name}_input_scale"] = torch.stack(
                 [
-                    _merge_scales(group.name, per_expert("input_scale", e), "tensor").reshape(())
+                    _merge_input_scales(group.name, per_expert("input_scale", e))
                     for e in experts
                 ]
             )

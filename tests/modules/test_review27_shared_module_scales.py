@@ -97,13 +97,9 @@ def test_experts_different_scales_under_both_names_are_refused():
     assert first in str(err.value) and alias in str(err.value)
 
 
-# -- the call sites outside hf_fp8/modules (owned by the coordinator): strict xfails until the
-# diffs in /work/notes/diffs/ are applied; then drop the markers.
-_CONVERT_DIFF = "needs notes/diffs/HF21-shared-experts-scales.diff (hf_fp8/quantizer/convert.py)"
-_LOAD_DIFF = "needs notes/diffs/HF21-shared-linear-scales-from-pretrained.diff (hf_quantizer.py)"
+# -- the call sites outside hf_fp8/modules: quantize_model's experts and from_pretrained
 
 
-@pytest.mark.xfail(strict=True, reason=_CONVERT_DIFF)
 def test_quantize_model_shared_experts_take_the_second_names_scale():
     key = f"{EXPERTS.format(1)}.down_proj"
     model = quantize_model(
@@ -115,7 +111,6 @@ def test_quantize_model_shared_experts_take_the_second_names_scale():
     assert torch.equal(experts.down_proj_input_scale, torch.full((experts.num_experts,), 0.5))
 
 
-@pytest.mark.xfail(strict=True, reason=_LOAD_DIFF)
 def test_from_pretrained_shared_linear_takes_the_second_names_scale(tmp_path):
     import transformers as tf
 

@@ -2,9 +2,7 @@
 scales differ, even by 1 %, was refused with weight-scale advice ("re-quantize with per-row or
 block weight scales"), which means nothing for input scales (reviewer R27, minor). gate and up
 read the same input, so the merged projection keeps their largest scale, as vLLM does
-(``w13_input_scale.max()``): no calibrated amax saturates. A strict xfail until
-/work/notes/diffs/HF21-import-merged-input-scales.diff (hf_fp8/serialization/experts.py, owned
-by the coordinator) is applied; then drop the marker."""
+(``w13_input_scale.max()``): no calibrated amax saturates."""
 
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ from tests.serialization.moe_fixtures import tiny_qwen3_moe
 EXPERT = "model.layers.0.mlp.experts.3"
 
 
-@pytest.mark.xfail(strict=True, reason="needs notes/diffs/HF21-import-merged-input-scales.diff")
 def test_import_keeps_the_largest_of_gate_and_up_input_scales(tmp_path):
     config = Fp8Config("static", activation_scale=0.05, weight_granularity="tensor")
     model = hf_fp8.quantize_model(tiny_qwen3_moe(), config, skip=["lm_head"])
