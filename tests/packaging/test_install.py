@@ -201,7 +201,9 @@ def test_target_install_renders_a_card(wheel, tmp_path):
     )
     code = (
         f"import hf_fp8.hub.card as c; assert c.__file__.startswith({str(target)!r}), c.__file__; "
-        "print(c.render_model_card(c.CardInfo(repo_id='org/x')))"
+        "scheme = dict(activation_scheme='dynamic', weight_granularity='row', "
+        "activation_granularity='token', block_size=[128, 128], fp8_format='e4m3'); "
+        "print(c.render_model_card(c.CardInfo(repo_id='org/x', scheme=scheme)))"
     )
     result = _run(
         [
