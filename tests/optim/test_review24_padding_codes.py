@@ -82,6 +82,8 @@ def test_negative_zero_padding_is_a_zero_code():
     sd["state"][0]["exp_avg_fp8"].view(torch.uint8)[:, COLS:] = 0x80
     opt = _fresh("fp8")
     opt.load_state_dict(sd)
+    loaded = next(iter(opt.state.values()))["exp_avg_fp8"].view(torch.uint8)
+    assert torch.equal(loaded, sd["state"][0]["exp_avg_fp8"].view(torch.uint8))
 
 
 @pytest.mark.filterwarnings("ignore:AdamWFp8. converted")
@@ -127,3 +129,6 @@ def test_padding_check_ignores_aligned_rows():
     sd = opt.state_dict()
     opt2 = AdamWFp8([p], lr=1e-2, min_quantize_numel=1, group_size=GS, moment_format="fp8")
     opt2.load_state_dict(sd)
+    for key in ("exp_avg_fp8", "exp_avg_sq_fp8"):
+        loaded = opt2.state[p][key].view(torch.uint8)
+        assert torch.equal(loaded, sd["state"][0][key].view(torch.uint8)), key

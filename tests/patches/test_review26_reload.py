@@ -127,10 +127,14 @@ def _check_unchanged(out: dict) -> None:
 
 
 def test_reload_of_every_patch_module_and_the_package():
-    _check_unchanged(_run(",".join(("model_card", "model_dtype", "compute_dtype",
-                                     "fp8_without_config", "patches"))))  # fmt: skip
+    out = _run(",".join(("model_card", "model_dtype", "compute_dtype",
+                         "fp8_without_config", "patches")))  # fmt: skip
+    assert out["same_wrappers"] == [] and out["hooks_added"] == 0  # nothing wrapped twice
+    _check_unchanged(out)
 
 
 def test_reload_of_nothing_is_the_reference():
     """The same checks without a reload: what the patched process does."""
-    _check_unchanged(_run(""))
+    out = _run("")
+    assert set(out["status"].values()) == {"on"}, out["status"]
+    _check_unchanged(out)
