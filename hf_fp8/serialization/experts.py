@@ -514,10 +514,7 @@ class ExpertMerger:
         }
         if self.config.activation_scheme == "static":
             out[f"{group.name}_input_scale"] = torch.stack(
-                [
-                    _merge_input_scales(group.name, per_expert("input_scale", e))
-                    for e in experts
-                ]
+                [_merge_input_scales(group.name, per_expert("input_scale", e)) for e in experts]
             )
         return out
 
