@@ -17,6 +17,7 @@ SCRIPT = ROOT / "integrations" / "accelerate" / "train_fsdp2.py"
 CONFIG = ROOT / "integrations" / "accelerate" / "fsdp2.yaml"
 TINY = ["--hidden", "64", "--layers", "2", "--seq-len", "64", "--global-batch", "4"]
 STEPS = 6
+GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,6 +42,11 @@ def _run(cmd: list[str], report: Path) -> dict:
         "OMP_NUM_THREADS": "1",
     }
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr:
+        # torch 2.13's gloo run-loop thread ended by Python's finalization (README, "Known at
+        # exit"): about 1 two-rank run in 15 aborts after its work is done. Run it once more;
+        # a second failure fails the test.
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = json.loads(report.read_text())
     result["losses"] = {int(k): v for k, v in result["losses"].items()}
