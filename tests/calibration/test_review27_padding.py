@@ -38,6 +38,20 @@ def _spiky_pad(model: nn.Module) -> None:
         emb[PAD, 5] = 1.0
 
 
+def _run_with_input_hooks(model: nn.Module, batch: dict, hook) -> None:
+    """One forward of ``batch`` with ``hook(module, args, name)`` before every linear but
+    ``lm_head`` (the float model's real inputs: the reference)."""
+    hooks = [
+        m.register_forward_pre_hook(lambda m, a, n=name: hook(m, a, n))
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name != "lm_head"
+    ]
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+
+
 def _reference(path: str, batch: dict) -> tuple[dict[str, float], dict[str, float]]:
     """(amax over real tokens, amax over every position) of each linear's input."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -51,15 +65,7 @@ def _reference(path: str, batch: dict) -> tuple[dict[str, float], dict[str, floa
         real[name] = max(real.get(name, 0.0), float(x[keep].abs().max()))
         every[name] = max(every.get(name, 0.0), float(x.abs().max()))
 
-    hooks = [
-        m.register_forward_pre_hook(lambda m, a, n=name: hook(m, a, n))
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and name != "lm_head"
-    ]
-    with torch.no_grad():
-        model(**batch)
-    for h in hooks:
-        h.remove()
+    _run_with_input_hooks(model, batch, hook)
     return real, every
 
 
@@ -154,15 +160,7 @@ def _t5_reference(path: str, batch: dict) -> dict[str, float]:
         x = x[keep] if encoder_side else x
         seen[name] = max(seen.get(name, 0.0), float(x.abs().max()))
 
-    hooks = [
-        m.register_forward_pre_hook(lambda m, a, n=name: hook(m, a, n))
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and name != "lm_head"
-    ]
-    with torch.no_grad():
-        model(**batch)
-    for h in hooks:
-        h.remove()
+    _run_with_input_hooks(model, batch, hook)
     return seen
 
 
