@@ -13,11 +13,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hf_fp8.calibration.batches import ACCEPTED, as_batches, check_batch
-from hf_fp8.calibration.experts import ExpertsObservation, is_static_experts
+from hf_fp8.calibration.experts import ExpertsObservation, is_static_experts, parents_of
 from hf_fp8.calibration.masking import TokenMask
 from hf_fp8.calibration.observers import Observer, make_observer
 from hf_fp8.calibration.recipes import observing_recipe
 from hf_fp8.modules import Fp8Linear
+from hf_fp8.modules.fp8_parallel_experts import Fp8ParallelExperts
 from hf_fp8.numerics import fp8_dtype
 
 # ``hook(model)`` run after ``calibrate`` set new static scales. Upper layers add theirs
@@ -80,6 +81,21 @@ def _warn_nonfinite(observers: dict[str, Observer]) -> None:
             f"calibrate: {len(hit)} static layer(s) saw non-finite activations (NaN / inf), "
             f"left out of their scales: {_names(hit)}. The model overflows on some "
             "calibration inputs (float16?); it will on the same inputs at inference too",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _warn_untraced(experts: dict[str, ExpertsObservation]) -> None:
+    hit = [f"{name} ({obs.untraced} call(s))" for name, obs in experts.items() if obs.untraced]
+    if hit:
+        warnings.warn(
+            f"calibrate: the rows of {len(hit)} parallel experts module(s) could not be traced "
+            f"to their tokens in padded batches: {_names(hit)}. Their padded positions' rows "
+            "count in their input scales (no module next to them returned the expert_size "
+            "they were called with together with one index of every token, as JetMoE's router "
+            "does). Calibrate with unpadded batches (one sequence per batch, or sequences of "
+            "one length) to keep padding out of these scales",
             UserWarning,
             stacklevel=4,
         )
@@ -166,7 +182,10 @@ def calibrate(
     every layer whose input is laid out per token (``[batch, seq, ...]`` or flattened
     ``[batch * seq, ...]``), and the expert rows of real tokens; an input laid out otherwise
     is observed whole (see ``hf_fp8.calibration.masking``). An expert reached only by padding
-    counts as one that saw no tokens.
+    counts as one that saw no tokens. Parallel experts (JetMoE: rows gathered by the caller)
+    keep the rows of real tokens, traced through their router's token index; rows that
+    cannot be traced are observed whole, with a warning naming the module
+    (``hf_fp8.calibration.experts``).
 
     NaN / inf activations are left out of the scales, with one warning naming the layers.
     Layers that see only zeros, or no token at all, keep the ``input_scale`` they had, or
@@ -196,7 +215,12 @@ def _calibrate(
         bool(getattr(config, "is_encoder_decoder", False)), _positional_names(model)
     )
     experts = {
-        name: ExpertsObservation(m, functools.partial(make, fp8_dtype(m.fp8_format)), token_mask)
+        name: ExpertsObservation(
+            m,
+            functools.partial(make, fp8_dtype(m.fp8_format)),
+            token_mask,
+            parents_of(model, m) if isinstance(m, Fp8ParallelExperts) else (),
+        )
         for name, m in model.named_modules()
         if is_static_experts(m)
     }
@@ -255,6 +279,7 @@ def _calibrate(
     if not seen:
         raise ValueError(f"calibrate got no batches: pass {ACCEPTED}")
     _warn_nonfinite(observers)
+    _warn_untraced(experts)
     scales = _fallback(observers, current)
     for name, obs in observers.items():
         if name not in scales:
