@@ -40,6 +40,13 @@
 #else
 #define HAVE_DEC_AVX512 0
 #endif
+/* AVX-512 VBMI (two-table byte permutes; Ice Lake, Zen 4 and later): the requantization
+   packs 64 codes at a time (requant_e4m3_ex_v) */
+#if HAVE_DEC_AVX512 && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define HAVE_VBMI 1
+#else
+#define HAVE_VBMI 0
+#endif
 /* AVX2 without AVX-512 (e.g. Zen 1-3, Haswell-Skylake clients): 8-lane loops for the default
    variant (E4M3 codes with expansion); see update_group_ex_v8 / requant_e4m3_ex_v8. */
 #if !HAVE_DEC_AVX512 && defined(__AVX2__)
@@ -265,6 +272,14 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
     const __m512i dh = _mm512_set1_epi32((int)(16u * (uint32_t)SR_WEYL));
     __m512i h = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)key), lanes),
                                    _mm512_set1_epi32((int)(uint32_t)SR_WEYL));
+#if HAVE_VBMI
+    /* byte i < 32 of a two-table byte permute: byte 0 of dword i of the first table (i < 16)
+       or of dword i - 16 of the second; the upper 32 bytes repeat them (unused) */
+    const __m512i pick = _mm512_set_epi8(
+        124, 120, 116, 112, 108, 104, 100, 96, 92, 88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48,
+        44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0, 124, 120, 116, 112, 108, 104, 100, 96, 92,
+        88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+#endif
     for (int64_t i0 = 0; i0 < n; i0 += 16 * U) {
         __m512i xb[8], c[8], mb[8]; /* U <= 8 */
         __m512 ax[8], tm[8], acc[8], y[8], f[8], mag[8];
@@ -353,6 +368,27 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             }
         }
+#if HAVE_VBMI
+        if (U % 4 == 0) {
+            /* 64 codes at a time: byte 0 of the code dwords and byte 3 of x's (its sign bit
+               is bit 7 there) gathered in order with two-table byte permutes, then
+               (sign & 0x80) | code: 8 instructions per 64 codes instead of 4 shifts, 4 ternary
+               logic ops and 4 dword-to-byte narrowings */
+            const __m512i b0 = pick;                                        /* byte 0 */
+            const __m512i b3 = _mm512_add_epi8(pick, _mm512_set1_epi8(3)); /* byte 3 */
+            for (int u = 0; u < U; u += 4) {
+                __m512i cl = _mm512_permutex2var_epi8(c[u], b0, c[u + 1]);
+                __m512i ch = _mm512_permutex2var_epi8(c[u + 2], b0, c[u + 3]);
+                __m512i sl = _mm512_permutex2var_epi8(xb[u], b3, xb[u + 1]);
+                __m512i sh = _mm512_permutex2var_epi8(xb[u + 2], b3, xb[u + 3]);
+                __m512i code = _mm512_inserti64x4(cl, _mm512_castsi512_si256(ch), 1);
+                __m512i sign = _mm512_inserti64x4(sl, _mm512_castsi512_si256(sh), 1);
+                code = _mm512_ternarylogic_epi32(sign, _mm512_set1_epi8((char)0x80), code, 0xEA);
+                _mm512_storeu_si512((void*)(q + i0 + 16 * u), code);
+            }
+            continue;
+        }
+#endif
         for (int u = 0; u < U; ++u) { /* | the sign bit (bit 31 of x moved to bit 7) */
             __m512i code = _mm512_ternarylogic_epi32(_mm512_srli_epi32(xb[u], 24),
                                                      _mm512_set1_epi32(0x80), c[u], 0xEA);
