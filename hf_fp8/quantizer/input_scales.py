@@ -19,16 +19,87 @@ loads when the stored scales are exactly the config's ``activation_scales`` — 
 stored is a key, every key is stored, each value equals the key's — and no fallback is set. A
 calibrated checkpoint that lost its other scales fails the value test (calibration overwrote
 the given values) and is still refused.
+
+Scales set by hand on some layers only (``set_input_scale``, gap 12.3) are not in the config:
+``save_pretrained`` records in every shard's safetensors metadata which input scales it saves
+(``RECORD_KEY``: a JSON list of tensor names, :func:`input_scales_metadata`). A checkpoint
+that stores some scales and not others loads as saved when the record of every shard is the
+same, names every scale stored and none of those missing: the missing layers had no scale
+when saved. A scale that was saved and then lost is in the record and not in the file:
+refused, as before. A checkpoint without the record (saved before it existed, or rewritten
+by a tool that dropped the metadata) follows the rule above.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
 
+from hf_fp8.modules.fp8_experts import Fp8Experts
+from hf_fp8.modules.fp8_linear import Fp8Linear
 from hf_fp8.numerics.checks import CheckpointTensorError
 from hf_fp8.quantizer.validation import checkpoint_file
+from hf_fp8.utils.safetensors_header import _header_fits
+
+# the safetensors metadata key naming the input scales a save stored (a JSON list)
+RECORD_KEY = "hf_fp8_input_scales"
+
+
+def model_input_scales(model: nn.Module) -> list[str]:
+    """The tensor names of every static input scale ``model`` has (``<linear>.input_scale``,
+    ``<experts>.<proj>_input_scale``), as ``save_pretrained`` stores them."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear) and module.activation_scheme == "static":
+            if module.input_scale is not None:
+                names.append(f"{name}.input_scale")
+        elif isinstance(module, Fp8Experts) and module.recipe.is_static:
+            for proj in module.layout.projections:
+                if getattr(module, f"{proj}_input_scale") is not None:
+                    names.append(f"{name}.{proj}_input_scale")
+    return sorted(names)
+
+
+def input_scales_metadata(model: nn.Module) -> dict[str, str]:
+    """``{RECORD_KEY: JSON list}`` of the input scales ``model`` saves, for the metadata of
+    each shard ``save_pretrained`` writes (``Fp8HfQuantizer.get_state_dict_and_metadata``);
+    ``{}`` for a model without static layers."""
+    static = any(
+        (isinstance(m, Fp8Linear) and m.activation_scheme == "static")
+        or (isinstance(m, Fp8Experts) and m.recipe.is_static)
+        for m in model.modules()
+    )
+    return {RECORD_KEY: json.dumps(model_input_scales(model))} if static else {}
+
+
+def _file_record(path: str) -> set[str] | None:
+    """The record in the safetensors file ``path``'s metadata; None: none or unreadable."""
+    try:
+        if not path.endswith(".safetensors") or not _header_fits(path):
+            return None
+        with safe_open(path, "pt") as f:
+            value = (f.metadata() or {}).get(RECORD_KEY)
+        names = json.loads(value) if isinstance(value, str) else None
+    except (OSError, SafetensorError, ValueError, RecursionError):
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    return set(names)
+
+
+def saved_record(files: Sequence[str]) -> set[str] | None:
+    """The input scales the save of ``files`` recorded: the same record in every file, else
+    (one lacks it, two differ, a ``.bin``) None."""
+    records = [_file_record(str(f)) for f in files]
+    if not records or any(r is None for r in records):
+        return None
+    first = records[0]
+    return first if all(r == first for r in records) else None
 
 
 class StoredInputScales:
@@ -38,8 +109,9 @@ class StoredInputScales:
     names (``kept_modules.file_tensor_names``); ``None`` when unknown (a ``.bin`` checkpoint),
     then a loaded tensor counts as stored, and an offloaded one too."""
 
-    def __init__(self, names: set[str] | None = None) -> None:
+    def __init__(self, names: set[str] | None = None, files: Sequence[str] = ()) -> None:
         self.names = names
+        self.files = list(files)  # the checkpoint files read: their saved record
         self._stripped: set[str] | None = None
         self._keys: set[str] = set()  # every input scale the model has
         self._maybe_renamed: list[str] = []  # offloaded, not stored under their own name
@@ -109,7 +181,10 @@ class StoredInputScales:
         self._resolve_renamed()
         fallback = getattr(config, "activation_scale", None)
         if self.stored and self.unfilled and not self._config_given_only(config):
-            self._refuse_partial(checkpoint_root, fallback)
+            lost = self._lost_by_record()
+            if lost is None:
+                return  # the save recorded exactly these scales: loads as saved
+            self._refuse_partial(checkpoint_root, fallback, lost)
         if self.offloaded_unfilled:
             self._refuse_offloaded(checkpoint_root, fallback)
 
@@ -133,7 +208,87 @@ class StoredInputScales:
                 return False  # calibrated over the given value
         return True
 
-    def _refuse_partial(self, checkpoint_root: str, fallback: Any) -> None:
+    def check_shared(self, model: nn.Module) -> None:
+        """Refuse different input scales stored for one module shared under several names.
+
+        A module shared by two parents (``layers[1].mlp.experts = layers[0].mlp.experts``)
+        has one input scale; a checkpoint saved from the unshared model may store one under
+        each name, and the loader writes every one into the same tensor: the one it reads
+        last wins, silently. Equal stored values load; different ones raise
+        ``CheckpointTensorError`` naming both keys (the rule ``activation_scales`` follows,
+        ``hf_fp8.modules.replace.shared_scale``)."""
+        if self.names is None:
+            return
+        aliases: dict[int, tuple[nn.Module, list[str]]] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            if isinstance(module, (Fp8Linear, Fp8Experts)):
+                aliases.setdefault(id(module), (module, []))[1].append(name)
+        for module, names in aliases.values():
+            if len(names) < 2:
+                continue
+            if isinstance(module, Fp8Linear):
+                leaves = [".input_scale"]
+            else:
+                leaves = [f".{proj}_input_scale" for proj in module.layout.projections]
+            for leaf in leaves:
+                self._check_one_shared([f"{n}{leaf}" for n in names], names)
+
+    def _check_one_shared(self, keys: list[str], names: list[str]) -> None:
+        stored = [(key, name) for key in keys if (name := self._stored_name(key)) is not None]
+        if len(stored) < 2:
+            return
+        values = [(key, _read_tensor(self.files, name)) for key, name in stored]
+        values = [(key, v) for key, v in values if v is not None]
+        first_key, first = values[0] if values else ("", None)
+        for key, value in values[1:]:
+            if value.shape != first.shape or not torch.equal(value, first):
+                raise CheckpointTensorError(
+                    f"{first_key} and {key}: the checkpoint stores different input scales "
+                    f"({_brief(first)} and {_brief(value)}) for one module shared under the "
+                    f"names {names}: a shared module has one input scale, and the loader would "
+                    "keep whichever it reads last. Keep one of these tensors in the checkpoint, "
+                    "or give them the same value (e.g. calibrate the shared model and "
+                    "save_pretrained it)"
+                )
+
+    def _stored_name(self, key: str) -> str | None:
+        """The checkpoint's name for the model's tensor ``key`` (across the base-model
+        prefix), or None: not stored under it."""
+        names = self.names or set()
+        if key in names:
+            return key
+        if _strip(key) in names:
+            return _strip(key)
+        prefixed = [n for n in names if "." in n and _strip(n) == key]
+        return prefixed[0] if len(prefixed) == 1 else None
+
+    def _lost_by_record(self) -> list[str] | None:
+        """None when the save's record says the checkpoint is complete as it is (it names
+        every stored scale and none of the missing ones); else the missing scales it names
+        (``[]``: no record, or a stored scale it does not name)."""
+        record = saved_record(self.files) if self.names is not None else None
+        if record is None:
+            return []
+        stripped = {_strip(n) for n in record if "." in n}
+
+        def recorded(key: str) -> bool:  # across the base-model prefix too
+            return key in record or key in stripped or _strip(key) in record
+
+        lost = [key for key in self.unfilled if recorded(key)]
+        if lost or not all(recorded(key) for key in self.stored):
+            return lost
+        return None
+
+    def _refuse_partial(self, checkpoint_root: str, fallback: Any, lost: list[str]) -> None:
+        if lost:
+            source = checkpoint_file(checkpoint_root, self.stored[0])
+            raise CheckpointTensorError(
+                f"{lost[0]}: the static checkpoint {source} lacks {len(lost)} input_scale "
+                f"tensor(s) ({_shown(lost)}) that its save recorded as stored (the "
+                f"{RECORD_KEY} metadata of its shards): they were lost after saving, and "
+                "these layers would run without their saved scale. Save the model again "
+                "(save_pretrained), or restore these tensors"
+            )
         shown = _shown(self.unfilled)
         instead = (
             f"the config's fallback activation_scale={fallback}"
@@ -146,10 +301,11 @@ class StoredInputScales:
             f"input_scale tensor(s) ({shown}) while it stores {len(self.stored)} others, "
             "and these are not exactly the config's activation_scales; the missing layers "
             f"would run with {instead} instead of their saved scale. Save the calibrated model "
-            "again (hf_fp8.calibrate, then save_pretrained), or restore these tensors; scales "
-            "set on some layers only belong in Fp8Config(activation_scales={...}) before "
-            "saving; to use the fallback on purpose, remove every input_scale from the "
-            "checkpoint"
+            "again (hf_fp8.calibrate, then save_pretrained), or restore these tensors; a "
+            "checkpoint saved with scales on some layers only (Fp8Config(activation_scales="
+            "{...}), or set_input_scale) by this hf_fp8 version reloads as saved, so save the "
+            "model again with it; to use the fallback on purpose, remove every input_scale "
+            "from the checkpoint"
         )
 
     def _refuse_offloaded(self, checkpoint_root: str, fallback: Any) -> None:
@@ -168,6 +324,27 @@ class StoredInputScales:
             "with this device_map, or keep these layers in memory (device_map 'cpu' instead "
             "of 'disk')"
         )
+
+
+def _read_tensor(files: Sequence[str], name: str) -> torch.Tensor | None:
+    """Tensor ``name`` of the first safetensors file of ``files`` that stores it."""
+    for file in files:
+        path = str(file)
+        try:
+            if not path.endswith(".safetensors") or not _header_fits(path):
+                continue
+            with safe_open(path, "pt") as f:
+                if name in f.keys():  # noqa: SIM118 (a safe_open handle)
+                    return f.get_tensor(name)
+        except (OSError, SafetensorError, ValueError):
+            continue
+    return None
+
+
+def _brief(t: torch.Tensor) -> str:
+    values = t.detach().float().flatten().tolist()
+    shown = ", ".join(f"{v:.6g}" for v in values[:4]) + (" …" if len(values) > 4 else "")
+    return f"[{shown}]"
 
 
 def _given_value(key: str, given: dict[str, float]) -> float | None:
