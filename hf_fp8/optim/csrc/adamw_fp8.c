@@ -1191,59 +1191,116 @@ AI void update_group(char* p_, const char* g_, const uint8_t* restrict qm,
 }
 
 #if HAVE_DEC_AVX512
+typedef struct {
+    __m512 decay, step_size, w1, b2, w2, eps, inv_bc2s;
+    __m512i amx, amn, avx, avn;
+} upd16_t;
+
+/* update_group's arithmetic on 16 lanes (i: the first element) from the decoded moments, the
+   scalar loop's fp32 operations in the same order; the reductions as in update_group */
+AI void upd_v16(upd16_t* s, char* p_, const char* g_, float* restrict m_out,
+                float* restrict v_out, __m512 mo, __m512 vo, int64_t i, const int PB,
+                const int GB, const int SQ) {
+    float* restrict p32 = (float*)p_;
+    uint16_t* restrict pbf = (uint16_t*)p_;
+    const float* restrict g32 = (const float*)g_;
+    const uint16_t* restrict gbf = (const uint16_t*)g_;
+    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
+    if (SQ) vo = _mm512_mul_ps(vo, vo);
+    __m512 g = GB ? bf16x16_to_f(gbf + i) : _mm512_loadu_ps(g32 + i);
+    __m512 p = PB ? bf16x16_to_f(pbf + i) : _mm512_loadu_ps(p32 + i);
+    __m512 mn = _mm512_add_ps(mo, _mm512_mul_ps(s->w1, _mm512_sub_ps(g, mo)));
+    __m512 vn = _mm512_add_ps(_mm512_mul_ps(vo, s->b2), _mm512_mul_ps(_mm512_mul_ps(s->w2, g), g));
+    __m512 rt = _mm512_sqrt_ps(vn);
+    __m512 den = _mm512_add_ps(_mm512_mul_ps(rt, s->inv_bc2s), s->eps);
+    __m512 pn = _mm512_sub_ps(_mm512_mul_ps(p, s->decay),
+                              _mm512_div_ps(_mm512_mul_ps(s->step_size, mn), den));
+    if (PB) f_to_bf16x16(pbf + i, pn); else _mm512_storeu_ps(p32 + i, pn);
+    __m512 vs = SQ ? rt : vn;
+    _mm512_storeu_ps(m_out + i, mn);
+    _mm512_storeu_ps(v_out + i, vs);
+    __m512i a = _mm512_and_si512(_mm512_castps_si512(mn), absm);
+    __m512i b = _mm512_and_si512(_mm512_castps_si512(vs), absm);
+    /* vmaxps(x, acc) returns acc where x is NaN: NaN left out of the max for free (on
+       non-negative floats the float max is the bit-pattern max) */
+    s->amx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(s->amx)));
+    s->avx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(s->avx)));
+    /* the min-non-zero reductions run on |x| bits - FLT_MIN_BITS (unsigned): zero and
+       subnormal magnitudes wrap above every normal one, NaN stays above INF_BITS - FLT_MIN_BITS,
+       the start; one vpminud instead of a compare and a masked min */
+    s->amn = _mm512_min_epu32(s->amn, _mm512_sub_epi32(a, fmin));
+    s->avn = _mm512_min_epu32(s->avn, _mm512_sub_epi32(b, fmin));
+}
+
+#if HAVE_VBMI
+/* The B-table index of every E4M3 code's low 7 bits (one two-table byte permute reads it for
+   64 codes): j for a normal code (exponent field E > 0), 8 + j for a subnormal one (E = 0),
+   8 for the NaN code 0x7F; entry 8 of the table is 0 (dec_coat_vb), so that the zero codes
+   (8 + 0) and the NaN codes decode to ±A·0 = ±0 without a mask. */
+static const uint8_t BIDX_E4M3[128] __attribute__((aligned(64))) = {
+    8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 8};
+
+/* dec_coat_v with the B index of each code from BIDX_E4M3 (lo: entries 0-63, hi: 64-127): one
+   byte permute of the zero-extended codes, zero-masked to byte 0 of each dword (bit 7, the
+   sign, is not an index bit), then ±A[sign, E] · b[index] from one 16-entry B table b (B[0:8]
+   normal, 0, B[9:16] subnormal). The same values: a zero code gives ±A[0]·0 = ±0 as before, a
+   NaN code ±A[15]·0 = ±0 (the reference's 0 | sign; dec_coat_v gives +0: a zero moment's
+   sign changes no result). */
+AI __m512 dec_coat_vb(const uint8_t* q, __m512i lo, __m512i hi, __m512 a, __m512 na, __m512 b) {
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+    __m512i j = _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, lo, c, hi);
+    return _mm512_mul_ps(_mm512_permutex2var_ps(a, _mm512_srli_epi32(c, 3), na),
+                         _mm512_permutexvar_ps(j, b));
+}
+#endif
+
 /* update_group for E4M3 codes with expansion on 16 lanes (n a multiple of 16): each vector of
-   codes is decoded in registers (dec_coat_v) and updated with the scalar loop's fp32
-   operations in the same order; the reductions as in update_group. */
+   codes is decoded in registers (dec_coat_vb with VBMI, else dec_coat_v)
+   and updated with the scalar loop's fp32 operations in the same order (upd_v16); the
+   reductions as in update_group. */
 AI void update_group_ex_v(char* p_, const char* g_, const uint8_t* restrict qm,
                           const uint8_t* restrict qv, float* restrict m_out,
                           float* restrict v_out, const float* tam, const float* tbm,
                           const float* tav, const float* tbv, const float* restrict hp,
                           int64_t n, uint32_t* restrict red, const int PB, const int GB,
                           const int SQ) {
-    const __m512 decay = _mm512_set1_ps(hp[HP_DECAY]), step_size = _mm512_set1_ps(hp[HP_STEP_SIZE]);
-    const __m512 w1 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA1]), b2 = _mm512_set1_ps(hp[HP_BETA2]);
-    const __m512 w2 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA2]), eps = _mm512_set1_ps(hp[HP_EPS]);
-    const __m512 inv_bc2s = _mm512_set1_ps(hp[HP_INV_BC2]);
-    const dec_tab_t tm = dec_tables_v(tam, tbm), tv = dec_tables_v(tav, tbv);
-    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
-    float* restrict p32 = (float*)p_;
-    uint16_t* restrict pbf = (uint16_t*)p_;
-    const float* restrict g32 = (const float*)g_;
-    const uint16_t* restrict gbf = (const uint16_t*)g_;
-    /* the min-non-zero reductions run on |x| bits - FLT_MIN_BITS (unsigned): zero and
-       subnormal magnitudes wrap above every normal one, NaN stays above INF_BITS - FLT_MIN_BITS,
-       the start; one vpminud instead of a compare and a masked min */
-    __m512i amx = _mm512_setzero_si512(), amn = _mm512_set1_epi32((int)(INF_BITS - FLT_MIN_BITS));
-    __m512i avx = _mm512_setzero_si512(), avn = amn;
-    for (int64_t i = 0; i < n; i += 16) {
-        __m512 mo = dec_coat_v(qm + i, tm);
-        __m512 vo = dec_coat_v(qv + i, tv);
-        if (SQ) vo = _mm512_mul_ps(vo, vo);
-        __m512 g = GB ? bf16x16_to_f(gbf + i) : _mm512_loadu_ps(g32 + i);
-        __m512 p = PB ? bf16x16_to_f(pbf + i) : _mm512_loadu_ps(p32 + i);
-        __m512 mn = _mm512_add_ps(mo, _mm512_mul_ps(w1, _mm512_sub_ps(g, mo)));
-        __m512 vn = _mm512_add_ps(_mm512_mul_ps(vo, b2), _mm512_mul_ps(_mm512_mul_ps(w2, g), g));
-        __m512 rt = _mm512_sqrt_ps(vn);
-        __m512 den = _mm512_add_ps(_mm512_mul_ps(rt, inv_bc2s), eps);
-        __m512 pn = _mm512_sub_ps(_mm512_mul_ps(p, decay),
-                                  _mm512_div_ps(_mm512_mul_ps(step_size, mn), den));
-        if (PB) f_to_bf16x16(pbf + i, pn); else _mm512_storeu_ps(p32 + i, pn);
-        __m512 vs = SQ ? rt : vn;
-        _mm512_storeu_ps(m_out + i, mn);
-        _mm512_storeu_ps(v_out + i, vs);
-        __m512i a = _mm512_and_si512(_mm512_castps_si512(mn), absm);
-        __m512i b = _mm512_and_si512(_mm512_castps_si512(vs), absm);
-        /* vmaxps(x, acc) returns acc where x is NaN: NaN left out of the max for free (on
-           non-negative floats the float max is the bit-pattern max) */
-        amx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(amx)));
-        avx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(avx)));
-        amn = _mm512_min_epu32(amn, _mm512_sub_epi32(a, fmin));
-        avn = _mm512_min_epu32(avn, _mm512_sub_epi32(b, fmin));
+    upd16_t s;
+    s.decay = _mm512_set1_ps(hp[HP_DECAY]); s.step_size = _mm512_set1_ps(hp[HP_STEP_SIZE]);
+    s.w1 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA1]); s.b2 = _mm512_set1_ps(hp[HP_BETA2]);
+    s.w2 = _mm512_set1_ps(hp[HP_ONE_MINUS_BETA2]); s.eps = _mm512_set1_ps(hp[HP_EPS]);
+    s.inv_bc2s = _mm512_set1_ps(hp[HP_INV_BC2]);
+    s.amx = _mm512_setzero_si512(); s.amn = _mm512_set1_epi32((int)(INF_BITS - FLT_MIN_BITS));
+    s.avx = s.amx; s.avn = s.amn;
+#if HAVE_VBMI
+    {
+        const __m512i blo = _mm512_load_si512((const void*)BIDX_E4M3);
+        const __m512i bhi = _mm512_load_si512((const void*)(BIDX_E4M3 + 64));
+        const __m512i sgn = _mm512_set1_epi32((int)0x80000000u);
+        const __m512 am = _mm512_loadu_ps(tam), av = _mm512_loadu_ps(tav);
+        const __m512 nam = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(am), sgn));
+        const __m512 nav = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(av), sgn));
+        const __m512 bm = _mm512_maskz_loadu_ps(0xFEFF, tbm), bv = _mm512_maskz_loadu_ps(0xFEFF, tbv);
+        for (int64_t i = 0; i < n; i += 16)
+            upd_v16(&s, p_, g_, m_out, v_out, dec_coat_vb(qm + i, blo, bhi, am, nam, bm),
+                    dec_coat_vb(qv + i, blo, bhi, av, nav, bv), i, PB, GB, SQ);
     }
-    red[0] = _mm512_reduce_max_epu32(amx);
-    red[1] = _mm512_reduce_min_epu32(amn) + FLT_MIN_BITS;
-    red[2] = _mm512_reduce_max_epu32(avx);
-    red[3] = _mm512_reduce_min_epu32(avn) + FLT_MIN_BITS;
+#else
+    {
+        const dec_tab_t tm = dec_tables_v(tam, tbm), tv = dec_tables_v(tav, tbv);
+        for (int64_t i = 0; i < n; i += 16)
+            upd_v16(&s, p_, g_, m_out, v_out, dec_coat_v(qm + i, tm), dec_coat_v(qv + i, tv), i,
+                    PB, GB, SQ);
+    }
+#endif
+    red[0] = _mm512_reduce_max_epu32(s.amx);
+    red[1] = _mm512_reduce_min_epu32(s.amn) + FLT_MIN_BITS;
+    red[2] = _mm512_reduce_max_epu32(s.avx);
+    red[3] = _mm512_reduce_min_epu32(s.avn) + FLT_MIN_BITS;
 }
 #endif
 
