@@ -161,3 +161,24 @@ def test_equal_stored_scales_under_both_names_load(hp_dir, tmp_path):
     experts = _experts(SharedMoe.from_pretrained(tmp_path))
     assert torch.equal(experts.down_proj_input_scale, _full(0.25))
     assert torch.equal(experts.gate_up_proj_input_scale, _full(0.02))
+
+
+@NEEDS_QUANTIZER_DIFF
+def test_different_stored_scales_of_a_shared_linear_are_refused(tiny_model_dir, tmp_path):
+    """The same rule for an ``Fp8Linear`` shared under two names."""
+
+    class SharedLlama(tf.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model.layers[1].mlp.down_proj = self.model.layers[0].mlp.down_proj
+
+    first, alias = "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), quantization_config=Fp8Config("static", activation_scale=0.02)
+    )
+    model.get_submodule(first).set_input_scale(0.001)
+    model.get_submodule(alias).set_input_scale(0.5)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointTensorError, match="shared") as err:
+        SharedLlama.from_pretrained(tmp_path)
+    assert f"{first}.input_scale" in str(err.value) and f"{alias}.input_scale" in str(err.value)
