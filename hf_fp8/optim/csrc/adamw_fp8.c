@@ -1089,7 +1089,8 @@ AI void dequant_tables(const float* restrict scale, const float* restrict expo,
             __m512 y = _mm512_add_ps(_mm512_mul_ps(eav, ik), _mm512_set1_ps(bs[j]));
             y = _mm512_min_ps(_mm512_set1_ps(DEC_Y_MAX), y); /* (y > max) ? max : y */
             _mm512_storeu_ps(ta[j], fexp2_v(y, 1));
-            _mm512_storeu_ps(tb[j], fexp2_v(_mm512_mul_ps(dbv, ik), 1));
+            if (!NO_B) /* B from b_table16 */
+                _mm512_storeu_ps(tb[j], fexp2_v(_mm512_mul_ps(dbv, ik), 1));
         }
         return;
     }
@@ -1259,6 +1260,33 @@ AI __m512 dec_coat_vb(const uint8_t* q, __m512i lo, __m512i hi, __m512 a, __m512
 }
 #endif
 
+/* The B table of a group depends on its exponent k alone (coat.dequantize_groups: B[i] =
+   fast_exp2(db[i]·(1/k))), and a tensor's groups share a few dozen values of k: each thread
+   keeps the B tables of the last k seen per slot, tagged with k's bit pattern (any k: the
+   tag is exact), instead of an exp2 polynomial per group and moment (dequant_tables with
+   NO_B). The same fp32 operations as dequant_tables' B (fexp2_v(db · (1.0f / k))), so the
+   same bits (test_kernel_requant_exact). As b_planes of the AVX2 loops. */
+#define B16_SLOTS 64
+typedef struct {
+    float tb[B16_SLOTS][16] __attribute__((aligned(64)));
+    uint64_t tag[B16_SLOTS]; /* (1 << 32) | bits of k; 0: empty */
+} b_cache16_t;
+/* zeroed: every slot empty; per thread, one per moment (the pointers that b_table16 returns for
+   m and v stay valid together) */
+static __thread b_cache16_t b_cache16[2];
+
+AI const float* b_table16(b_cache16_t* c, float k, const float* db) {
+    const uint32_t bits = f2b(k);
+    const uint32_t slot = (bits * 0x9E3779B1u) >> (32 - 6); /* 64 slots */
+    const uint64_t tag = (1ull << 32) | bits;
+    if (c->tag[slot] != tag) {
+        const __m512 ik = _mm512_set1_ps(1.0f / k);
+        _mm512_store_ps(c->tb[slot], fexp2_v(_mm512_mul_ps(_mm512_loadu_ps(db), ik), 1));
+        c->tag[slot] = tag;
+    }
+    return c->tb[slot];
+}
+
 /* update_group for E4M3 codes with expansion on 16 lanes (n a multiple of 16): each vector of
    codes is decoded in registers (dec_coat_vb with VBMI, else dec_coat_v)
    and updated with the scalar loop's fp32 operations in the same order (upd_v16); the
@@ -1355,6 +1383,10 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
     /* every group of the task takes update_group_ex_v8's byte-plane loop: B from b_planes */
     const int BC = EX && !E5 && gs % 16 == 0 && cols % 16 == 0;
     b_cache_t* bcache = b_cache;
+#elif HAVE_DEC_AVX512
+    /* every group of the task takes update_group_ex_v: B from b_table16 */
+    const int BC = EX && !E5 && gs % 16 == 0 && cols % 16 == 0;
+    b_cache16_t* bcache16 = b_cache16;
 #else
     const int BC = 0;
 #endif
@@ -1382,8 +1414,10 @@ AI void run_groups(const int64_t* t, int64_t lo, int64_t hi, float* restrict mb,
 #if HAVE_DEC_AVX512
             if (EX && !E5 && n % 16 == 0) /* E4M3 codes with expansion: 16 lanes */
                 update_group_ex_v(pbase + off * psz, gbase + off * gsz, mq + gi * gs,
-                                  vq + gi * gs, mb + j * gs, vb + j * gs, tam[j], tbm[j], tav[j],
-                                  tbv[j], hp, n, red, PB, GB, SQ);
+                                  vq + gi * gs, mb + j * gs, vb + j * gs, tam[j],
+                                  BC ? b_table16(bcache16, mk[gi], db) : tbm[j], tav[j],
+                                  BC ? b_table16(bcache16 + 1, vk[gi], db) : tbv[j], hp, n, red,
+                                  PB, GB, SQ);
             else
 #endif
 #if HAVE_AVX2_PATH
