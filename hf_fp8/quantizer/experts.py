@@ -20,10 +20,13 @@ from torch import nn
 
 from hf_fp8.modules.experts_kinds import convertible_outside_experts
 from hf_fp8.modules.fp8_experts import Fp8Experts, convertible_experts
+from hf_fp8.modules.replace import shared_scale
 from hf_fp8.numerics import is_fp8
 from hf_fp8.quantizer.validation import check_bias, checkpoint_file, is_bias_dtype
 
 EXPERTS_SCALE_SUFFIXES = ("_weight_scale", "_input_scale")
+# the instance attribute holding a shared module's config input scales, by projection
+SHARED_SCALES = "_hf_fp8_shared_input_scales"
 
 
 def experts_to_convert(
@@ -48,10 +51,15 @@ def swap_experts(
 ) -> dict[str, Fp8Experts]:
     """Replace every convertible experts module of ``model`` (on meta) by empty
     ``Fp8Experts`` storage; return them by name. A pre-quantized static checkpoint gets
-    room for its ``[E]`` input scales."""
+    room for its ``[E]`` input scales. An experts module shared by several parents is
+    swapped once and stays shared; the config's input scale for each projection is the
+    entry under any of its names (``hf_fp8.modules.replace.shared_scale``: different
+    entries are refused here, before loading), applied by :func:`finish_experts`."""
     swapped: dict[int, Fp8Experts] = {}
     out: dict[str, Fp8Experts] = {}
+    names: dict[int, list[str]] = {}  # a module shared by two parents: its names
     for name, module, parent, cls in experts_to_convert(model, skip=skip):
+        names.setdefault(id(module), []).append(name)
         new = swapped.get(id(module))
         if new is None:
             new = cls.empty_like(module, config, module_name=name, device="meta")
@@ -71,6 +79,14 @@ def swap_experts(
             swapped[id(module)] = new
         setattr(parent, name.rpartition(".")[2], new)
         out[name] = new
+    for key, found in names.items():
+        if len(found) > 1 and swapped[key].recipe.is_static:
+            # one input scale per projection: the config's entry under any of its names,
+            # entries that differ refused before anything loads (as quantize_model, R27 F3)
+            swapped[key].__dict__[SHARED_SCALES] = {
+                proj: shared_scale(config, [f"{n}.{proj}" for n in found])
+                for proj in swapped[key].layout.projections
+            }
     return out
 
 
@@ -115,6 +131,7 @@ def finish_experts(
     (``Fp8Config.activation_scale_for``); codes and scales frozen; compute dtype from the bias
     (an fp8 or integer bias refused, naming its file in ``checkpoint_root``)."""
     missing = []
+    shared = module.__dict__.pop(SHARED_SCALES, None)  # set by swap_experts
     for proj in module.layout.projections:
         for pname in (proj, f"{proj}_weight_scale", f"{proj}_bias"):
             p = getattr(module, pname)
@@ -125,6 +142,8 @@ def finish_experts(
         if scale is not None and not (offloaded or getattr(scale, "_is_hf_initialized", False)):
             setattr(module, key, None)
         given = config.activation_scale_for(f"{name}.{proj}") if module.recipe.is_static else None
+        if shared is not None:  # a module shared under several names: under any of them
+            given = shared[proj]
         if given is not None and getattr(module, key) is None:
             module.set_input_scale(proj, given)
         for pname in (proj, f"{proj}_weight_scale", key):

@@ -36,7 +36,7 @@ from hf_fp8.quantizer.experts import (
     quantize_experts_tensor,
     swap_experts,
 )
-from hf_fp8.quantizer.input_scales import StoredInputScales
+from hf_fp8.quantizer.input_scales import StoredInputScales, input_scales_metadata
 from hf_fp8.quantizer.kept_modules import file_tensor_names, skip_list_hint
 from hf_fp8.quantizer.new_layers import heads_stored_fp8, layers_not_stored
 from hf_fp8.quantizer.validation import (
@@ -490,7 +490,9 @@ class Fp8HfQuantizer(HfQuantizer):
             raise _already_fp8(min(self.stored_scale_keys))
         missing = []
         static = self.pre_quantized and self.quantization_config.activation_scheme == "static"
-        input_scales = StoredInputScales(self.stored_names if static else None)
+        input_scales = StoredInputScales(
+            self.stored_names if static else None, files=self.checkpoint_files
+        )
         disk = [k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v == "disk"]
         for name, module in model.named_modules():
             if isinstance(module, Fp8Experts):
@@ -536,6 +538,7 @@ class Fp8HfQuantizer(HfQuantizer):
                 "Fp8Config(modules_to_not_convert=[...]) when quantizing on the fly."
             )
         input_scales.check(self.checkpoint_root, self.quantization_config)
+        input_scales.check_shared(model)  # one module, two names: one stored scale
         validate_loaded_model(model, skipped=self.modules_to_not_convert)
         if self.pre_quantized and self.quantization_config.dequantize:
             self._dequantize(model)  # Fp8Config(dequantize=True): back to high precision
@@ -564,6 +567,13 @@ class Fp8HfQuantizer(HfQuantizer):
 
     def is_serializable(self, **kwargs) -> bool:
         return True
+
+    def get_state_dict_and_metadata(self, model):
+        """``save_pretrained``: the model's own state dict; every shard's metadata records
+        which static input scales it saves (``hf_fp8.quantizer.input_scales``), so a model
+        with scales set on some layers only reloads as saved, while a checkpoint that lost
+        scales after saving is still refused."""
+        return None, input_scales_metadata(model)
 
     @property
     def is_trainable(self) -> bool:

@@ -30,12 +30,6 @@ Q = "model.layers.0.self_attn.q_proj"
 DOWN = "model.layers.1.mlp.down_proj"
 EXPERTS = "model.layers.0.mlp.experts"
 
-NEEDS_DIFF = pytest.mark.xfail(
-    strict=True,
-    reason="needs /work/notes/diffs/hf23-hf-quantizer-input-scales.diff "
-    "(hf_fp8/quantizer/hf_quantizer.py); remove this marker once applied",
-)
-
 
 def _scales(model) -> dict[str, torch.Tensor | None]:
     """Every static input scale of ``model``, by tensor name (``None``: not set)."""
@@ -85,7 +79,6 @@ def _drop(folder, key: str, *, keep_metadata: bool) -> None:
     save_file(tensors, path, metadata=metadata)
 
 
-@NEEDS_DIFF
 def test_llama_with_hand_set_scales_reloads_as_saved(tiny_model_dir, tmp_path):
     model = _hand_set_llama(tiny_model_dir)
     model.save_pretrained(tmp_path)
@@ -105,7 +98,6 @@ def test_llama_with_hand_set_scales_reloads_as_saved(tiny_model_dir, tmp_path):
         assert torch.equal(reloaded(**inputs).logits, model(**inputs).logits)
 
 
-@NEEDS_DIFF
 def test_sharded_save_with_hand_set_scales_reloads_as_saved(tiny_model_dir, tmp_path):
     model = _hand_set_llama(tiny_model_dir)
     model.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -116,7 +108,6 @@ def test_sharded_save_with_hand_set_scales_reloads_as_saved(tiny_model_dir, tmp_
     assert reloaded.get_submodule("model.layers.0.self_attn.k_proj").input_scale is None
 
 
-@NEEDS_DIFF
 def test_moe_with_hand_set_per_expert_scales_reloads_as_saved(tmp_path):
     model = hf_fp8.quantize_model(tiny_qwen3_moe(), Fp8Config("static"), skip=["lm_head"])
     per_expert = torch.tensor([0.01, 0.02, 0.03, 0.04])
@@ -144,7 +135,6 @@ def test_hand_set_scale_lost_after_saving_is_refused(tiny_model_dir, tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
-@NEEDS_DIFF
 def test_the_refusal_names_the_scale_lost_after_saving(tiny_model_dir, tmp_path):
     model = _hand_set_llama(tiny_model_dir)
     model.save_pretrained(tmp_path)

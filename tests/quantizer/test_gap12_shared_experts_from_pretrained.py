@@ -24,17 +24,6 @@ from tests.serialization.moe_fixtures import tiny_qwen3_moe
 FIRST = "model.layers.0.mlp.experts"
 ALIAS = "model.layers.1.mlp.experts"
 
-NEEDS_DIFF = pytest.mark.xfail(
-    strict=True,
-    reason="needs /work/notes/diffs/hf23-shared-experts-from-pretrained.diff "
-    "(hf_fp8/quantizer/experts.py); remove this marker once applied",
-)
-NEEDS_QUANTIZER_DIFF = pytest.mark.xfail(
-    strict=True,
-    reason="needs /work/notes/diffs/hf23-hf-quantizer-input-scales.diff "
-    "(hf_fp8/quantizer/hf_quantizer.py); remove this marker once applied",
-)
-
 
 class SharedMoe(tf.Qwen3MoeForCausalLM):
     """Qwen3-MoE whose second layer calls the first layer's experts."""
@@ -67,7 +56,6 @@ def _full(value: float) -> torch.Tensor:
     return torch.full((4,), value, dtype=torch.float32)
 
 
-@NEEDS_DIFF
 def test_scale_keyed_by_the_second_name_applies(hp_dir):
     config = Fp8Config(
         "static", activation_scale=0.02, activation_scales={f"{ALIAS}.down_proj": 0.5}
@@ -77,7 +65,6 @@ def test_scale_keyed_by_the_second_name_applies(hp_dir):
     assert torch.equal(experts.gate_up_proj_input_scale, _full(0.02))  # no entry: fallback
 
 
-@NEEDS_DIFF
 def test_scale_keyed_by_the_second_name_without_fallback_applies(hp_dir):
     config = Fp8Config("static", activation_scales={f"{ALIAS}.down_proj": 0.5})
     experts = _experts(SharedMoe.from_pretrained(hp_dir, quantization_config=config))
@@ -92,7 +79,6 @@ def test_equal_entries_under_both_names_apply(hp_dir):
     assert torch.equal(experts.down_proj_input_scale, _full(0.25))
 
 
-@NEEDS_DIFF
 def test_different_entries_under_both_names_are_refused(hp_dir):
     first, alias = f"{FIRST}.down_proj", f"{ALIAS}.down_proj"
     config = Fp8Config("static", activation_scales={first: 0.001, alias: 0.5})
@@ -103,7 +89,6 @@ def test_different_entries_under_both_names_are_refused(hp_dir):
     assert "Keep one of these keys, or give them the same value" in message
 
 
-@NEEDS_DIFF
 def test_checkpoint_saved_before_calibration_takes_the_second_names_scale(hp_dir, tmp_path):
     """Pre-quantized, no input_scale stored: the saved config's entry under the alias."""
     unshared = tf.AutoModelForCausalLM.from_pretrained(
@@ -144,7 +129,6 @@ def _saved_unshared(hp_dir, folder, first: float, alias: float) -> None:
     model.save_pretrained(folder)
 
 
-@NEEDS_QUANTIZER_DIFF
 def test_different_stored_scales_under_both_names_are_refused(hp_dir, tmp_path):
     """The loader wrote both into the one tensor and kept the last (0.5): a guess."""
     _saved_unshared(hp_dir, tmp_path, 0.001, 0.5)
@@ -163,7 +147,6 @@ def test_equal_stored_scales_under_both_names_load(hp_dir, tmp_path):
     assert torch.equal(experts.gate_up_proj_input_scale, _full(0.02))
 
 
-@NEEDS_QUANTIZER_DIFF
 def test_different_stored_scales_of_a_shared_linear_are_refused(tiny_model_dir, tmp_path):
     """The same rule for an ``Fp8Linear`` shared under two names."""
 
