@@ -82,6 +82,7 @@ from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
 from hf_fp8.numerics.checks import (
+    check_fp8_tensor,
     check_scale_tensor,
     input_scale_problem,
     max_scale,
@@ -718,8 +719,8 @@ class Fp8Experts(RecipeWords, nn.Module):
         return super()._apply(keep_storage_dtype, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Refuse high-precision expert weights (quantize them with ``from_experts``), weight
-        scales that are not finite, > 0 and bounded in the module's shape, and
+        """Refuse high-precision expert weights (quantize them with ``from_experts``), fp8
+        codes of the other format or another shape, weight scales that are not finite, > 0 and bounded in the module's shape, and
         input scales that are not ``[E]`` finite values in ``[min_input_scale, max_scale]``
         (``CheckpointTensorError`` naming the key, as ``Fp8Linear``), and make room for
         static input scales when a module built without them loads some."""
@@ -730,6 +731,15 @@ class Fp8Experts(RecipeWords, nn.Module):
                 raise ValueError(
                     f"{prefix}{proj} is {weight.dtype}, not fp8: this is a high-precision state "
                     "dict; quantize the experts with Fp8Experts.from_experts instead"
+                )
+            if weight is not None:  # the config's fp8 format and the module's shape (R31 F2:
+                # copy_ would convert e5m2 codes into e4m3 ones, saturating at 448)
+                check_fp8_tensor(
+                    prefix + proj,
+                    weight,
+                    dtype=dtype,
+                    shape=tuple(getattr(self, proj).shape),
+                    check_values=False,
                 )
             key = f"{proj}_weight_scale"
             scale = state_dict.get(prefix + key)
