@@ -59,7 +59,9 @@ def bmm_experts_layout(module: nn.Module) -> ExpertsLayout | None:
     num_experts, hidden, width = up.shape
     if width % 2 or tuple(down.shape) != (num_experts, width // 2, hidden):
         return None
-    if any(module.buffers()) or {n for n, _ in module.named_children()} != {"act_fn"}:
+    if next(module.buffers(), None) is not None:  # one exists (its value does not count)
+        return None
+    if {n for n, _ in module.named_children()} != {"act_fn"}:
         return None
     if any(True for _ in module.act_fn.parameters()):
         return None

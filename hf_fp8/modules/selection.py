@@ -125,14 +125,32 @@ def reads_child_weight(parent: nn.Module | None, child_name: str) -> bool:
     return reads_weight_of(parent, child_name)
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def _linear_keep_reason(module: nn.Linear) -> str | None:
+    """Why an ``nn.Linear`` (or subclass) is not a plain one ``Fp8Linear`` can replace: its own
+    ``forward``, or parameters, buffers or children that the FP8 layer would not carry (they
+    would vanish from the model and its state_dict). Whether a buffer or child *exists* is
+    what counts, never its value (R31 F4: ``any(module.buffers())`` took a zero one-element
+    buffer for none and raised on a vector buffer, e.g. torch's orthogonal parametrization)."""
     cls = type(module)
-    if cls is nn.Linear:
-        return True
-    if cls.forward is not nn.Linear.forward and cls.__name__ not in PLAIN_LINEAR_SUBCLASSES:
-        return False
-    own = {n for n, _ in module.named_parameters(recurse=False)}
-    return own <= {"weight", "bias"} and not any(module.buffers()) and not any(module.children())
+    name = cls.__name__
+    if (
+        cls is not nn.Linear
+        and cls.forward is not nn.Linear.forward
+        and name not in PLAIN_LINEAR_SUBCLASSES
+    ):
+        return f"{name} is an nn.Linear subclass with its own behaviour"
+    extra = sorted({n for n, _ in module.named_parameters(recurse=False)} - {"weight", "bias"})
+    extra += [n for n, _ in module.named_buffers(recurse=False)]
+    extra += [n for n, _ in module.named_children()]
+    if extra:
+        held = (
+            f"holds {', '.join(repr(n) for n in extra)} besides weight and bias, which "
+            "Fp8Linear would not carry"
+        )
+        if cls is nn.Linear:
+            return f"this nn.Linear {held}"
+        return f"{name} is an nn.Linear subclass with its own behaviour: it {held}"
+    return None
 
 
 def keep_reason(
@@ -161,8 +179,10 @@ def keep_reason(
         return "not a linear"
     if is_router(module, name, parent):
         return "MoE router (kept in high precision on purpose)"
-    if isinstance(module, nn.Linear) and not _plain_linear(module):
-        return f"{type(module).__name__} is an nn.Linear subclass with its own behaviour"
+    if isinstance(module, nn.Linear):
+        reason = _linear_keep_reason(module)
+        if reason is not None:
+            return reason
     if reads_child_weight(parent, name.rpartition(".")[2]):
         return f"{type(parent).__name__} reads its .weight directly"
     return _skip_reason(module, name, skip, module_filter_fn)
