@@ -264,6 +264,41 @@ AI void f_to_bf16x16(uint16_t* out, __m512 f) { /* f_to_bf16 on 16 lanes */
 #define RANGE_MIN_ABS 0x0A /* vrangeps: the smaller magnitude, sign bit cleared */
 #define FPCLASS_NOT_NZ 0xA7 /* vfpclassps: QNaN, +0, -0, subnormal, SNaN */
 #define REDUCE_FLOOR (_MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC) /* vreduceps: y - floor(y) */
+
+/* enc_fp8_mag (E4M3) of 16 magnitudes in [0, F]: the normal code from the bit pattern, rounded
+   to nearest even, or rint(mag·512) below 2^-6 (the MAGIC add) */
+AI __m512i e4m3_code_rn_v(__m512 mag) {
+    const __m512i mb = _mm512_castps_si512(mag);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(mb, 20), _mm512_set1_epi32(1));
+    /* ((mb + 0x7FFFF + lsb) >> 20) - (120 << 3) with the subtraction moved before the shift
+       (as 120 << 23): the same for the normal magnitudes this code is kept for (mb >= 2^-6's
+       bits 0x3C800000: no wrap-around) */
+    __m512i cn = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(mb, _mm512_set1_epi32((int)(0x7FFFFu - (120u << 23)))),
+                         lsb),
+        20);
+    __mmask16 sub = _mm512_cmp_ps_mask(mag, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+    /* sub ? rint(mag·512) : cn */
+    return _mm512_mask_cvt_roundps_epi32(cn, sub, _mm512_mul_ps(mag, _mm512_set1_ps(512.0f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* sr_code (E4M3, sign 0) of 16 magnitudes in [0, F] with the random bits' top E4M3_SR_DROP bits
+   low: the normal code (mag + low) >> 20 without clearing the low bits first (the shift drops
+   them), or floor(mag·steps + u) below the smallest normal; without sr_code's clamp to F's
+   code 0x7E, a no-op here: F = 448 has bits 0x43E00000, whose 20 low bits are 0 (+ low < 2^20
+   carries no further), and a subnormal mag·steps + u < 8 + 1; no NaN magnitude */
+AI __m512i e4m3_code_sr_v(__m512 mag, __m512i low) {
+    const __m512i mb = _mm512_castps_si512(mag);
+    __m512i cn = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(mb, low), E4M3_SR_DROP),
+                                  _mm512_set1_epi32(120 << 3));
+    __m512 uu = _mm512_mul_ps(_mm512_cvtepi32_ps(low), _mm512_set1_ps(E4M3_SR_UNIT));
+    __mmask16 sub = _mm512_cmp_ps_mask(mag, _mm512_set1_ps(E4M3_SR_MIN_NORMAL), _CMP_LT_OQ);
+    /* sub ? (int)floor(mag·steps + u) : cn */
+    return _mm512_mask_cvt_roundps_epi32(
+        cn, sub, _mm512_add_ps(_mm512_mul_ps(mag, _mm512_set1_ps(E4M3_SR_STEPS)), uu),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
 AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
                           float k, float lmax, uint32_t key, const int SR, const int U) {
     const __m512 kv = _mm512_set1_ps(k), lm = _mm512_set1_ps(lmax);
@@ -281,7 +316,7 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
         88, 84, 80, 76, 72, 68, 64, 60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
 #endif
     for (int64_t i0 = 0; i0 < n; i0 += 16 * U) {
-        __m512i xb[8], c[8], mb[8]; /* U <= 8 */
+        __m512i xb[8], c[8]; /* U <= 8 */
         __m512 ax[8], tm[8], acc[8], y[8], f[8], mag[8];
         __mmask16 nz[8];
         for (int u = 0; u < U; ++u) {
@@ -331,42 +366,17 @@ AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_
             /* nz ? min(poly·2^floor(y), F) : 0 */
             mag[u] = _mm512_maskz_min_ps(nz[u], _mm512_scalef_ps(poly, y[u]),
                                          _mm512_set1_ps(E4M3_MAX));
-            mb[u] = _mm512_castps_si512(mag[u]);
 #ifdef REQUANT_PROBE_V /* tests only: the magnitude before the cast (test_kernel_requant_exact) */
             REQUANT_PROBE_V(i0 + 16 * u, mag[u]);
 #endif
         }
         if (SR) {
             for (int u = 0; u < U; ++u) {
-                __m512i low = _mm512_srli_epi32(h, 32 - E4M3_SR_DROP);
+                c[u] = e4m3_code_sr_v(mag[u], _mm512_srli_epi32(h, 32 - E4M3_SR_DROP));
                 h = _mm512_add_epi32(h, dh);
-                __m512i cn = _mm512_sub_epi32(
-                    _mm512_srli_epi32(_mm512_add_epi32(mb[u], low), E4M3_SR_DROP),
-                    _mm512_set1_epi32(120 << 3));
-                __m512 uu = _mm512_mul_ps(_mm512_cvtepi32_ps(low), _mm512_set1_ps(E4M3_SR_UNIT));
-                __mmask16 sub = _mm512_cmp_ps_mask(mag[u], _mm512_set1_ps(E4M3_SR_MIN_NORMAL),
-                                                   _CMP_LT_OQ);
-                /* sub ? (int)floor(mag·steps + u) : cn */
-                c[u] = _mm512_mask_cvt_roundps_epi32(
-                    cn, sub, _mm512_add_ps(_mm512_mul_ps(mag[u], _mm512_set1_ps(E4M3_SR_STEPS)), uu),
-                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-                /* no NaN case: mag = min(F, nz ? 2^y : 0) with y <= log2 F + 1e-5 */
-                c[u] = _mm512_min_epu32(c[u], _mm512_set1_epi32(0x7E));
             }
         } else {
-            for (int u = 0; u < U; ++u) {
-                __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(mb[u], 20), _mm512_set1_epi32(1));
-                __m512i cn = _mm512_sub_epi32(
-                    _mm512_srli_epi32(
-                        _mm512_add_epi32(_mm512_add_epi32(mb[u], _mm512_set1_epi32(0x7FFFF)), lsb),
-                        20),
-                    _mm512_set1_epi32(120 << 3));
-                __mmask16 sub = _mm512_cmp_ps_mask(mag[u], _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
-                /* sub ? rint(mag·512) (the MAGIC add of enc_fp8_mag) : cn */
-                c[u] = _mm512_mask_cvt_roundps_epi32(
-                    cn, sub, _mm512_mul_ps(mag[u], _mm512_set1_ps(512.0f)),
-                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            }
+            for (int u = 0; u < U; ++u) c[u] = e4m3_code_rn_v(mag[u]);
         }
 #if HAVE_VBMI
         if (U % 4 == 0) {
