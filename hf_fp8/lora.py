@@ -202,6 +202,22 @@ class Fp8LoraLinear(LoraLinear):
             self._set_base(original)
             del self.__dict__["_fp8_base"]
 
+    def _hf_fp8_dequantize(self, dtype: torch.dtype | None) -> None:
+        """``model.dequantize()`` (``Fp8HfQuantizer._dequantize``) while an adapter is merged:
+        the merged dense base becomes the base for good, so that ``unmerge`` subtracts the delta
+        from it as peft does on a high-precision model, instead of putting the FP8 layer back
+        into an unquantized model (R30 F2)."""
+        if self.__dict__.pop("_fp8_base", None) is not None and dtype is not None:
+            self.get_base_layer().to(dtype)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Fp8LoraLinear:
+        """``.to()`` / ``.half()`` / ``.cuda()`` also move the FP8 layer kept for ``unmerge``
+        (outside the module tree), so that it comes back where the model is (R30 F5)."""
+        original = self.__dict__.get("_fp8_base")
+        if recurse and original is not None:
+            original._apply(fn)
+        return super()._apply(fn, recurse)
+
     @contextlib.contextmanager
     def _dequantized_base(self) -> Iterator[nn.Linear | None]:
         """For peft code that reads the base weight once (variant and init setup): a frozen

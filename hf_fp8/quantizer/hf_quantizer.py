@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -115,6 +116,16 @@ def _holds_meta_fp8(module: nn.Module) -> bool:
     if isinstance(module, Fp8Experts):
         return any(getattr(module, p).is_meta for p in module.layout.projections)
     return False
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    """Whether peft manages ``model`` (``get_peft_model`` / ``inject_adapter_in_model`` set
+    ``peft_config`` on it and froze every base parameter)."""
+    if hasattr(model, "peft_config"):
+        return True
+    peft = sys.modules.get("peft.tuners.tuners_utils")
+    tuner = getattr(peft, "BaseTunerLayer", None)
+    return tuner is not None and any(isinstance(m, tuner) for m in model.modules())
 
 
 def _dequantize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -555,14 +566,36 @@ class Fp8HfQuantizer(HfQuantizer):
             raise ValueError(
                 _offloaded_dequantize(f"{len(offloaded)} offloaded FP8 layer(s) ({shown})")
             )
+        # peft froze every base parameter (R30 F1): the dense weights stay frozen there, as
+        # peft leaves them on a high-precision model; without peft they train, as after a
+        # float load (what transformers' other quantizers' dequantize gives). Biases keep theirs.
+        weights_train = not _is_peft_model(model)
+        for module in list(model.modules()):
+            hook = getattr(module, "_hf_fp8_dequantize", None)
+            if callable(hook):  # hf_fp8.lora: a merged adapter's dense base becomes the base
+                hook(dtype)
         for name, module in list(model.named_modules()):
             if isinstance(module, Fp8Linear):
                 parent_name, _, child = name.rpartition(".")
                 linear = module.dequantize()
                 if dtype is not None:
                     linear = linear.to(dtype)
+                linear.weight.requires_grad_(weights_train)
+                if module.bias is not None:
+                    linear.bias.requires_grad_(module.bias.requires_grad)
                 setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+        experts = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Experts)}
         dequantize_experts(model, dtype)
+        for name, old in experts.items():
+            new = model.get_submodule(name)
+            for proj in old.layout.projections:
+                getattr(new, proj).requires_grad_(weights_train)
+                bias, new_bias = (
+                    getattr(old, f"{proj}_bias", None),
+                    getattr(new, f"{proj}_bias", None),
+                )
+                if bias is not None and isinstance(new_bias, nn.Parameter):
+                    new_bias.requires_grad_(bias.requires_grad)
         return model
 
     def is_serializable(self, **kwargs) -> bool:
