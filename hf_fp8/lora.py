@@ -52,11 +52,19 @@ PLAIN_INITS = ("gaussian", "eva")
 
 def _dense_copy(layer: Fp8Linear) -> nn.Linear:
     """``layer.dequantize()`` with the requires_grad flags of ``layer`` (a frozen base stays
-    frozen when merged)."""
-    dense = layer.dequantize()
-    dense.weight.requires_grad_(layer.weight.requires_grad)
-    if dense.bias is not None:
-        dense.bias.requires_grad_(layer.bias.requires_grad)
+    frozen when merged), on the device of its weight.
+
+    The parameters go straight into ``_parameters``: peft's ``init_empty_weights``
+    (``low_cpu_mem_usage=True``) puts every parameter set through ``register_parameter`` on
+    the meta device, but a copy of a loaded base holds its values, as the base of the same
+    flow on a high-precision model does (R30 F4)."""
+    with torch.device("meta"):
+        dense = nn.Linear(layer.in_features, layer.out_features, layer.bias is not None)
+    weight = layer.dequantize_weight()
+    dense._parameters["weight"] = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
+    if layer.bias is not None:
+        bias = layer.bias.detach().to(layer.compute_dtype).clone()
+        dense._parameters["bias"] = nn.Parameter(bias, requires_grad=layer.bias.requires_grad)
     return dense
 
 
