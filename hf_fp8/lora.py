@@ -7,7 +7,10 @@ an ``Fp8Linear`` (adapters take ``compute_dtype``) but cannot merge: it adds the
 ``hf_fp8.patches.peft_lora``) swaps the FP8 base for its dequantized ``nn.Linear`` before
 merging (frozen, as peft leaves a plain base). So ``merge_and_unload()`` returns a
 high-precision model; ``hf_fp8.quantize_model(merged, config)`` turns it back into FP8.
-``unmerge`` restores the original FP8 layer bit for bit.
+``unmerge`` restores the original FP8 layer bit for bit; the kept layer follows ``.to()``, and
+on a layer offloaded by accelerate (``device_map`` with ``"disk"``/``"cpu"``) the merged copy
+takes over its offload hook. ``model.dequantize()`` while merged makes the merged copy the base
+for good (``unmerge`` then subtracts the delta from it, as on a high-precision model).
 
 Like peft's own ``nn.Linear`` dispatch, it forces ``fan_in_fan_out=False`` (an ``Fp8Linear``
 stores ``[out, in]``, also where it replaced a GPT-2 ``Conv1D``). Every LoRA variant and
@@ -66,6 +69,61 @@ def _dense_copy(layer: Fp8Linear) -> nn.Linear:
         bias = layer.bias.detach().to(layer.compute_dtype).clone()
         dense._parameters["bias"] = nn.Parameter(bias, requires_grad=layer.bias.requires_grad)
     return dense
+
+
+def _offload_hook(layer: Fp8Linear, target_name: str) -> Any:
+    """The accelerate hook on ``layer`` that merging must carry over to its dense copy (an
+    ``AlignDevicesHook``), or None; refuses, before anything changes, what cannot be merged."""
+    hook = layer.__dict__.get("_hf_hook")
+    if hook is None:
+        return None
+    from accelerate.hooks import AlignDevicesHook
+
+    name = target_name or "this layer"
+    if not isinstance(hook, AlignDevicesHook):
+        raise NotImplementedError(
+            f"cannot merge the LoRA adapter of {name}: its FP8 base layer carries an accelerate "
+            f"hook ({type(hook).__name__}) that merging cannot carry over to the merged "
+            "high-precision layer. Load the model without a device_map (or remove the hooks with "
+            "accelerate.hooks.remove_hook_from_submodules), then merge"
+        )
+    if hook.offload and layer.weight.is_meta:
+        raise ValueError(
+            f"cannot merge the LoRA adapter of {name}: its FP8 base layer is offloaded "
+            "(accelerate device_map) and not loaded. Merge through the model, "
+            "model.merge_adapter() or model.merge_and_unload(), which loads each offloaded "
+            "layer first (peft's onload_layer)"
+        )
+    return hook
+
+
+def _carry_hook(hook: Any, original: Fp8Linear, dense: nn.Linear) -> None:
+    """Give ``dense`` an ``AlignDevicesHook`` like ``hook`` (the one on ``original``), so that
+    peft's ``onload_layer`` offloads the merged layer as it does a high-precision one (R30 F3);
+    ``original`` goes back to its offload store, kept for ``unmerge``."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    new = AlignDevicesHook(
+        execution_device=hook.execution_device,
+        offload=hook.offload,
+        io_same_device=hook.io_same_device,
+        offload_buffers=hook.offload_buffers,
+        place_submodules=hook.place_submodules,
+        skip_keys=hook.skip_keys,
+        tied_params_map=hook.tied_params_map,
+    )
+    add_hook_to_module(dense, new)  # offload: its values into a weights map, itself on meta
+    if hook.offload:
+        new.pre_forward(dense)  # loaded, as onload_layer left the FP8 layer
+        hook.post_forward(original, torch.tensor([]))  # the FP8 layer offloaded again
+
+
+def _onload(layer: Fp8Linear) -> None:
+    """A kept, offloaded FP8 layer loaded again as it is put back (``unmerge``): peft's
+    ``onload_layer`` reads the base layer's values when it offloads it on exit."""
+    hook = layer.__dict__.get("_hf_hook")
+    if hook is not None and getattr(hook, "offload", False) and layer.weight.is_meta:
+        hook.pre_forward(layer)
 
 
 class _DequantizedBase:
@@ -183,8 +241,12 @@ class Fp8LoraLinear(LoraLinear):
             return  # nothing to merge: the FP8 base stays as it is
         base = self.get_base_layer()
         if isinstance(base, Fp8Linear):
+            hook = _offload_hook(base, base.__dict__.get("fp8_name", ""))
+            dense = _dense_copy(base)
+            if hook is not None:
+                _carry_hook(hook, base, dense)
             self.__dict__["_fp8_base"] = base  # kept out of the module tree / state dict
-            self._set_base(_dense_copy(base))
+            self._set_base(dense)
         # peft's DoRA merge of a further adapter unmerges and re-merges the merged ones
         # (``_unmerged_base_weight``): the dense copy must stay in place through that replay.
         depth = self.__dict__.get("_fp8_merge_depth", 0)
@@ -207,6 +269,7 @@ class Fp8LoraLinear(LoraLinear):
     def _restore_fp8_base(self) -> None:
         original = self.__dict__.get("_fp8_base")
         if not self.merged and original is not None:
+            _onload(original)
             self._set_base(original)
             del self.__dict__["_fp8_base"]
 
