@@ -112,6 +112,25 @@ def _parameter_targets(model: nn.Module, config: Any) -> list[tuple[str, str, nn
     return found
 
 
+def _pulled_in_note(config: Any, key: str) -> str | None:
+    """Why peft targets the experts parameter ``key`` that the user's ``config`` does not name
+    in ``target_parameters`` (peft's transformers v5 conversion moved them there), or None."""
+    named = set(getattr(config, "target_parameters", None) or [])
+    if key in named or any(key.endswith(f".{n}") for n in named):
+        return None
+    targets = getattr(config, "target_modules", None)
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        return (
+            "target_modules='all-linear' pulled in the MoE experts (peft targets their fused "
+            "3-D weights through target_parameters under transformers 5); list the layers "
+            "to adapt instead of 'all-linear'"
+        )
+    return (
+        "target_modules names the MoE experts (peft targets their fused 3-D weights through "
+        "target_parameters under transformers 5); leave them out of target_modules"
+    )
+
+
 def _check_lora_target(config: Any, adapter_name: str, key: str, target: nn.Module, **kw) -> None:
     """What ``LoraModel._create_and_replace`` would meet at ``target``: hf_fp8's layer for its
     base type (``config._custom_modules``, the ``peft_lora`` patch) refusing."""
@@ -192,6 +211,12 @@ def check_before_injection(
             check_peft_method(config, target, key)
     if method == "LORA" and state_dict is None:
         for key, param_name, module in _parameter_targets(model, prepared or config):
-            _check_lora_target(config, adapter_name, key, module, parameter_name=param_name)
+            try:
+                _check_lora_target(config, adapter_name, key, module, parameter_name=param_name)
+            except NotImplementedError as err:
+                pulled_in = _pulled_in_note(config, key)
+                if pulled_in is None:
+                    raise
+                raise NotImplementedError(f"{pulled_in}: {err}") from None
     for option, _, module in _trainable_copies(model, prepared or config):
         check_trainable_copy(option, module)
