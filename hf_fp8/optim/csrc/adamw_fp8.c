@@ -7,13 +7,17 @@
    branch-free so that the compiler vectorizes them; max/min reductions run on the bit patterns
    of non-negative floats. With AVX-512 F + DQ (groups whose length is a multiple of 16),
    hand-written loops compute the same values: E4M3 codes with COAT expansion decode as
-   ±A[E]·B[j] from per-group tables (coat.dequantize_groups; dec_coat_v: three permutes and one
-   masked multiplication per 16 codes) in registers of the update loop (update_group_ex_v), and
-   requantize with the polynomial chains of 8 vectors interleaved (requant_e4m3_ex_v), where
-   single AVX-512 instructions (vgetexpps, vscalefps, vrangeps, vfpclassps, masked min,
-   conversions with embedded rounding) replace the scalar code's bit manipulations with the
-   same results (checked exhaustively: see requant_e4m3_ex_v); the next chunk's memory is prefetched while a chunk
-   requantizes (prefetch_group); the log format has its three loops
+   ±A[E]·B[j] from per-group tables (coat.dequantize_groups) in registers of the update loop
+   (update_group_ex_v; with VBMI dec_coat_vb: the B index from a 128-entry byte table, one byte
+   permute, two float permutes and one multiplication per 16 codes; without, dec_coat_v: three
+   permutes and one masked multiplication), the B tables from a per-thread cache keyed by k
+   (b_table16), and requantize with the polynomial chains of 8 vectors interleaved
+   (requant_e4m3_ex_v), where single AVX-512 instructions (vgetexpps, vscalefps, vrangeps,
+   vfpclassps, masked min, conversions with embedded rounding) replace the scalar code's bit
+   manipulations with the same results (checked exhaustively: see requant_e4m3_ex_v), the
+   casts are e4m3_code_rn_v / e4m3_code_sr_v (checked on every magnitude) and, with VBMI, 64
+   codes are packed at a time with byte permutes; the next chunk's memory is prefetched while
+   a chunk requantizes (prefetch_group); the log format has its three loops
    (update_group_log_v, requant_log_v_v, requant_log_m_v). With AVX2 and no AVX-512 (Zen 1-3,
    Intel clients), the default variant has 8-lane loops (update_group_ex_v8: m's and v's codes
    decoded together from byte planes with vpshufb, 4 vectors updated at a time;
