@@ -245,26 +245,48 @@ class AdamWFp8(Optimizer):
         batch = _cpu_kernel.Batch()
         stepped: list[dict[str, Any]] = []  # states whose step count this call advanced
         fresh: list[torch.Tensor] = []  # parameters whose state this call created
+        kernel: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, what the kernel writes)
         try:
-            plans = [self._plan_group(g, index, batch, stepped, fresh) for g in self.param_groups]
-            batch.run()
+            plans = [
+                self._plan_group(g, index, batch, stepped, fresh, kernel) for g in self.param_groups
+            ]
+            batch.run()  # the launch only: copies back are ours (below)
         except BaseException as err:  # KeyboardInterrupt too: nothing half-counted
-            if not getattr(err, "applied", False):  # nothing touched: the step can be retaken
+            if getattr(err, "applied", False):
+                _bump_versions(kernel)
+            else:  # nothing touched: the step can be retaken
                 for state in stepped:
                     state["step"] -= 1
                 for p in fresh:
                     del self.state[p]
             raise
-        for group, eager, fp32 in plans:
-            for run in eager:
-                run()
-            self._fp32_steps(group, fp32)
+        # From here on weights have moved: an error is never rolled back (the states of the
+        # parameters the kernel updated must stay with their weights; R29 finding 4).
+        try:
+            _bump_versions(kernel)  # raw-pointer writes: autograd must see them (R29 finding 1)
+            for param, work in kernel:
+                if work is not param:
+                    param.copy_(work)
+            for group, eager, fp32 in plans:
+                for run in eager:
+                    run()
+                self._fp32_steps(group, fp32)
+        except BaseException as err:
+            err.add_note(
+                "AdamWFp8: this step was partly applied (the C kernel had already updated "
+                f"{len(kernel)} parameter(s) and their states); restore a checkpoint rather "
+                "than retry the step"
+            )
+            raise
 
     def _check_step(self, index: dict[torch.Tensor, int]) -> None:
-        """Raise now, before anything changes, on a sparse gradient. (A tensor
-        ``implementation="cpu_kernel"`` cannot take is refused while the step is planned, which
-        changes nothing either: see :meth:`step`.)"""
+        """Raise now, before anything changes, on a sparse gradient or on parameters that share
+        memory. (A tensor ``implementation="cpu_kernel"`` cannot take is refused while the
+        step is planned, which changes nothing either: see :meth:`step`.)"""
+        stepping = []
+        names: dict[torch.Tensor, str] = {}
         for i, group in enumerate(self.param_groups):
+            names.update(zip(group["params"], group.get("param_names", ()), strict=False))
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(
@@ -272,6 +294,9 @@ class AdamWFp8(Optimizer):
                         f"param group {i}); nothing was updated. Use torch.optim.SparseAdam "
                         "for sparse parameters (e.g. nn.Embedding(sparse=True))"
                     )
+                if p.grad is not None:
+                    stepping.append(p)
+        _check_no_shared_memory(stepping, index, names)
 
     def _plan_group(
         self,
@@ -280,10 +305,11 @@ class AdamWFp8(Optimizer):
         batch: _cpu_kernel.Batch,
         stepped: list[dict[str, Any]],
         fresh: list[torch.Tensor],
+        kernel: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[dict[str, Any], list[Callable[[], None]], dict]:
-        """Advance the step counts of ``group``, queue its kernel steps on ``batch``; returns
-        ``(group, eager quantized steps, fp32 lists)`` to run after the batch. Changes no
-        weight or moment."""
+        """Advance the step counts of ``group``, queue its kernel steps on ``batch`` (and
+        ``(param, tensor the kernel writes)`` on ``kernel``); returns ``(group, eager quantized
+        steps, fp32 lists)`` to run after the batch. Changes no weight or moment."""
         # per device and dtype, as torch's foreach groups (float64 weights step in float64)
         fp32: dict[tuple[torch.device, torch.dtype], dict[str, list]] = {}
         eager: list[Callable[[], None]] = []
@@ -315,7 +341,9 @@ class AdamWFp8(Optimizer):
             if key not in hp_cache:
                 hp_cache[key] = _step.hyperparams(group, *key)
             keys = _stream_keys(group, int(step), index[p], p, states[0].shape[1])
-            run = self._quantized_step(param, grad, states, hp_cache[key], group, batch, keys)
+            run = self._quantized_step(
+                param, grad, states, hp_cache[key], group, batch, keys, kernel
+            )
             if run is not None:
                 eager.append(run)
         return group, eager, fp32
@@ -346,9 +374,11 @@ class AdamWFp8(Optimizer):
         group: dict[str, Any],
         batch: _cpu_kernel.Batch,
         keys: tuple[int, int],
+        kernel: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> Callable[[], None] | None:
-        """Queue the kernel step of ``param`` on ``batch``, or return the eager step to run
-        after the batch (reference / compile)."""
+        """Queue the kernel step of ``param`` on ``batch`` (and ``(param, work)`` on ``kernel``:
+        the caller copies ``work`` back), or return the eager step to run after the batch
+        (reference / compile)."""
         rows = param.shape[0]
         cols = param.numel() // rows
         gs = group["group_size"]
@@ -357,7 +387,8 @@ class AdamWFp8(Optimizer):
         work = param if param.is_contiguous() else param.contiguous()
         impl = self._resolve(work, grad, states, states[0].dtype, expand, options)
         if impl == "cpu_kernel":  # queued: one kernel call per group and variant
-            batch.add(work, grad, states, hp, cols, gs, expand, copy_to=param, keys=keys, **options)
+            batch.add(work, grad, states, hp, cols, gs, expand, keys=keys, **options)
+            kernel.append((param, work))
             return None
         if options["sr_m"] or options["sr_v"]:
             options["keys"] = torch.tensor(keys, dtype=torch.int64, device=param.device)
@@ -665,6 +696,67 @@ def _deferred_signals() -> Iterator[None]:
             handler = held.get(signum)
             if callable(handler):
                 handler(signum, frame)
+
+
+def _bump_versions(kernel: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Bump the autograd version of every tensor the C kernel wrote in place (it writes
+    through raw pointers): a graph that saved the old weight then refuses a second backward,
+    as after ``torch.optim.AdamW``'s in-place update. Copies back bump theirs in ``copy_``."""
+    written = [param for param, work in kernel if work is param]
+    if written:
+        torch.autograd.graph.increment_version(written)
+
+
+def _check_no_shared_memory(
+    params: list[torch.Tensor], index: dict[torch.Tensor, int], names: dict[torch.Tensor, str]
+) -> None:
+    """Refuse parameters that overlap themselves (expanded, stride 0) or each other (two
+    ``Parameter`` objects over the same memory, e.g. ``Parameter(w.t())`` next to ``w``).
+
+    ``torch.optim.AdamW`` steps such aliases one after the other; here the C kernel would race
+    on the shared memory, and a transposed alias stepped in a contiguous copy would write a
+    stale copy back over the other's update (R29 finding 2). The byte ranges are compared per
+    storage (conservative: interleaved views of one buffer count as sharing)."""
+
+    def label(p: torch.Tensor) -> str:
+        name = f" {names[p]!r}" if p in names else ""
+        return f"parameter {index[p]}{name} (shape {tuple(p.shape)})"
+
+    spans: dict[tuple[torch.device, int], list[tuple[int, int, torch.Tensor]]] = {}
+    for p in params:
+        t = local(p)
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        if torch._debug_has_internal_overlap(t) == 1:
+            raise ValueError(
+                f"AdamWFp8: {label(p)}, with strides {tuple(t.stride())}, has elements that overlap in memory (an expanded or "
+                "stride-0 tensor); nothing was updated. Make it a real tensor: "
+                "torch.nn.Parameter(t.contiguous()) (or .clone())"
+            )
+        size = t.element_size()
+        start = t.storage_offset() * size
+        end = (
+            start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * size
+        )
+        key = (t.device, t.untyped_storage().data_ptr())
+        spans.setdefault(key, []).append((start, end, p))
+    for items in spans.values():
+        if len(items) < 2:
+            continue
+        items.sort(key=lambda item: item[0])
+        reach, holder = items[0][1], items[0][2]
+        for start, end, p in items[1:]:
+            if start < reach:
+                first, second = sorted((holder, p), key=lambda q: index[q])
+                raise ValueError(
+                    f"AdamWFp8: {label(first)} and {label(second)} share memory (views of one "
+                    "tensor, e.g. a weight tied as torch.nn.Parameter(w.t())) and both have a "
+                    "gradient; nothing was updated. Tie them as one Parameter (assign the same "
+                    "Parameter object to both modules and transpose in the forward), or give "
+                    "one its own memory with torch.nn.Parameter(t.detach().clone())"
+                )
+            if end > reach:
+                reach, holder = end, p
 
 
 def step_options(group: dict[str, Any]) -> dict[str, bool]:
