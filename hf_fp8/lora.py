@@ -118,12 +118,17 @@ def _carry_hook(hook: Any, original: Fp8Linear, dense: nn.Linear) -> None:
         hook.post_forward(original, torch.tensor([]))  # the FP8 layer offloaded again
 
 
+def _offloaded(layer: Fp8Linear) -> bool:
+    """Whether accelerate offloaded ``layer`` and it is not loaded now."""
+    hook = layer.__dict__.get("_hf_hook")
+    return layer.weight.is_meta and bool(getattr(hook, "offload", False))
+
+
 def _onload(layer: Fp8Linear) -> None:
     """A kept, offloaded FP8 layer loaded again as it is put back (``unmerge``): peft's
     ``onload_layer`` reads the base layer's values when it offloads it on exit."""
-    hook = layer.__dict__.get("_hf_hook")
-    if hook is not None and getattr(hook, "offload", False) and layer.weight.is_meta:
-        hook.pre_forward(layer)
+    if _offloaded(layer):
+        layer.__dict__["_hf_hook"].pre_forward(layer)
 
 
 class _DequantizedBase:
@@ -225,9 +230,20 @@ class Fp8LoraLinear(LoraLinear):
             super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
             return
         base = self.get_base_layer()
+        if isinstance(base, Fp8Linear) and _offloaded(base):
+            variant = "DoRA (use_dora=True)" if config.use_dora else "this LoRA variant"
+            raise ValueError(
+                f"{variant} / init_lora_weights={config.init_lora_weights!r} reads the base "
+                f"weight of {target_name or 'the target'}, an FP8 layer that accelerate offloaded "
+                "(device_map with 'disk' or 'cpu'), so it is not loaded here. Load the model "
+                "without offloading (or with a device_map that keeps the targets on a device) "
+                "for it, or use a plain LoRA (init_lora_weights=True, no variant)"
+            )
         with self._dequantized_base() as dense:
             super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
-        if dense is not None and _changed(dense, base):
+        # a model on the meta device (built to be loaded later) holds no values to compare; the
+        # inits known to rewrite the base were refused by name above
+        if dense is not None and not dense.weight.is_meta and _changed(dense, base):
             variant = self.lora_variant.get(adapter_name)
             variant = type(variant).__name__ if variant is not None else "none"
             self.delete_adapter(adapter_name)  # where add_adapter called this on a live layer

@@ -94,3 +94,29 @@ def test_merge_adapter_then_unmerge_with_a_layer_on_disk(folders, tmp_path):
     assert isinstance(base, Fp8Linear) and base.weight.is_meta  # the FP8 layer, offloaded
     assert torch.equal(_logits(offloaded), before)
     torch.testing.assert_close(_logits(reference), before)  # the reference: rounding only
+
+
+def test_dora_on_an_offloaded_fp8_layer_is_refused_with_the_fix(folders, tmp_path):
+    """R30 t16: DoRA reads the base weight, which an offloaded layer does not hold (peft fails on
+    the high-precision model too); it crashed with aten::equal on meta tensors."""
+    model = AutoModelForCausalLM.from_pretrained(
+        folders[0], device_map=LLAMA_LAYER_1_ON_DISK, offload_folder=str(tmp_path / "offload")
+    )
+    config = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.q_proj.*offloaded") as err:
+        get_peft_model(model, config)
+    assert "without offloading" in str(err.value)
+    assert not any(hasattr(m, "lora_A") for m in model.modules())  # the model as it was
+
+
+def test_dora_on_an_fp8_model_on_the_meta_device_as_on_the_dequantized_one(folders):
+    """A model on the meta device (to be loaded later) holds no values: DoRA is set up as on the
+    dequantized model moved to meta (it crashed with aten::equal on meta tensors)."""
+    fp8 = AutoModelForCausalLM.from_pretrained(folders[0])
+    reference = AutoModelForCausalLM.from_pretrained(folders[0]).dequantize().to("meta")
+    config = dict(r=4, target_modules=["q_proj"], use_dora=True)
+    peft_model = get_peft_model(fp8.to("meta"), LoraConfig(**config))
+    reference = get_peft_model(reference, LoraConfig(**config))
+    adapters = {n: p.shape for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert adapters == {n: p.shape for n, p in reference.named_parameters() if "lora_" in n}
+    assert adapters and all(p.is_meta for p in peft_model.parameters())
