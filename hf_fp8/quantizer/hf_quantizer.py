@@ -118,14 +118,27 @@ def _holds_meta_fp8(module: nn.Module) -> bool:
     return False
 
 
-def _is_peft_model(model: nn.Module) -> bool:
-    """Whether peft manages ``model`` (``get_peft_model`` / ``inject_adapter_in_model`` set
-    ``peft_config`` on it and froze every base parameter)."""
+def _weights_train(model: nn.Module) -> bool:
+    """Whether the dense weights ``model.dequantize()`` makes should train. The FP8 weights are
+    frozen by design, so this is read from the model around them (R30 F1): not where peft
+    manages the model (``get_peft_model`` / ``inject_adapter_in_model`` set ``peft_config`` on it
+    and froze every base parameter), nor where every other parameter is frozen (after peft's
+    ``unload()``, or ``model.requires_grad_(False)``), as on a high-precision model; otherwise
+    they train, as after a float load (what transformers' other quantizers' dequantize gives)."""
     if hasattr(model, "peft_config"):
-        return True
+        return False
     peft = sys.modules.get("peft.tuners.tuners_utils")
     tuner = getattr(peft, "BaseTunerLayer", None)
-    return tuner is not None and any(isinstance(m, tuner) for m in model.modules())
+    if tuner is not None and any(isinstance(m, tuner) for m in model.modules()):
+        return False
+    fp8_frozen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            fp8_frozen.update(map(id, (module.weight, module.weight_scale, module.input_scale)))
+        elif isinstance(module, Fp8Experts):
+            fp8_frozen.update(map(id, module._frozen()))
+    others = [p for p in model.parameters() if id(p) not in fp8_frozen]
+    return not others or any(p.requires_grad for p in others)
 
 
 def _dequantize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -566,10 +579,7 @@ class Fp8HfQuantizer(HfQuantizer):
             raise ValueError(
                 _offloaded_dequantize(f"{len(offloaded)} offloaded FP8 layer(s) ({shown})")
             )
-        # peft froze every base parameter (R30 F1): the dense weights stay frozen there, as
-        # peft leaves them on a high-precision model; without peft they train, as after a
-        # float load (what transformers' other quantizers' dequantize gives). Biases keep theirs.
-        weights_train = not _is_peft_model(model)
+        weights_train = _weights_train(model)  # biases keep their own flags
         for module in list(model.modules()):
             hook = getattr(module, "_hf_fp8_dequantize", None)
             if callable(hook):  # hf_fp8.lora: a merged adapter's dense base becomes the base

@@ -79,6 +79,24 @@ def test_dequantize_of_a_plain_fp8_model_is_trainable_as_a_float_load(tiny_model
     assert all(_flags(model).values())
 
 
+def test_dequantize_after_peft_unload_keeps_the_base_frozen(tiny_model_dir):
+    """peft's ``unload()`` drops the adapters and ``peft_config`` but leaves the base frozen."""
+    config = dict(r=4, target_modules=["q_proj"])
+    fp8 = _fp8(tiny_model_dir)
+    reference = get_peft_model(copy.deepcopy(fp8).dequantize(), LoraConfig(**config)).unload()
+    model = get_peft_model(fp8, LoraConfig(**config)).unload()
+    model.dequantize()
+    assert _flags(model) == _flags(reference)
+    assert not any(_flags(model).values())
+
+
+def test_dequantize_of_a_frozen_model_stays_frozen(tiny_model_dir):
+    """``model.requires_grad_(False)`` before ``dequantize()``: frozen, as the float model."""
+    float_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("gpt2")).requires_grad_(False)
+    model = _fp8(tiny_model_dir, "gpt2").requires_grad_(False).dequantize()
+    assert _flags(model) == _flags(float_model)
+
+
 def test_dequantize_keeps_fp8_experts_frozen_under_peft():
     """FP8 MoE experts next to LoRA on the attention: frozen after dequantize, as peft left
     the dequantized experts of the reference."""
