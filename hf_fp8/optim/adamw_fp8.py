@@ -182,6 +182,8 @@ class AdamWFp8(Optimizer):
         self.implementation = implementation
         self._compiled: Callable | None = None
         self._warned: set[str] = set()
+        # id(group) -> (group, the format options its stored moments were written with)
+        self._formats: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -207,6 +209,7 @@ class AdamWFp8(Optimizer):
         self.__dict__.setdefault("implementation", "auto")
         self.__dict__.setdefault("_compiled", None)
         self.__dict__.setdefault("_warned", set())
+        self.__dict__.setdefault("_formats", {})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after validating its hyper-parameters and parameters."""
@@ -222,6 +225,46 @@ class AdamWFp8(Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        self._record_format(group)
+
+    def _record_format(self, group: dict[str, Any]) -> None:
+        """Remember the format options ``group``'s moments are (or will be) stored with."""
+        self._formats[id(group)] = (
+            group,
+            {k: group[k] for k in (*FORMAT_OPTIONS, "moment_format")},
+        )
+
+    def _check_formats(self) -> None:
+        """Raise when a format option of a live param group was changed while its parameters
+        hold quantized moments written with the old one (R29 finding 3): they would be decoded
+        as another format. A group without such moments takes the new options."""
+        groups = self.param_groups
+        if len(self._formats) > len(groups):  # groups replaced: forget the old ones
+            live = {id(g) for g in groups}
+            self._formats = {k: v for k, v in self._formats.items() if k in live}
+        for i, group in enumerate(groups):
+            record = self._formats.get(id(group))
+            if record is None or record[0] is not group:
+                self._record_format(group)
+                continue
+            difference = format_difference(record[1], group)
+            if difference is None:
+                continue
+            if not any(
+                is_quantized_state(self.state[p]) for p in group["params"] if p in self.state
+            ):
+                self._record_format(group)
+                continue
+            option, old, new = difference
+            raise ValueError(
+                f"AdamWFp8: param group {i} has {option}={new!r}, but the moments stored for its "
+                f"parameters use {option}={old!r} (a format option was changed in a live param "
+                f"group); nothing was updated. Set optimizer.param_groups[{i}][{option!r}] back "
+                f"to {old!r}, or move the moments to the new format: load "
+                "optimizer.torch_state_dict() (fp32 moments) into a new AdamWFp8 created with "
+                f"{option}={new!r}, or drop the states of this group's parameters "
+                "(optimizer.state.pop(p)) to restart their moments"
+            )
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -297,6 +340,7 @@ class AdamWFp8(Optimizer):
                 if p.grad is not None:
                     stepping.append(p)
         _check_no_shared_memory(stepping, index, names)
+        self._check_formats()
 
     def _plan_group(
         self,
@@ -584,6 +628,8 @@ class AdamWFp8(Optimizer):
             self._optimizer_load_state_dict_post_hooks = post
         for p, st in new_state.items():
             self.state[p] = st
+        for group in self.param_groups:  # the loaded moments are in these groups' formats
+            self._record_format(group)
         for hook in post.values():
             hook(self)
 
@@ -611,21 +657,14 @@ class AdamWFp8(Optimizer):
                 )
             if "group_size" in saved:  # an AdamWFp8 state from before an option existed
                 saved = {"sqrt_second_moment": False, "moment_format": "fp8", **saved}
-            for option in FORMAT_OPTIONS:
-                if option in saved and saved[option] != group[option]:
-                    raise ValueError(
-                        f"cannot load an AdamWFp8 state saved with {option}={saved[option]!r} "
-                        f"into param group {i} configured with {option}={group[option]!r}; "
-                        f"create the optimizer with {option}={saved[option]!r}"
-                    )
-            if "group_size" in saved:
-                mine, theirs = resolved_format(group), resolved_format({**group, **saved})
-                if theirs != mine:
-                    raise ValueError(
-                        f"cannot load an AdamWFp8 state saved with moment_format={theirs!r} "
-                        f"into param group {i}, whose moment format is {mine!r}; create the "
-                        f"optimizer with moment_format={theirs!r}"
-                    )
+            difference = format_difference(saved, group)
+            if difference is not None:
+                option, theirs, mine = difference
+                raise ValueError(
+                    f"cannot load an AdamWFp8 state saved with {option}={theirs!r} into param "
+                    f"group {i} configured with {option}={mine!r}; create the optimizer with "
+                    f"{option}={theirs!r}"
+                )
             for option in ("amsgrad", "maximize"):
                 if saved.get(option):
                     raise ValueError(
@@ -696,6 +735,24 @@ def _deferred_signals() -> Iterator[None]:
             handler = held.get(signum)
             if callable(handler):
                 handler(signum, frame)
+
+
+def format_difference(saved: dict[str, Any], group: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first format option in which moments stored under ``saved``'s options cannot be read
+    by ``group``: ``(option, saved value, group value)``, or ``None``.
+
+    Compares :data:`FORMAT_OPTIONS` that ``saved`` has, then (for an AdamWFp8 group, one with
+    ``group_size``) the resolved moment format (``"auto"`` and what it stands for are the same
+    format; ``moment_format`` itself is reported as the resolved formats). Used when a state is
+    loaded and at every step against the options the group's moments were stored with."""
+    for option in FORMAT_OPTIONS:
+        if option in saved and saved[option] != group[option]:
+            return option, saved[option], group[option]
+    if "group_size" in saved:
+        mine, theirs = resolved_format(group), resolved_format({**group, **saved})
+        if theirs != mine:
+            return "moment_format", theirs, mine
+    return None
 
 
 def _bump_versions(kernel: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
