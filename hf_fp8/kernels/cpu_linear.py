@@ -68,6 +68,10 @@ def linear(
     path = cpu_kernel.active_path()
     if path is None or w_fp8.dtype not in cpu_kernel.FORMATS:
         return None
+    if any(
+        t is not None and is_functorch_wrapped(t) for t in (x, w_fp8, w_scale, bias, input_scale)
+    ):  # torch.func transforms (R31 F7): the torch emulation, which they can run
+        return None
     m, dtype = x.shape[0], x.dtype
     bn, bk = block_size
     w_scale = w_scale.detach().float().reshape(-1).contiguous()
@@ -119,6 +123,18 @@ def linear(
     return mm(a, w_fp8, w_scale, a_scale if a_post else None, b, w_gran, bn, bk, w_post, path)
 
 
+_is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """``t`` is a ``torch.func`` transform's tensor (``vmap``'s batched, ``grad``'s tracked):
+    its type is ``torch.Tensor`` but it has no storage a C kernel could read. ``False`` while
+    dynamo traces (it cannot call this; the traced ops go through the custom ops)."""
+    if torch.compiler.is_compiling():
+        return False
+    return _is_wrapped is not None and bool(_is_wrapped(t))
+
+
 def _eager(a: torch.Tensor, w: torch.Tensor) -> bool:
     """Plain tensors outside a compile: the kernels run without the custom-op dispatch
     (about 10 us a call); traced or fake tensors go through the op and its fake kernel."""
@@ -168,7 +184,7 @@ def decode_weight(
     ):
         return None
     path = cpu_kernel.active_path()
-    if path is None:
+    if path is None or is_functorch_wrapped(w_fp8) or is_functorch_wrapped(w_scale):
         return None
     scale = w_scale.detach().float().reshape(-1).contiguous()
     return cpu_kernel.decode(

@@ -13,8 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from hf_fp8.kernels import compiled
-from hf_fp8.kernels.emulated import _quantize_act, decode_weight, emulated_linear
+from hf_fp8.kernels.cpu_linear import is_functorch_wrapped
+from hf_fp8.kernels.emulated import (
+    _mm_forward,
+    _quantize_act,
+    decode_weight,
+    emulated_linear,
+    post_scaled,
+)
 from hf_fp8.kernels.scaled_mm import scaled_mm_linear, unsupported_reason
+from hf_fp8.numerics import dequantize
 from hf_fp8.numerics.formats import fp8_dtype, fp8_format_of
 from hf_fp8.recipe import (
     ActivationGranularity,
@@ -125,6 +133,8 @@ def _forward(
     plan: LinearPlan,
     use_scaled_mm: bool,
 ) -> torch.Tensor:
+    if _any_wrapped(x, w_fp8, w_scale, bias, input_scale):
+        return _functorch_forward(x, w_fp8, w_scale, bias, input_scale, plan)
     if use_scaled_mm:
         a_fp8, a_scale = compiled.run(
             _quantize_act,
@@ -148,25 +158,85 @@ def _forward(
     )
 
 
+def _functorch_forward(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+    plan: LinearPlan,
+) -> torch.Tensor:
+    """The emulation in plain torch ops, for tensors of a ``torch.func`` transform (``vmap``'s
+    batched tensors have no storage for the C kernels, and no compile or host read may run
+    under it). Same operands and scale placement as the compiled emulation's matmul path;
+    the overflow fallback (R24 F2) is a per-row select instead of a host check."""
+    dtype = x.dtype
+    post = post_scaled(plan.weight_granularity, dtype) or (
+        plan.act_dtype is not None and post_scaled(plan.act_granularity, dtype)
+    )
+
+    def run(post: bool) -> torch.Tensor:
+        return _mm_forward(
+            x, w_fp8, w_scale, bias, input_scale,
+            w_gran=plan.weight_granularity,
+            block_size=plan.block_size,
+            act_dtype=plan.act_dtype,
+            a_gran=plan.act_granularity,
+            w_post=post and post_scaled(plan.weight_granularity, dtype),
+            a_post=post and plan.act_dtype is not None and post_scaled(plan.act_granularity, dtype),
+        )  # fmt: skip
+
+    if not post:
+        return run(False)
+    out = run(True)
+    finite_in = ~x.isnan().any(-1) if plan.static else x.isfinite().all(-1)
+    redo = ~out.isfinite().all(-1) & finite_in  # as emulated._redo_helps
+    return torch.where(redo.unsqueeze(-1), run(False), out)
+
+
+def _any_wrapped(*tensors: torch.Tensor | None) -> bool:
+    return any(t is not None and is_functorch_wrapped(t) for t in tensors)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
-    """FP8 forward; straight-through backward in the compute dtype."""
+    """FP8 forward; straight-through backward in the compute dtype.
+
+    New-style (``setup_context``, ``generate_vmap_rule``) so that ``torch.func`` transforms
+    (``grad``, ``jacrev``, ``vjp``, ``vmap``) run it (R31 F7). The backward is made of
+    differentiable ops on ``grad_out`` (``grad_out @ W``, ``grad_out.sum(0)``) with the
+    dequantized weight a constant, so double backward works as for ``nn.Linear`` with a
+    frozen weight (R31 F12). The fp8 codes are kept only when the input needs a gradient
+    (R31 F11: a model loaded under ``inference_mode`` holds inference tensors, which autograd
+    cannot save; they are frozen and cannot change outside inference mode, so they are kept
+    on ``ctx`` unchecked then)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm):  # type: ignore[override]
-        ctx.save_for_backward(w_fp8, w_scale)
-        ctx.plan = plan
+    def forward(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm):  # type: ignore[override]
         return _forward(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        _, w_fp8, w_scale, _, _, plan, _ = inputs
+        ctx.plan = plan
+        ctx.inference_weights = None
+        if not ctx.needs_input_grad[0]:
+            return
+        if not torch.compiler.is_compiling() and (w_fp8.is_inference() or w_scale.is_inference()):
+            ctx.inference_weights = (w_fp8, w_scale)
+        else:
+            ctx.save_for_backward(w_fp8, w_scale)
+
+    @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        w_fp8, w_scale = ctx.saved_tensors
         plan: LinearPlan = ctx.plan
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            w = decode_weight(
-                w_fp8, w_scale, grad_out.dtype, plan.weight_granularity, plan.block_size
-            )
+            w_fp8, w_scale = ctx.inference_weights or ctx.saved_tensors
+            args = (w_fp8, w_scale, grad_out.dtype, plan.weight_granularity, plan.block_size)
+            # under torch.func: eager torch ops (no C decode, no compile)
+            w = dequantize(*args) if _any_wrapped(w_fp8, w_scale) else decode_weight(*args)
             grad_x = grad_out @ w
         if ctx.needs_input_grad[3]:
             grad_bias = grad_out.sum(0)
@@ -242,7 +312,8 @@ def fp8_linear(
     elif input_scale is None:
         raise RuntimeError(
             "this static FP8 layer has no input_scale: calibrate it with "
-            "hf_fp8.calibrate(model, batches), or give Fp8Config('static', activation_scale=...)"
+            "hf_fp8.calibrate(model, batches), or give Fp8Config('static', activation_scale=...) "
+            "(every layer) or activation_scales={'<module name>': ...} (per layer)"
         )
     use_scaled_mm = _choose_gemm(plan, x_hp, w_fp8)
 

@@ -77,7 +77,7 @@ from torch import nn
 
 from hf_fp8.kernels.fp8_linear import fresh_output
 from hf_fp8.kernels.grouped import combine, grouped_fp8_linear, route
-from hf_fp8.modules.fp8_linear import input_scale_above_bound
+from hf_fp8.modules.fp8_linear import input_scale_above_bound, refuse_fp8_compute_dtype
 from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.numerics import dequantize, fp8_dtype, is_fp8, quantize_weight
@@ -463,11 +463,12 @@ class Fp8Experts(RecipeWords, nn.Module):
                 "Set them on the model loaded without offloading, save_pretrained it, and "
                 "reload the saved folder with the device_map"
             )
-        setattr(
-            self,
-            f"{projection}_input_scale",
-            nn.Parameter(scale.to(device), requires_grad=False),
-        )
+        with torch.inference_mode(False):  # a normal tensor, as Fp8Linear.set_input_scale
+            setattr(
+                self,
+                f"{projection}_input_scale",
+                nn.Parameter(scale.to(device).clone(), requires_grad=False),
+            )
 
     @classmethod
     def _source_layout(cls, module: nn.Module, module_name: str) -> ExpertsLayout:
@@ -715,7 +716,9 @@ class Fp8Experts(RecipeWords, nn.Module):
                     return t.to(device=probe.device)
             return fn(t)
 
-        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        refuse_fp8_compute_dtype(self, compute_dtype)
+        self.compute_dtype = compute_dtype
         return super()._apply(keep_storage_dtype, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

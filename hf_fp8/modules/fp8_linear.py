@@ -66,6 +66,26 @@ def input_scale_above_bound(
     )
 
 
+def refuse_fp8_compute_dtype(module: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(torch.float8_e4m3fn)`` (or ``.type(...)``) would make an FP8 dtype the
+    compute dtype of ``module`` (R31 P21: its forward then failed with a confusing input
+    dtype error). Refused before ``module`` changes; what torch cast before reaching it (as
+    it casts a float model) stays cast."""
+    if not is_fp8(dtype):
+        return
+    name = module.__dict__.get("fp8_name") or type(module).__name__
+    wanted = str(dtype).removeprefix("torch.")
+    raise TypeError(
+        f"{name}: casting the model to {wanted} is not supported: FP8 layers already store "
+        f"their weights in FP8 and compute in a high-precision dtype (bfloat16, float16 or "
+        f"float32), which .to({wanted}) would replace. Keep a high-precision dtype, e.g. "
+        "model.to(torch.bfloat16); to store more layers in FP8 use Fp8Config or "
+        "hf_fp8.quantize_model. This layer is unchanged; modules torch cast before reaching "
+        "it (e.g. the embeddings) are now FP8 as in a float model cast this way: reload the "
+        "model before using it."
+    )
+
+
 def weight_scale_shape(
     out_features: int, in_features: int, granularity: str, block_size: tuple[int, int]
 ) -> tuple[int, ...]:
@@ -241,8 +261,12 @@ class Fp8Linear(RecipeWords, nn.Linear):
                 "it on the model loaded without offloading, save_pretrained it, and reload the "
                 "saved folder with the device_map"
             )
-        scale = scale.detach().to(self.weight.device, copy=True)
-        self.input_scale = nn.Parameter(scale, requires_grad=False)
+        # a normal tensor even under torch.inference_mode() (R31 F10): an inference tensor
+        # has no version counter and cannot be updated outside inference mode (a later
+        # load_state_dict or calibrate), where the float model has no such limit
+        with torch.inference_mode(False):
+            scale = scale.detach().to(self.weight.device, copy=True)
+            self.input_scale = nn.Parameter(scale, requires_grad=False)
         # the clipping counts were taken under the old scale (R27 F5): saturation_fraction()
         # must not report them before the next forward (the counter itself restarts there)
         self.__dict__.pop("_saturation", None)
@@ -304,6 +328,15 @@ class Fp8Linear(RecipeWords, nn.Linear):
             # nn.Linear computes them: nothing to quantize or multiply (R24 F3)
             return nn.functional.linear(input, input.new_zeros(self.weight.shape), bias)
         scale = self.input_scale
+        if scale is None and self._plan.static:
+            name = self.__dict__.get("fp8_name")
+            key = repr(name) if name else "'<module name>'"
+            raise RuntimeError(
+                f"static FP8 layer {name or '(unnamed)'} has no input_scale: calibrate it with "
+                "hf_fp8.calibrate(model, batches), or give Fp8Config('static', "
+                f"activation_scale=...) (every layer) or activation_scales={{{key}: ...}} "
+                "(this layer)"
+            )
         if scale is not None and self._plan.static and not torch.compiler.is_compiling():
             self._count_saturation(input, scale)
         return fp8_linear(
@@ -354,7 +387,9 @@ class Fp8Linear(RecipeWords, nn.Linear):
                     return t.to(device=probe.device)
             return fn(t)  # device moves, to_empty, ...
 
-        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        refuse_fp8_compute_dtype(self, compute_dtype)
+        self.compute_dtype = compute_dtype
         return super()._apply(keep_storage_dtype, recurse)
 
     def _check_state(self, state_dict: dict[str, torch.Tensor], prefix: str) -> None:

@@ -11,6 +11,13 @@ Set ``SaturationCounter.check_every = 0`` to switch it off.
 
 The counts belong to one input scale: a new scale (``set_input_scale``, ``calibrate``, a
 ``load_state_dict`` copying into it) starts the count again, warning included (R27 F5).
+
+Grad modes (R31 F8, F10): a scale that is an inference tensor (a model loaded under
+``torch.inference_mode()``) has no version counter, so only a new tensor restarts its count;
+the count itself is accumulated out of place, so a count started under ``inference_mode``
+keeps counting outside it (an inference tensor cannot be updated in place there). Inputs
+under a ``torch.func`` transform (``vmap``, ``grad``) are not counted: their count would
+outlive the transform.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import warnings
 
 import torch
+
+from hf_fp8.kernels.cpu_linear import is_functorch_wrapped
 
 
 class SaturationCounter:
@@ -45,14 +54,14 @@ class SaturationCounter:
     def _follow(self, input_scale: torch.Tensor) -> None:
         """Reset when ``input_scale`` is another tensor, or was changed in place, since the
         last call (identity and version counter: no host sync)."""
-        version = getattr(input_scale, "_version", 0)
+        version = -1 if input_scale.is_inference() else input_scale._version
         if input_scale is not self._scale or version != self._scale_version:
             if self._scale is not None:
                 self.reset()
             self._scale, self._scale_version = input_scale, version
 
     def update(self, x: torch.Tensor, input_scale: torch.Tensor, fp8_max: float, name: str) -> None:
-        if not self.check_every or x.numel() == 0:
+        if not self.check_every or x.numel() == 0 or is_functorch_wrapped(x):
             return
         self._follow(input_scale)
         if self.warned:
@@ -63,8 +72,9 @@ class SaturationCounter:
         limit = input_scale.detach().float() * fp8_max
         clipped = (x.detach().float().abs() > limit).sum()
         if self.clipped is None or self.clipped.device != clipped.device:
-            self.clipped = torch.zeros((), dtype=torch.int64, device=clipped.device)
-        self.clipped += clipped
+            self.clipped = clipped
+        else:  # out of place: the count may be an inference tensor, this call outside it
+            self.clipped = self.clipped + clipped
         self.elements += x.numel()
         self.calls += 1
         if self.calls % self.check_every == 0:
