@@ -35,8 +35,9 @@ import contextlib
 import signal
 import threading
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim import Optimizer
@@ -202,14 +203,37 @@ class AdamWFp8(Optimizer):
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "implementation": self.implementation}
+        """For pickle, ``copy.deepcopy`` and ``torch.save(optimizer)``: fp8 codes travel as their
+        uint8 bytes (:class:`_Fp8Codes`; plain pickle cannot rebuild float8 storages, R29
+        finding 5), with the implementation and the options the moments were stored with."""
+        state = super().__getstate__()
+        groups = state["param_groups"]
+        records = [self._formats.get(id(g)) for g in groups]
+        return {
+            **state,
+            "state": _codes_as_bytes(state["state"]),
+            "implementation": self.implementation,
+            "_state_formats": [
+                r[1] if r and r[0] is g else None for r, g in zip(records, groups, strict=True)
+            ],
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        formats = state.pop("_state_formats", None)
+        if "state" in state:
+            state["state"] = _codes_from_bytes(state["state"])
         super().__setstate__(state)
         self.__dict__.setdefault("implementation", "auto")
         self.__dict__.setdefault("_compiled", None)
         self.__dict__.setdefault("_warned", set())
         self.__dict__.setdefault("_formats", {})
+        if formats is not None:
+            self._formats = {
+                id(g): (g, rec)
+                for g, rec in zip(self.param_groups, formats, strict=False)
+                if rec is not None
+            }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after validating its hyper-parameters and parameters."""
@@ -735,6 +759,43 @@ def _deferred_signals() -> Iterator[None]:
             handler = held.get(signum)
             if callable(handler):
                 handler(signum, frame)
+
+
+class _Fp8Codes(NamedTuple):
+    """fp8 moment codes as pickled by :meth:`AdamWFp8.__getstate__`: their uint8 bytes and the
+    fp8 dtype's name."""
+
+    codes: torch.Tensor
+    dtype: str
+
+
+FP8_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def _codes_as_bytes(state: dict[Any, dict[str, Any]]) -> defaultdict:
+    """A copy of the per-parameter states with every (plain) fp8 tensor as :class:`_Fp8Codes`."""
+    out: defaultdict = defaultdict(dict)
+    for p, st in state.items():
+        out[p] = {
+            k: _Fp8Codes(v.view(torch.uint8), str(v.dtype).removeprefix("torch."))
+            if type(v) is torch.Tensor and v.dtype in FP8_DTYPES.values()
+            else v
+            for k, v in st.items()
+        }
+    return out
+
+
+def _codes_from_bytes(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    """``state`` with every :class:`_Fp8Codes` back as its fp8 tensor (in place)."""
+    for st in state.values():
+        if not isinstance(st, dict):
+            continue
+        for k, v in st.items():
+            if isinstance(v, _Fp8Codes):
+                if v.dtype not in FP8_DTYPES or v.codes.dtype != torch.uint8:
+                    raise ValueError(f"pickled AdamWFp8 state: {k!r} holds {v.dtype!r} codes")
+                st[k] = v.codes.view(FP8_DTYPES[v.dtype])
+    return state
 
 
 def format_difference(saved: dict[str, Any], group: dict[str, Any]) -> tuple[str, Any, Any] | None:
