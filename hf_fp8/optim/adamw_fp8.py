@@ -48,6 +48,7 @@ from hf_fp8.numerics.formats import fp8_dtype
 from hf_fp8.optim import _cpu_kernel, _step
 from hf_fp8.optim._layout import (
     MOMENT_FORMATS,
+    is_dtensor,
     is_quantized_state,
     local,
     new_fp32_state,
@@ -79,6 +80,17 @@ GROUP_MISMATCH_FIX = (
     "with transformers' Trainer, move optimizer.pt out of the checkpoint folder (the Trainer "
     "then loads neither optimizer.pt nor scheduler.pt, so the learning-rate schedule restarts "
     "too; under FSDP the optimizer files are optimizer.bin or optimizer_*/)"
+)
+# AdamWFp8's own param-group options (not torch.optim.AdamW's): left out of torch_state_dict().
+OWN_OPTIONS = (
+    "dynamic_range_expansion",
+    "group_size",
+    "fp8_format",
+    "min_quantize_numel",
+    "stochastic_rounding",
+    "sqrt_second_moment",
+    "moment_format",
+    "seed",
 )
 # Flags of torch.optim.AdamW / Adam groups that are not AdamWFp8 options: dropped when such a
 # state is loaded (amsgrad / maximize True and Adam's L2 weight decay are refused instead).
@@ -592,6 +604,53 @@ class AdamWFp8(Optimizer):
         sd["param_groups"] = [{**g, STATE_FORMAT_KEY: STATE_FORMAT} for g in sd["param_groups"]]
         return sd
 
+    @torch.no_grad()
+    def torch_state_dict(self) -> dict[str, Any]:
+        """A state ``torch.optim.AdamW.load_state_dict`` takes and steps from (R29 finding 6).
+
+        Per parameter ``step`` (as torch stores it: an fp32 scalar tensor) and fp32
+        ``exp_avg`` / ``exp_avg_sq`` decoded from the stored codes (:meth:`moments`; fp32
+        states are copied); param groups without AdamWFp8's own options
+        (:data:`OWN_OPTIONS`), with torch.optim.AdamW's flags (``amsgrad=False``,
+        ``decoupled_weight_decay=True``, ...), every other key kept (a scheduler's
+        ``initial_lr``). Loaded into an :class:`AdamWFp8`, the moments are quantized in that
+        optimizer's format: the way to change the format of a run's moments. New tensors: the
+        optimizer is not changed. (``state_dict()`` itself holds the codes, which
+        torch.optim.AdamW accepts but cannot step from: ``KeyError: 'exp_avg'``.)"""
+        sd = super().state_dict()
+        flags = {
+            k: v
+            for k, v in torch.optim.AdamW([torch.zeros(1)]).defaults.items()
+            if k not in ("lr", "betas", "eps", "weight_decay")
+        }
+        groups = [
+            {**flags, **{k: v for k, v in g.items() if k not in (*OWN_OPTIONS, STATE_FORMAT_KEY)}}
+            for g in sd["param_groups"]
+        ]
+        params = [p for g in self.param_groups for p in g["params"]]
+        state: dict[Any, dict[str, Any]] = {}
+        for pid, st in sd["state"].items():
+            p = params[pid]
+            if not st:
+                state[pid] = {}
+                continue
+            if is_quantized_state(st):
+                m, v = self.moments(p)
+                if is_dtensor(p):  # moments() gives the local shard
+                    m, v = (_like_dtensor(t, p) for t in (m, v))
+            else:
+                m, v = (
+                    st[k].detach().to(torch.float32, copy=True) for k in ("exp_avg", "exp_avg_sq")
+                )
+            step = st["step"]
+            step = (
+                step.detach().clone()
+                if isinstance(step, torch.Tensor)
+                else torch.tensor(float(step))
+            )
+            state[pid] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
+        return {"state": state, "param_groups": groups}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state after checking every tensor against its parameter.
 
@@ -814,6 +873,15 @@ def format_difference(saved: dict[str, Any], group: dict[str, Any]) -> tuple[str
         if theirs != mine:
             return "moment_format", theirs, mine
     return None
+
+
+def _like_dtensor(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The local shard ``t`` of a tensor laid out as the DTensor ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def _bump_versions(kernel: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
