@@ -6,6 +6,7 @@ Strings in, one typed ``Fp8Recipe`` inside (``config.recipe``), plain JSON on di
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.metadata
 import inspect
 import math
@@ -47,7 +48,8 @@ class Fp8Config(QuantizationConfigMixin):
             the base model, ``_keep_in_fp32_modules``). A loaded model stores the resolved list here, so a
             saved checkpoint reloads exactly the layers it has (``[]``: all of them FP8).
         activation_scale: static scale used by every layer.
-        activation_scales: static scales per module name (override ``activation_scale``).
+        activation_scales: static scales per module name (override ``activation_scale``);
+            every value a positive number (leave a module out to give it ``activation_scale``).
         kernel: ``"auto"``, ``"scaled_mm"`` or ``"emulated"``.
         weight_scale_method: ``"absmax"`` (``amax / fp8_max``, default) or ``"mse"``
             (per-group clipping that minimises the weight's squared error; slower to
@@ -75,7 +77,10 @@ class Fp8Config(QuantizationConfigMixin):
         weight_scale_method: str = "absmax",
         dequantize: bool = False,
         quant_method: str = QUANT_METHOD,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # a typo or another library's field: name the closest one (R31 F13)
+            raise TypeError(unknown_fields_message(sorted(unknown), "Fp8Config() got"))
         if quant_method != QUANT_METHOD:
             raise ValueError(f"quant_method must be {QUANT_METHOD!r}, got {quant_method!r}")
         recipe = Fp8Recipe.resolve(
@@ -141,20 +146,18 @@ class Fp8Config(QuantizationConfigMixin):
     @classmethod
     def fields(cls) -> tuple[str, ...]:
         """The keys ``to_dict`` writes and ``from_dict`` accepts."""
-        return tuple(inspect.signature(cls.__init__).parameters)[1:]
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        return tuple(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD)
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs):
-        """Build from a saved ``quantization_config``; a field this hf-fp8 does not know
-        (written by a newer version) is named in the error."""
+        """Build from a saved ``quantization_config``; a field this hf-fp8 does not know is
+        named in the error, with the closest accepted field (a typo, another library's
+        field) or, when none is close, the advice to upgrade (a newer hf-fp8 wrote it)."""
         known = cls.fields()
         unknown = sorted(set(config_dict) - set(known))
         if unknown:
-            raise ValueError(
-                f"quantization_config has field(s) {unknown} that hf-fp8 {_version()} does "
-                "not know: the checkpoint was probably written by a newer hf-fp8. Upgrade "
-                "hf-fp8 (pip install -U hf-fp8) to load it."
-            )
+            raise ValueError(unknown_fields_message(unknown, "quantization_config has"))
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in known}
         config = cls(**{**config_dict, **overrides})
         return (config, kwargs) if return_unused_kwargs else config
@@ -226,13 +229,15 @@ def module_names(names: Any, option: str = "modules_to_not_convert") -> list[str
     return list(names)
 
 
-def _scale(value: Any, field: str) -> float | None:
-    """A static activation scale: ``None`` or a positive finite number (not a bool or str)."""
-    if value is None:
+def _scale(value: Any, field: str, *, optional: bool = True) -> float | None:
+    """A static activation scale: a positive finite number (not a bool or str), or ``None``
+    where ``optional``."""
+    if value is None and optional:
         return None
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        what = " or None" if optional else ""
         raise ValueError(
-            f"{field} must be a positive finite number (a float, e.g. 0.05) or None, got "
+            f"{field} must be a positive finite number (a float, e.g. 0.05){what}, got "
             f"{value!r} ({type(value).__name__}); in a config.json write the number without "
             "quotes"
         )
@@ -258,7 +263,20 @@ def _scales(scales: Any) -> dict[str, float] | None:
                 f"activation_scales key {key!r} is not a module name: the keys are non-empty "
                 "str, e.g. 'model.layers.0.self_attn.q_proj' (experts: '<experts>.down_proj')"
             )
-    return {k: _scale(v, f"activation_scales[{k!r}]") for k, v in scales.items()} or None
+    for key, value in scales.items():
+        if value is None:
+            # refused, not read as "use activation_scale" (R31 F5): a None entry is most often a
+            # layer a calibration script found no scale for, which a silent fallback would hide;
+            # the layer got no scale, ran nowhere and saved a checkpoint that could not reload
+            raise ValueError(
+                f"activation_scales[{key!r}] is None: every entry must be a positive finite "
+                "number. Remove the entry to give that layer activation_scale (the scale for "
+                "every layer not listed), give it its own number, or leave it out and set it "
+                "with hf_fp8.calibrate(model, batches)"
+            )
+    return {
+        k: _scale(v, f"activation_scales[{k!r}]", optional=False) for k, v in scales.items()
+    } or None
 
 
 def _check_scale_bounds(scales: dict[str, Any], recipe: Fp8Recipe) -> None:
@@ -282,6 +300,41 @@ def _check_scale_bounds(scales: dict[str, Any], recipe: Fp8Recipe) -> None:
             )
         if problem is not None:
             raise ValueError(problem)
+
+
+# Fields of other FP8 configs that users copy over, with hf-fp8's words for them.
+_FOREIGN_FIELDS = {
+    "weight_block_size": (
+        "transformers' FineGrainedFP8Config field: here block_size=[rows, cols] with "
+        "weight_granularity='block'."
+    ),
+}
+
+
+def unknown_fields_message(unknown: list[str], start: str) -> str:
+    """Why ``unknown`` fields are refused: each one's closest accepted field (``difflib``),
+    the accepted fields, and "upgrade hf-fp8" only for a field close to none of them."""
+    known = Fp8Config.fields()
+    by_lower = {k.lower(): k for k in known}
+    hints, far = [], []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)
+        if key in _FOREIGN_FIELDS:
+            hints.append(f"{key!r} is {_FOREIGN_FIELDS[key]}")
+        elif close:
+            hints.append(f"{key!r}: did you mean {by_lower[close[0]]!r}?")
+        else:
+            far.append(key)
+    text = f"{start} field(s) {unknown} that hf-fp8 {_version()} does not know. "
+    if hints:
+        text += " ".join(hints) + " "
+    text += f"Fp8Config accepts: {', '.join(known)}."
+    if far:
+        text += (
+            f" If {far} came from a checkpoint written by a newer hf-fp8, upgrade hf-fp8 "
+            "(pip install -U hf-fp8) to load it; otherwise remove or rename it."
+        )
+    return text
 
 
 def _version() -> str:
