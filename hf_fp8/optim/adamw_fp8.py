@@ -137,6 +137,10 @@ class AdamWFp8(Optimizer):
             (0.018 vs 0.052 at 300 steps; :mod:`hf_fp8.numerics.log_moments`).
         seed: seed of the stochastic rounding streams.
         amsgrad: must be ``False`` (not supported).
+        maximize, foreach, capturable, differentiable, fused: ``torch.optim.AdamW``'s flags,
+            accepted where they change nothing (``foreach`` any of ``None`` / ``False`` /
+            ``True``; ``fused`` ``None`` / ``False``; the others ``False``), so that AdamW's
+            keyword arguments carry over; other values raise ``ValueError``.
         implementation: ``"auto"`` (fused C kernel for CPU tensors, else ``torch.compile``
             of the reference step, falling back to the reference if compilation fails),
             ``"cpu_kernel"`` (raises when the C kernel cannot run: no silent fallback),
@@ -185,9 +189,21 @@ class AdamWFp8(Optimizer):
         seed: int = 0,
         amsgrad: bool = False,
         implementation: str = "auto",
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError("AdamWFp8 does not support amsgrad=True (use torch.optim.AdamW)")
+        _check_torch_flags(
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+        )
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation={implementation!r} is not supported; use one of {IMPLEMENTATIONS}"
@@ -873,6 +889,42 @@ def format_difference(saved: dict[str, Any], group: dict[str, Any]) -> tuple[str
         if theirs != mine:
             return "moment_format", theirs, mine
     return None
+
+
+# torch.optim.AdamW flags taken where they change nothing: name -> (accepted values, fix)
+TORCH_FLAGS = {
+    "foreach": ((None, False, True), "foreach only picks torch's implementation"),
+    "fused": (
+        (None, False),
+        "AdamWFp8's step is already fused: the C kernel on the CPU (implementation='auto' or "
+        "'cpu_kernel'), torch.compile elsewhere; pass fused=None, or use "
+        "torch.optim.AdamW(fused=True) for fp32 moments",
+    ),
+    "maximize": (
+        (False,),
+        "negate the loss (or the gradients) instead, or use torch.optim.AdamW(maximize=True)",
+    ),
+    "capturable": (
+        (False,),
+        "AdamWFp8 steps cannot be captured in CUDA graphs; use torch.optim.AdamW(capturable=True)",
+    ),
+    "differentiable": (
+        (False,),
+        "AdamWFp8 steps are not differentiable; use torch.optim.AdamW(differentiable=True)",
+    ),
+}
+
+
+def _check_torch_flags(**flags: Any) -> None:
+    """Accept torch.optim.AdamW's flags at the values that change nothing (R29 finding 7)."""
+    for name, value in flags.items():
+        accepted, fix = TORCH_FLAGS[name]
+        if not any(value is a for a in accepted):
+            names = ", ".join(repr(a) for a in accepted[:-1])
+            names = f"{names} or {accepted[-1]!r}" if names else repr(accepted[-1])
+            raise ValueError(
+                f"AdamWFp8 does not support {name}={value!r} (it takes {name}={names}): {fix}"
+            )
 
 
 def _like_dtensor(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
