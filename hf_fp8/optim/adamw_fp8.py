@@ -163,8 +163,15 @@ class AdamWFp8(Optimizer):
     second moment as 0 (it rounds up to the smallest code: no ``m / eps`` update). Moments
     and the update are fp32 for every parameter dtype; float64 weights are decayed and updated
     in float64 (never rounded to fp32), but float64 gradients beyond the fp32 range
-    (``|g| > 3.4e38``) overflow the fp32 moments: NaN weights. A refused step (a sparse gradient, or a tensor
-    ``implementation="cpu_kernel"`` cannot take) raises before any weight or state changes.
+    (``|g| > 3.4e38``) overflow the fp32 moments: NaN weights. A refused step (a sparse gradient,
+    a tensor ``implementation="cpu_kernel"`` cannot take, parameters with gradients that share
+    memory or overlap themselves, a format option changed in a live param group whose moments
+    were stored with another) raises before any weight or state changes; an error after the C
+    kernel ran leaves what it updated applied (the exception carries a note: restore a
+    checkpoint). Every step bumps the weights' autograd version, as ``torch.optim.AdamW``.
+    ``torch_state_dict()`` is a state ``torch.optim.AdamW`` (or an AdamWFp8 of another format)
+    loads with fp32 moments; the optimizer itself pickles (``state_dict()`` with fp8 moments
+    goes through ``torch.save``: plain pickle cannot rebuild float8 tensors).
     Ctrl-C (or SIGTERM with a Python handler) during a step in the main thread: the step
     completes, then the handler runs (``KeyboardInterrupt`` after the step); a second Ctrl-C
     during the same step interrupts at once. ``state_dict()`` records the state format
@@ -961,23 +968,27 @@ def _check_no_shared_memory(
         return f"parameter {index[p]}{name} (shape {tuple(p.shape)})"
 
     spans: dict[tuple[torch.device, int], list[tuple[int, int, torch.Tensor]]] = {}
+    plain = (torch.Tensor, torch.nn.Parameter)
     for p in params:
-        t = local(p)
-        if t.numel() == 0 or t.device.type == "meta":
+        t = p if type(p) in plain else local(p)
+        n = t.numel()
+        if n == 0 or t.device.type == "meta":
             continue
-        if torch._debug_has_internal_overlap(t) == 1:
-            raise ValueError(
-                f"AdamWFp8: {label(p)}, with strides {tuple(t.stride())}, has elements that overlap in memory (an expanded or "
-                "stride-0 tensor); nothing was updated. Make it a real tensor: "
-                "torch.nn.Parameter(t.contiguous()) (or .clone())"
-            )
         size = t.element_size()
         start = t.storage_offset() * size
-        end = (
-            start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * size
-        )
-        key = (t.device, t.untyped_storage().data_ptr())
-        spans.setdefault(key, []).append((start, end, p))
+        if t.is_contiguous():  # the common case: no overlap within, n elements from start
+            end = start + n * size
+        else:
+            if torch._debug_has_internal_overlap(t) == 1:
+                raise ValueError(
+                    f"AdamWFp8: {label(p)}, with strides {tuple(t.stride())}, has elements "
+                    "that overlap in memory (an expanded or stride-0 tensor); nothing was "
+                    "updated. Make it a real tensor: torch.nn.Parameter(t.contiguous()) (or "
+                    ".clone())"
+                )
+            last = sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True))
+            end = start + (last + 1) * size
+        spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((start, end, p))
     for items in spans.values():
         if len(items) < 2:
             continue
