@@ -66,23 +66,32 @@ def input_scale_above_bound(
     )
 
 
-def refuse_fp8_compute_dtype(module: nn.Module, dtype: torch.dtype) -> None:
+def refuse_fp8_compute_dtype(
+    module: nn.Module, dtype: torch.dtype, *, whole_model: bool = False
+) -> None:
     """``model.to(torch.float8_e4m3fn)`` (or ``.type(...)``) would make an FP8 dtype the
     compute dtype of ``module`` (R31 P21: its forward then failed with a confusing input
     dtype error). Refused before ``module`` changes; what torch cast before reaching it (as
-    it casts a float model) stays cast."""
+    it casts a float model) stays cast. ``whole_model``: called before any module changed
+    (a check on the model's own ``.to``)."""
     if not is_fp8(dtype):
         return
     name = module.__dict__.get("fp8_name") or type(module).__name__
+    if whole_model:
+        changed = "Nothing was changed."
+    else:
+        changed = (
+            "This layer is unchanged; modules torch cast before reaching it (e.g. the "
+            "embeddings) are now FP8 as in a float model cast this way: reload the model "
+            "before using it."
+        )
     wanted = str(dtype).removeprefix("torch.")
     raise TypeError(
         f"{name}: casting the model to {wanted} is not supported: FP8 layers already store "
         f"their weights in FP8 and compute in a high-precision dtype (bfloat16, float16 or "
         f"float32), which .to({wanted}) would replace. Keep a high-precision dtype, e.g. "
         "model.to(torch.bfloat16); to store more layers in FP8 use Fp8Config or "
-        "hf_fp8.quantize_model. This layer is unchanged; modules torch cast before reaching "
-        "it (e.g. the embeddings) are now FP8 as in a float model cast this way: reload the "
-        "model before using it."
+        f"hf_fp8.quantize_model. {changed}"
     )
 
 

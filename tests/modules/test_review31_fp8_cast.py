@@ -60,6 +60,8 @@ def test_casting_fp8_experts_to_fp8_is_refused(dtype) -> None:
     source = Qwen3MoeExperts(
         tf.Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4)
     )
+    for p in source.parameters():  # the experts class leaves its weights uninitialized
+        nn.init.normal_(p, std=0.1)
     experts = Fp8Experts.from_experts(source, Fp8Config("weight_only"))
     with pytest.raises(TypeError, match="casting the model to float8"):
         experts.to(dtype)
