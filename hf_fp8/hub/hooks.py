@@ -12,18 +12,31 @@ file: ``hf_fp8.hub.card_file``), which fails them with ``UnsafePathError`` befor
 written or uploaded; at load it is ignored with a warning. Figures recorded for a card hold
 for the compute dtype they were measured in only (``card_info.recorded_fidelity``). Nothing
 here touches the network.
+
+``save_pretrained(state_dict=...)`` (``Trainer._save``, FSDP / DeepSpeed gathered saves) saves
+the state dict passed, as for a high-precision model: transformers asks the quantizer for the
+state dict to write and would write ``model.state_dict()`` instead (R31 F3, the edits lost).
+:func:`save_pretrained` checks that state dict first (:func:`check_state_dict`: every FP8
+layer's codes with their scales, no fp8 codes without a scale), refusing an inconsistent one
+before anything is written, and hands it to ``Fp8HfQuantizer.get_state_dict_and_metadata``
+(``hf_fp8.quantizer.hf_quantizer.SAVING``) with the input-scale record of what it holds
+(:func:`state_dict_record`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
+import inspect
+import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from hf_fp8.config import Fp8Config
@@ -36,6 +49,7 @@ from hf_fp8.hub.card_info import (
     info_from_model,
 )
 from hf_fp8.modules import Fp8Experts, Fp8Linear
+from hf_fp8.numerics import is_fp8
 from hf_fp8.utils.folders import UnsafePathError
 
 _STATE = "_hf_fp8_card"
@@ -146,17 +160,243 @@ def _write_card(model: nn.Module, folder: Path, existing: str | None, **render_k
         )
 
 
+class StateDictError(ValueError):
+    """``save_pretrained(state_dict=...)`` of an hf_fp8 model got a state dict that would not
+    reload: an FP8 layer's codes without their scales, fp8 codes where the model has no FP8
+    layer, high-precision values in place of fp8 codes."""
+
+
+_STATE_DICT_FIX = (
+    "Pass the model's full state dict with your edits (model.state_dict(), each FP8 layer's "
+    "fp8 codes with their weight_scale, as hf_fp8 saves them); to save edited high-precision "
+    "weights, dequantize first (model.dequantize(), then save_pretrained) or quantize them "
+    "again (hf_fp8.quantize_model on the high-precision model)"
+)
+
+
+def _fp8_tensor_names(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, str, str]]:
+    """``(module name, module, codes, weight scale, input scale)`` tensor names of every FP8
+    layer (an ``Fp8Experts`` once per projection), as ``model.state_dict()`` names them."""
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, Fp8Linear):
+            yield (
+                name,
+                module,
+                f"{prefix}weight",
+                f"{prefix}weight_scale",
+                f"{prefix}input_scale",
+            )
+        elif isinstance(module, Fp8Experts):
+            for proj in module.layout.projections:
+                yield (
+                    name,
+                    module,
+                    f"{prefix}{proj}",
+                    f"{prefix}{proj}_weight_scale",
+                    f"{prefix}{proj}_input_scale",
+                )
+
+
+def _refuse(key: str, problem: str) -> StateDictError:
+    return StateDictError(
+        f"hf_fp8: save_pretrained(state_dict=...): {key} {problem}; the checkpoint would not "
+        f"reload, so nothing was written. {_STATE_DICT_FIX}"
+    )
+
+
+def _plain(t: Any) -> bool:
+    """A tensor whose values may be read here (not meta, not a DTensor shard)."""
+    return type(t) in (torch.Tensor, nn.Parameter) and not t.is_meta
+
+
+def _check_like(key: str, value: Any, reference: torch.Tensor, what: str) -> None:
+    """``value`` (the state dict's ``key``) has ``reference``'s dtype and shape."""
+    if not isinstance(value, torch.Tensor):
+        raise _refuse(key, f"is a {type(value).__name__}, not a tensor")
+    if value.dtype != reference.dtype:
+        raise _refuse(
+            key,
+            f"is {str(value.dtype).removeprefix('torch.')} where the model's {what} is "
+            f"{str(reference.dtype).removeprefix('torch.')}",
+        )
+    if tuple(value.shape) != tuple(reference.shape):
+        raise _refuse(
+            key, f"has shape {tuple(value.shape)}, the model's {what} {tuple(reference.shape)}"
+        )
+
+
+def _check_scale_values(key: str, value: torch.Tensor) -> None:
+    if _plain(value) and value.numel() and not bool(((value > 0) & value.isfinite()).all()):
+        raise _refuse(key, "holds a scale that is not a finite positive number")
+
+
+def _prefixed_hint(state_dict: Mapping[str, Any], key: str) -> str:
+    """A hint when ``state_dict`` holds ``key`` under a wrapper's prefix (torch.compile's
+    ``_orig_mod.``, DDP's ``module.``): a state dict taken from the wrapper, not the model."""
+    found = next((k for k in state_dict if k.endswith(f".{key}")), None)
+    if found is None:
+        return ""
+    return (
+        f"; the state dict has {found}: names with a wrapper's prefix (torch.compile's "
+        "_orig_mod., DistributedDataParallel's module.), which would not reload either. Pass "
+        "the state dict of the unwrapped model"
+    )
+
+
+def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """Refuse (``StateDictError``, naming the key and the fix) a state dict passed to
+    ``save_pretrained`` of the hf_fp8 ``model`` that would not reload: an FP8 layer of the
+    model without its fp8 codes, weight scale or bias in it, any of them with another dtype or
+    shape than the layer's (high-precision values where the layer stores fp8 codes), a scale
+    that is not finite and positive, or fp8 codes under a name that is no FP8 layer's (codes
+    without their scale). Other entries (norms, embeddings, high-precision layers) are not
+    checked, as for a high-precision model."""
+    codes: set[str] = set()
+    for layer, module, key, scale_key, input_key in _fp8_tensor_names(model):
+        codes.add(key)
+        if isinstance(module, Fp8Experts):
+            proj = key.rpartition(".")[2]
+            tensors = {
+                key: (getattr(module, proj), "fp8 codes"),
+                scale_key: (getattr(module, f"{proj}_weight_scale"), "weight scale"),
+            }
+            bias = getattr(module, f"{proj}_bias", None)
+            bias_key = f"{key}_bias"
+        else:
+            tensors = {
+                key: (module.weight, "fp8 codes"),
+                scale_key: (module.weight_scale, "weight scale"),
+            }
+            bias = module.bias
+            bias_key = key.removesuffix("weight") + "bias"
+        if isinstance(bias, torch.Tensor):
+            tensors[bias_key] = (bias, "bias")
+        for k, (reference, what) in tensors.items():
+            if k not in state_dict:
+                raise _refuse(
+                    k,
+                    f"is missing: the FP8 layer {layer or 'model'} needs its {what} "
+                    f"({', '.join(tensors)}){_prefixed_hint(state_dict, k)}",
+                )
+            _check_like(k, state_dict[k], reference, what)
+        _check_scale_values(scale_key, state_dict[scale_key])
+        if input_key in state_dict:
+            _check_scale_values(input_key, state_dict[input_key])
+    for key, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and is_fp8(value.dtype) and key not in codes:
+            raise _refuse(
+                key,
+                f"holds fp8 codes ({str(value.dtype).removeprefix('torch.')}) but is no FP8 "
+                "layer's weight in the model: saved without a scale, it would reload as "
+                "plain numbers",
+            )
+
+
+def state_dict_record(
+    model: nn.Module, state_dict: Mapping[str, Any], metadata: dict[str, str]
+) -> dict[str, str]:
+    """``metadata`` (the model's, ``input_scales_metadata``) with its input-scale record made
+    that of ``state_dict``: the static input scales it holds. A state dict that lacks some of
+    the model's scales is saved as it is, and reloads as saved (the layers without a stored
+    scale take the config's fallback ``activation_scale`` or ask for calibration, as after a
+    save with those scales unset), with one warning naming them."""
+    from hf_fp8.quantizer.input_scales import RECORD_KEY, model_input_scales
+
+    if RECORD_KEY not in metadata:
+        return metadata
+    static = []
+    for _, module, _, _, input_key in _fp8_tensor_names(model):
+        if isinstance(module, Fp8Linear):
+            if module.activation_scheme == "static":
+                static.append(input_key)
+        elif module.recipe.is_static:
+            static.append(input_key)
+    held = sorted(k for k in static if k in state_dict)
+    dropped = sorted(set(model_input_scales(model)) - set(held))
+    if dropped:
+        shown = ", ".join(dropped[:5]) + (" …" if len(dropped) > 5 else "")
+        warnings.warn(
+            f"hf_fp8: the state dict passed to save_pretrained lacks {len(dropped)} input "
+            f"scale(s) the model has ({shown}); the checkpoint is saved without them and "
+            "records so: these layers reload with the config's fallback activation_scale, or "
+            "ask for calibration. Pass model.state_dict() to keep them",
+            UserWarning,
+            stacklevel=6,  # the caller of save_pretrained
+        )
+    return {**metadata, RECORD_KEY: json.dumps(held)}
+
+
+def _save_arguments(
+    original: Callable, model: nn.Module, save_directory: Any, args: tuple, kwargs: dict
+) -> tuple[Any, bool]:
+    """The ``state_dict`` and ``is_main_process`` this ``save_pretrained`` call passes
+    (keyword or positional)."""
+    try:
+        bound = inspect.signature(original).bind(model, save_directory, *args, **kwargs)
+    except (TypeError, ValueError):  # transformers raises its own error for the call
+        return kwargs.get("state_dict"), bool(kwargs.get("is_main_process", True))
+    return bound.arguments.get("state_dict"), bool(bound.arguments.get("is_main_process", True))
+
+
+@contextlib.contextmanager
+def _handing_state_dict(
+    original: Callable, model: nn.Module, save_directory: Any, args: tuple, kwargs: dict
+) -> Iterator[None]:
+    """For the length of the save: the state dict passed, checked, handed to hf_fp8's
+    quantizer with the input-scale record of what it holds (``SAVING``)."""
+    state_dict, main = _save_arguments(original, model, save_directory, args, kwargs)
+    if state_dict is None:
+        yield
+        return
+    from hf_fp8.quantizer import hf_quantizer
+    from hf_fp8.quantizer.input_scales import input_scales_metadata
+
+    if not isinstance(getattr(model, "hf_quantizer", None), hf_quantizer.Fp8HfQuantizer):
+        yield
+        return
+    metadata = input_scales_metadata(model)
+    # an adapter save (peft config loaded) writes adapter weights only; another process than
+    # the main one writes nothing
+    if main and not getattr(model, "_hf_peft_config_loaded", False):
+        check_state_dict(model, state_dict)
+        metadata = state_dict_record(model, state_dict, metadata)
+    saving = getattr(hf_quantizer, "SAVING", None)  # hf26-save-state-dict.diff
+    if saving is None:
+        yield
+        return
+    token = saving.set((model, state_dict, metadata))
+    try:
+        yield
+    finally:
+        saving.reset(token)
+
+
 def save_pretrained(
     original: Callable, model: nn.Module, save_directory: str | os.PathLike, *args, **kwargs
 ):
-    """``save_pretrained`` of a marked hf_fp8 model: its quantization metadata first made to
-    match its layers (``hf_fp8.quantizer.state``: a model whose FP8 layers were all merged
-    saves as a plain high-precision checkpoint), then written into a temporary folder and
-    renamed into place with its model card, so an interrupted save over an existing
+    """``save_pretrained`` of a model loaded or quantized by hf_fp8: a ``state_dict=`` passed
+    is what is saved (:func:`check_state_dict`, then handed to the quantizer); the rest is
+    :func:`_save_marked`."""
+    if _STATE in model.__dict__:
+        from hf_fp8.quantizer.state import sync_quantization_state
+
+        sync_quantization_state(model)  # e.g. after merge_and_unload: save what the model is
+    with _handing_state_dict(original, model, save_directory, args, kwargs):
+        return _save_marked(original, model, save_directory, *args, **kwargs)
+
+
+def _save_marked(
+    original: Callable, model: nn.Module, save_directory: str | os.PathLike, *args, **kwargs
+):
+    """``save_pretrained`` of a marked hf_fp8 model, its quantization metadata made to match its
+    layers first (:func:`save_pretrained`, ``hf_fp8.quantizer.state``: a model whose FP8 layers
+    were all merged saves as a plain high-precision checkpoint): written into a temporary folder
+    and renamed into place with its model card, so an interrupted save over an existing
     checkpoint leaves the old one loadable (``hf_fp8.serialization.atomic.atomic_folder``: a
-    folder swap, or file-by-file renames inside a folder that cannot be swapped — a mount
-    point, the current directory, another user's folder, a read-only parent). Of the files
-    already there, only the stale ones of the weight set this save wrote are removed
+    folder swap, or file-by-file renames inside a folder that cannot be swapped — a mount point,
+    the current directory, another user's folder, a read-only parent). Of the files already
+    there, only the stale ones of the weight set this save wrote are removed
     (:func:`stale_weights`: its variant's old shards and index, as transformers does); ``.bin``
     files, other variants and, after an adapter-only save, the base weights stay.
 
@@ -167,10 +407,6 @@ def save_pretrained(
     positionally or that run on a non-main process go straight to transformers, with the card
     written after.
     """
-    if _STATE in model.__dict__:
-        from hf_fp8.quantizer.state import sync_quantization_state
-
-        sync_quantization_state(model)  # e.g. after merge_and_unload: save what the model is
     if not _marked(model):
         return original(model, save_directory, *args, **kwargs)
     dest = Path(save_directory)

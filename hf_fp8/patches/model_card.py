@@ -2,8 +2,10 @@
 
 Both methods are wrapped once, on the class (a bound method stored on each instance would make
 a reference cycle that keeps a dropped model's weights alive). The wrappers act only on models
-that ``hf_fp8.hub.hooks.attach_card_hooks`` marked after an hf_fp8 load, and call
-transformers' own method for every other model. Each method is wrapped on its own: when
+that ``hf_fp8.hub.hooks.attach_card_hooks`` marked after an hf_fp8 load (and
+``save_pretrained(state_dict=...)`` on any model with hf_fp8's quantizer: the state dict passed
+is checked, then saved, ``hf_fp8.hub.hooks.check_state_dict``), and call transformers' own
+method for every other model. Each method is wrapped on its own: when
 ``_upload_modified_files`` (private; where ``push_to_hub`` ends) is renamed, saves still carry
 the card and only pushes lose it, with one warning.
 
