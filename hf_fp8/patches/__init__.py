@@ -9,7 +9,8 @@ patch                  what it changes                              public alter
 ``trainer_optimizers`` ``TrainingArguments(optim="adamw_fp8...")``  ``Trainer(optimizer_cls_and_kwargs=
                        (``OptimizerNames``, ``_OPTIMIZER_HANDLERS``) (hf_fp8.AdamWFp8, {...}))``
 ``model_card``         ``PreTrainedModel.save_pretrained`` /        ``hf_fp8.hub.write_model_card`` /
-                       ``_upload_modified_files``                   ``hf_fp8.hub.push_folder``
+                       ``_upload_modified_files`` (and the          ``hf_fp8.hub.push_folder``
+                       ``state_dict=`` passed, checked, is saved)
 ``peft_lora``          ``LoraConfig.__post_init__`` registers        ``config._register_custom_module(
                        ``Fp8LoraLinear`` via peft's custom modules  {Fp8Linear: Fp8LoraLinear})``
 ``model_dtype``        ``PreTrainedModel.half()`` / ``.float()``     ``model.to(torch.float16)``
@@ -28,6 +29,10 @@ patch                  what it changes                              public alter
                        fp8 weights have scales but whose config     ``quantization_config``; pass no
                        has no ``quantization_config``: refused      base-model ``config=``
                        (it would load as garbage)
+``resize_embeddings``  ``PreTrainedModel.resize_token_embeddings``  resize the embeddings before
+                       refuses to resize an FP8 ``lm_head``         quantizing, or keep the head:
+                       (transformers would crash half-way, or       ``Fp8Config(modules_to_not_convert=
+                       copy fp8 codes without their scales)         ["lm_head"])``
 =====================  ==========================================  =====================================
 
 Each patch is applied on its own, when the library it changes is imported (see
@@ -79,7 +84,8 @@ PATCHES: dict[str, Patch] = {
     "model_card": Patch(
         "hf_fp8.patches.model_card",
         ("hf_fp8.quantizer.hf_quantizer",),
-        "hf_fp8 model cards and atomic saves in save_pretrained / push_to_hub",
+        "hf_fp8 model cards, atomic saves and the state dict passed "
+        "(save_pretrained(state_dict=...)) in save_pretrained / push_to_hub",
         "write the card yourself: hf_fp8.hub.write_model_card(folder, "
         "hf_fp8.hub.info_from_model(model)), and upload with hf_fp8.hub.push_folder(folder, repo_id)",
     ),
@@ -125,6 +131,14 @@ PATCHES: dict[str, Patch] = {
         ("accelerate.accelerator",),
         "fp8 codes kept fp8 by accelerator.prepare under FSDP2 with mixed_precision bf16/fp16",
         "call hf_fp8.fully_shard_fp8(model) before accelerator.prepare(model, optimizer, ...)",
+    ),
+    "resize_embeddings": Patch(
+        "hf_fp8.patches.resize_embeddings",
+        ("transformers.modeling_utils",),
+        "a clear error from resize_token_embeddings on a model whose lm_head is an FP8 layer "
+        "(else transformers fails half-way in torch, or copies fp8 codes without their scales)",
+        "resize the token embeddings before quantizing, or keep lm_head in high precision: "
+        "Fp8Config(modules_to_not_convert=['lm_head'])",
     ),
 }
 
