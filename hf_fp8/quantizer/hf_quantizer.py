@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 import warnings
@@ -59,6 +60,14 @@ EXPERTS_INPUT_SCALE_SUFFIX = "_input_scale"  # Fp8Experts: ``<proj>_input_scale`
 # ``hook(model, hf_quantizer)`` run at the end of every hf_fp8 load. Upper layers add theirs
 # (hf_fp8.hub: model cards on save_pretrained / push_to_hub) so this layer imports none of them.
 POST_LOAD_HOOKS: list[Callable[[nn.Module, Any], None]] = []
+
+# ``save_pretrained(state_dict=...)``: transformers replaces the state dict passed with what
+# ``get_state_dict_and_metadata`` returns. hf_fp8's save_pretrained wrapper (hf_fp8.hub.hooks)
+# sets ``(model, state dict, metadata)`` here for the length of that save, once it checked the
+# state dict; the metadata's input-scale record then describes that state dict, not the model.
+SAVING: contextvars.ContextVar[tuple[nn.Module, dict, dict] | None] = contextvars.ContextVar(
+    "hf_fp8_saving", default=None
+)
 
 
 def _already_fp8(key: str) -> CheckpointTensorError:
@@ -612,10 +621,14 @@ class Fp8HfQuantizer(HfQuantizer):
         return True
 
     def get_state_dict_and_metadata(self, model):
-        """``save_pretrained``: the model's own state dict; every shard's metadata records
-        which static input scales it saves (``hf_fp8.quantizer.input_scales``), so a model
-        with scales set on some layers only reloads as saved, while a checkpoint that lost
-        scales after saving is still refused."""
+        """``save_pretrained``: the state dict passed to it (``state_dict=``, handed over in
+        :data:`SAVING`), else the model's own (None); every shard's metadata records which
+        static input scales it saves (``hf_fp8.quantizer.input_scales``), so a model with
+        scales set on some layers only reloads as saved, while a checkpoint that lost scales
+        after saving is still refused."""
+        saving = SAVING.get()
+        if saving is not None and saving[0] is model:
+            return saving[1], dict(saving[2])
         return None, input_scales_metadata(model)
 
     @property

@@ -25,13 +25,6 @@ from hf_fp8 import Fp8Config, Fp8Linear
 from tests.serialization.moe_fixtures import tiny_qwen3_moe
 from tests.tiny_models import model_inputs
 
-# tests that need /work/notes/diffs/hf26-save-state-dict.diff in hf_quantizer.py
-NEEDS_HF26_DIFF = pytest.mark.xfail(
-    strict=True,
-    reason="needs hf26-save-state-dict.diff: Fp8HfQuantizer.get_state_dict_and_metadata "
-    "returns the state dict save_pretrained was given (hf_quantizer.SAVING)",
-)
-
 NORM = "model.norm.weight"
 Q = "model.layers.0.self_attn.q_proj"
 K = "model.layers.0.self_attn.k_proj"
@@ -56,7 +49,6 @@ def _metadata(folder) -> dict:
         return f.metadata()
 
 
-@NEEDS_HF26_DIFF
 def test_edited_state_dict_is_saved_as_by_a_float_model(tiny_model_dir, tmp_path):
     float_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
     model = _fp8_llama(tiny_model_dir)
@@ -71,7 +63,6 @@ def test_edited_state_dict_is_saved_as_by_a_float_model(tiny_model_dir, tmp_path
     assert torch.equal(back.model.norm.weight, model.model.norm.weight * 2)
 
 
-@NEEDS_HF26_DIFF
 def test_edited_fp8_scale_reloads_as_the_model_with_that_edit(tiny_model_dir, tmp_path):
     model = _fp8_llama(tiny_model_dir)
     sd = dict(model.state_dict())
@@ -85,7 +76,6 @@ def test_edited_fp8_scale_reloads_as_the_model_with_that_edit(tiny_model_dir, tm
         assert torch.equal(back(**inputs).logits, model(**inputs).logits)
 
 
-@NEEDS_HF26_DIFF
 def test_state_dict_passed_positionally_is_saved(tiny_model_dir, tmp_path):
     model = _fp8_llama(tiny_model_dir)
     sd = dict(model.state_dict())
@@ -176,7 +166,6 @@ def test_experts_codes_without_their_scale_are_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@NEEDS_HF26_DIFF
 def test_state_dict_without_some_input_scales_reloads_as_saved(tiny_model_dir, tmp_path):
     """A state dict that drops some calibrated input scales is saved as it is, with a warning,
     and its record names what it holds: the reload takes it as saved (those layers without a
