@@ -298,9 +298,10 @@ AI __m512i e4m3_code_sr_v(__m512 mag, __m512i low) {
                                   _mm512_set1_epi32(120 << 3));
     __m512 uu = _mm512_mul_ps(_mm512_cvtepi32_ps(low), _mm512_set1_ps(E4M3_SR_UNIT));
     __mmask16 sub = _mm512_cmp_ps_mask(mag, _mm512_set1_ps(E4M3_SR_MIN_NORMAL), _CMP_LT_OQ);
-    /* sub ? (int)floor(mag·steps + u) : cn */
+    /* sub ? (int)floor(mag·steps + u) : cn, the multiply-add fused: the same rounded sum, the
+       product by steps = 2^9 being exact (mag is 0 or a normal float <= F) */
     return _mm512_mask_cvt_roundps_epi32(
-        cn, sub, _mm512_add_ps(_mm512_mul_ps(mag, _mm512_set1_ps(E4M3_SR_STEPS)), uu),
+        cn, sub, _mm512_fmadd_ps(mag, _mm512_set1_ps(E4M3_SR_STEPS), uu),
         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 }
 AI void requant_e4m3_ex_v(const float* restrict buf, uint8_t* restrict q, int64_t n, int64_t gs,
