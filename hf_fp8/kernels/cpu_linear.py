@@ -68,9 +68,7 @@ def linear(
     path = cpu_kernel.active_path()
     if path is None or w_fp8.dtype not in cpu_kernel.FORMATS:
         return None
-    if any(
-        t is not None and is_functorch_wrapped(t) for t in (x, w_fp8, w_scale, bias, input_scale)
-    ):  # torch.func transforms (R31 F7): the torch emulation, which they can run
+    if functorch_active():  # torch.func transforms (R31 F7): the torch emulation
         return None
     m, dtype = x.shape[0], x.dtype
     bn, bk = block_size
@@ -123,16 +121,19 @@ def linear(
     return mm(a, w_fp8, w_scale, a_scale if a_post else None, b, w_gran, bn, bk, w_post, path)
 
 
-_is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_peek_interpreter = getattr(torch._C._functorch, "peek_interpreter_stack", None)
 
 
-def is_functorch_wrapped(t: torch.Tensor) -> bool:
-    """``t`` is a ``torch.func`` transform's tensor (``vmap``'s batched, ``grad``'s tracked):
-    its type is ``torch.Tensor`` but it has no storage a C kernel could read. ``False`` while
-    dynamo traces (it cannot call this; the traced ops go through the custom ops)."""
+def functorch_active() -> bool:
+    """A ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is running here: its
+    tensors (``vmap``'s batched ones) have no storage a C kernel could read, and neither a
+    compile nor a host read may run under it. One C call (not one per tensor); inside an
+    ``autograd.Function``'s forward under ``grad`` the tensors are plain and this is
+    ``False``. ``False`` while dynamo traces (it cannot call this; the traced ops go
+    through the custom ops)."""
     if torch.compiler.is_compiling():
         return False
-    return _is_wrapped is not None and bool(_is_wrapped(t))
+    return _peek_interpreter is not None and _peek_interpreter() is not None
 
 
 def _eager(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -184,7 +185,7 @@ def decode_weight(
     ):
         return None
     path = cpu_kernel.active_path()
-    if path is None or is_functorch_wrapped(w_fp8) or is_functorch_wrapped(w_scale):
+    if path is None or functorch_active():
         return None
     scale = w_scale.detach().float().reshape(-1).contiguous()
     return cpu_kernel.decode(

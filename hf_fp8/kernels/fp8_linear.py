@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_fp8.kernels import compiled
-from hf_fp8.kernels.cpu_linear import is_functorch_wrapped
+from hf_fp8.kernels.cpu_linear import functorch_active
 from hf_fp8.kernels.emulated import (
     _mm_forward,
     _quantize_act,
@@ -133,7 +133,7 @@ def _forward(
     plan: LinearPlan,
     use_scaled_mm: bool,
 ) -> torch.Tensor:
-    if _any_wrapped(x, w_fp8, w_scale, bias, input_scale):
+    if functorch_active():
         return _functorch_forward(x, w_fp8, w_scale, bias, input_scale, plan)
     if use_scaled_mm:
         a_fp8, a_scale = compiled.run(
@@ -194,10 +194,6 @@ def _functorch_forward(
     return torch.where(redo.unsqueeze(-1), run(False), out)
 
 
-def _any_wrapped(*tensors: torch.Tensor | None) -> bool:
-    return any(t is not None and is_functorch_wrapped(t) for t in tensors)
-
-
 class _Fp8LinearFunction(torch.autograd.Function):
     """FP8 forward; straight-through backward in the compute dtype.
 
@@ -236,7 +232,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             w_fp8, w_scale = ctx.inference_weights or ctx.saved_tensors
             args = (w_fp8, w_scale, grad_out.dtype, plan.weight_granularity, plan.block_size)
             # under torch.func: eager torch ops (no C decode, no compile)
-            w = dequantize(*args) if _any_wrapped(w_fp8, w_scale) else decode_weight(*args)
+            w = dequantize(*args) if functorch_active() else decode_weight(*args)
             grad_x = grad_out @ w
         if ctx.needs_input_grad[3]:
             grad_bias = grad_out.sum(0)

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from hf_fp8.kernels.cpu_linear import is_functorch_wrapped
+from hf_fp8.kernels.cpu_linear import functorch_active
 
 
 class SaturationCounter:
@@ -61,7 +61,7 @@ class SaturationCounter:
             self._scale, self._scale_version = input_scale, version
 
     def update(self, x: torch.Tensor, input_scale: torch.Tensor, fp8_max: float, name: str) -> None:
-        if not self.check_every or x.numel() == 0 or is_functorch_wrapped(x):
+        if not self.check_every or x.numel() == 0 or functorch_active():
             return
         self._follow(input_scale)
         if self.warned:
