@@ -22,12 +22,19 @@ there), so absmax gives back the saved scale and codes; an MSE search would pick
 The quantizer marks each FP8 module it builds (``mark_origin``, with those skips; the keys live
 in the module's ``__dict__``: never saved, kept by ``copy.deepcopy``); :func:`how_to_keep` reads
 the marks.
+
+An ``Fp8Linear`` that replaced a GPT-2 style ``Conv1D`` (weight ``[in, out]``) records that
+class too (:func:`mark_source_class`): dequantizing it (``model.dequantize()``,
+``Fp8Config(dequantize=True)``, a LoRA merge) gives a ``Conv1D`` back (:func:`dense_layer`),
+whose checkpoint reloads into the model's own class (R31: an ``nn.Linear`` there saved
+``[out, in]`` tensors under GPT-2's ``[in, out]`` names).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 ORIGIN_KEY = "fp8_origin"
@@ -36,6 +43,7 @@ ON_THE_FLY = "on the fly"  # from_pretrained(high-precision checkpoint, quantiza
 QUANTIZE_MODEL = "quantize_model"  # hf_fp8.quantize_model
 SKIPS_KEY = "fp8_origin_skips"  # the skip patterns of the load / quantize_model call
 DEFAULTS_KEY = "fp8_origin_default_skips"  # False: quantize again with default_skips=False
+SOURCE_CLASS_KEY = "fp8_source_class"  # the GPT-2 style Conv1D class an Fp8Linear replaced
 
 
 def _fp8_modules(module: nn.Module) -> list[nn.Module]:
@@ -68,6 +76,49 @@ def mark_origin(
             module.__dict__[SKIPS_KEY] = tuple(skips)
             module.__dict__[DEFAULTS_KEY] = default_skips
     return marked
+
+
+def mark_source_class(new: nn.Module, module: nn.Module) -> None:
+    """Record on ``new`` (the ``Fp8Linear`` replacing ``module``) that ``module`` is a GPT-2
+    style ``Conv1D``, so that :func:`dense_layer` gives that class back; nothing for others."""
+    from hf_fp8.modules.selection import is_conv1d
+
+    if is_conv1d(module):
+        new.__dict__[SOURCE_CLASS_KEY] = type(module)
+
+
+def source_class(layer: nn.Module) -> type[nn.Module] | None:
+    """The ``Conv1D`` class ``layer`` (an ``Fp8Linear``) replaced; ``None`` for a linear."""
+    return layer.__dict__.get(SOURCE_CLASS_KEY)
+
+
+def dense_layer(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cls: type[nn.Module] | None = None,
+    *,
+    weight_grad: bool = True,
+    bias_grad: bool = True,
+) -> nn.Module:
+    """A high-precision layer holding ``weight`` (``[out, in]``, as ``Fp8Linear`` stores it)
+    and ``bias``: an ``nn.Linear``, or with ``cls`` (:func:`source_class` of the FP8 layer) that
+    ``Conv1D`` class, the weight transposed (``[in, out]``, contiguous, as a loaded GPT-2 holds
+    it). Built on the meta device, its parameters set straight into ``_parameters`` (peft's
+    ``init_empty_weights`` puts those set through ``register_parameter`` on meta: R30 F4)."""
+    out_features, in_features = weight.shape
+    with torch.device("meta"):
+        if cls is None:
+            dense = nn.Linear(in_features, out_features, bias is not None)
+        else:
+            dense = cls(out_features, in_features)  # Conv1D(nf, nx)
+    if cls is not None:
+        weight = weight.t().contiguous()
+        if bias is None:  # Conv1D always adds one (a Conv1D source had one)
+            bias = weight.new_zeros(out_features)
+    dense._parameters["weight"] = nn.Parameter(weight, requires_grad=weight_grad)
+    if bias is not None:
+        dense._parameters["bias"] = nn.Parameter(bias, requires_grad=bias_grad)
+    return dense
 
 
 def origin_of(module: nn.Module) -> str | None:

@@ -25,6 +25,7 @@ from hf_fp8.modules import (
     warn_unmatched,
 )
 from hf_fp8.modules.fp8_experts import Fp8Experts
+from hf_fp8.modules.origin import dense_layer, mark_source_class, source_class
 from hf_fp8.modules.replace import linear_shape, shared_scale
 from hf_fp8.modules.selection import task_heads
 from hf_fp8.numerics import fp8_dtype, is_fp8, quantize_weight
@@ -379,6 +380,7 @@ class Fp8HfQuantizer(HfQuantizer):
             )
             swapped[id(module)] = new
             new.__dict__["fp8_name"] = name  # named in warnings
+            mark_source_class(new, module)  # a Conv1D dequantizes to a Conv1D (R31)
             if static_pre_quantized:
                 new.input_scale = nn.Parameter(
                     torch.empty(1, dtype=torch.float32, device="meta"), requires_grad=False
@@ -599,10 +601,14 @@ class Fp8HfQuantizer(HfQuantizer):
                 linear = module.dequantize()
                 if dtype is not None:
                     linear = linear.to(dtype)
-                linear.weight.requires_grad_(weights_train)
-                if module.bias is not None:
-                    linear.bias.requires_grad_(module.bias.requires_grad)
-                setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+                dense = dense_layer(  # GPT-2's Conv1D where the layer replaced one (R31)
+                    linear.weight.detach(),
+                    None if linear.bias is None else linear.bias.detach(),
+                    source_class(module),
+                    weight_grad=weights_train,
+                    bias_grad=module.bias is not None and module.bias.requires_grad,
+                )
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, dense)
         experts = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Experts)}
         dequantize_experts(model, dtype)
         for name, old in experts.items():
