@@ -13,12 +13,18 @@ takes over its offload hook. ``model.dequantize()`` while merged makes the merge
 for good (``unmerge`` then subtracts the delta from it, as on a high-precision model).
 
 Like peft's own ``nn.Linear`` dispatch, it forces ``fan_in_fan_out=False`` (an ``Fp8Linear``
-stores ``[out, in]``, also where it replaced a GPT-2 ``Conv1D``). Every LoRA variant and
-every init other than the plain ones (``True``/``False``/``'gaussian'``/``'eva'``) is set up
-on a dequantized copy of the base: peft's inits read the base weight's values (DoRA's magnitude,
-MiCA's singular vectors) or build adapter tensors in its dtype (BD-LoRA's block-diagonal
-factors, VeLoRA's projection, the orthogonal init), and fp8 has no random kernels and must not
-round an adapter. DoRA's weight norm also reads the dequantized weight in forward. LoRA inits and
+stores ``[out, in]``, also where it replaced a GPT-2 ``Conv1D``). Where it did, the merged
+layer is GPT-2's ``Conv1D`` again (``[in, out]``: the merged model saves and reloads as the
+model's class) and the layer's ``fan_in_fan_out`` follows its base, ``True`` there, as peft
+sets it on a ``Conv1D``: merge, unmerge and DoRA add the delta transposed, as on the float
+GPT-2 (R31); ``model.dequantize()`` of a peft model also puts ``Conv1D`` bases in. The adapter
+tensors are the same either way (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``).
+
+Every LoRA variant and every init other than the plain ones (``True``/``False``/
+``'gaussian'``/``'eva'``) is set up on a dequantized copy of the base (an ``nn.Linear``):
+peft's inits read the base weight's values (DoRA's magnitude, MiCA's singular vectors) or
+build adapter tensors in its dtype (BD-LoRA's block-diagonal factors, VeLoRA's projection, the
+orthogonal init), and fp8 has no random kernels and must not round an adapter. DoRA's weight norm also reads the dequantized weight in forward. LoRA inits and
 variants that rewrite the base weight (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA, KaSA, and any other
 init seen changing the dequantized copy) are refused: the FP8 base is frozen fp8 codes.
 
@@ -43,8 +49,8 @@ from peft.tuners.lora.variants import DoraLinearVariant
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
-from hf_fp8.modules import Fp8Linear
-from hf_fp8.modules.origin import how_to_keep
+from hf_fp8.modules import Fp8Linear, is_conv1d
+from hf_fp8.modules.origin import dense_layer, how_to_keep, source_class
 
 # ``init_lora_weights`` values (prefixes) whose init subtracts the adapter from the base weight
 REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
@@ -53,22 +59,24 @@ REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 PLAIN_INITS = ("gaussian", "eva")
 
 
-def _dense_copy(layer: Fp8Linear) -> nn.Linear:
+def _dense_copy(layer: Fp8Linear, *, as_source: bool = True) -> nn.Module:
     """``layer.dequantize()`` with the requires_grad flags of ``layer`` (a frozen base stays
-    frozen when merged), on the device of its weight.
+    frozen when merged), on the device of its weight: GPT-2's ``Conv1D`` (``[in, out]``) where
+    ``layer`` replaced one and ``as_source`` (a merge: the merged model saves and reloads
+    as the model's class, R31), else an ``nn.Linear``.
 
     The parameters go straight into ``_parameters``: peft's ``init_empty_weights``
     (``low_cpu_mem_usage=True``) puts every parameter set through ``register_parameter`` on
     the meta device, but a copy of a loaded base holds its values, as the base of the same
     flow on a high-precision model does (R30 F4)."""
-    with torch.device("meta"):
-        dense = nn.Linear(layer.in_features, layer.out_features, layer.bias is not None)
-    weight = layer.dequantize_weight()
-    dense._parameters["weight"] = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
-    if layer.bias is not None:
-        bias = layer.bias.detach().to(layer.compute_dtype).clone()
-        dense._parameters["bias"] = nn.Parameter(bias, requires_grad=layer.bias.requires_grad)
-    return dense
+    bias = layer.bias
+    return dense_layer(
+        layer.dequantize_weight(),
+        None if bias is None else bias.detach().to(layer.compute_dtype).clone(),
+        source_class(layer) if as_source else None,
+        weight_grad=layer.weight.requires_grad,
+        bias_grad=bias is not None and bias.requires_grad,
+    )
 
 
 def _offload_hook(layer: Fp8Linear, target_name: str) -> Any:
@@ -148,6 +156,7 @@ class Fp8DoraLinearLayer(DoraLinearLayer):
     output) use the dequantized weight."""
 
     def forward(self, x: torch.Tensor, *, base_layer: nn.Module, **kwargs: Any) -> torch.Tensor:
+        self.fan_in_fan_out = is_conv1d(base_layer)  # the layout of the base it reads now
         if isinstance(base_layer, Fp8Linear):
             base_layer = _DequantizedBase(base_layer)
         return super().forward(x, base_layer=base_layer, **kwargs)
@@ -218,6 +227,23 @@ class Fp8LoraLinear(LoraLinear):
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
 
     @property
+    def fan_in_fan_out(self) -> bool:
+        """peft's flag, from the base layer this LoRA layer holds now: ``False`` on the FP8
+        layer (``[out, in]``), ``True`` on the ``Conv1D`` that a merge or ``model.dequantize()``
+        puts in place of one that replaced a GPT-2 ``Conv1D`` (``[in, out]``), as peft sets it
+        for a ``Conv1D``; the merge then adds the delta transposed, as on the float model."""
+        return is_conv1d(self.get_base_layer())
+
+    @fan_in_fan_out.setter
+    def fan_in_fan_out(self, value: bool) -> None:
+        pass  # peft's __init__ sets it; the base layer decides (above)
+
+    def _sync_dora_layout(self) -> None:
+        """peft's DoRA merge reads the magnitude layer's own ``fan_in_fan_out``: the base's."""
+        for dora in self.lora_magnitude_vector.values():
+            dora.fan_in_fan_out = self.fan_in_fan_out
+
+    @property
     def lora_variants(self) -> dict:
         return {**super().lora_variants, ("use_dora",): Fp8DoraLinearVariant}
 
@@ -267,6 +293,7 @@ class Fp8LoraLinear(LoraLinear):
         # (``_unmerged_base_weight``): the dense copy must stay in place through that replay.
         depth = self.__dict__.get("_fp8_merge_depth", 0)
         self.__dict__["_fp8_merge_depth"] = depth + 1
+        self._sync_dora_layout()
         try:
             super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
         finally:
@@ -278,6 +305,7 @@ class Fp8LoraLinear(LoraLinear):
 
     def unmerge(self) -> None:
         """Unmerge, and put the original FP8 layer back once nothing is merged."""
+        self._sync_dora_layout()
         super().unmerge()
         if not self.__dict__.get("_fp8_merge_depth", 0):
             self._restore_fp8_base()
@@ -313,7 +341,7 @@ class Fp8LoraLinear(LoraLinear):
         if not isinstance(base, Fp8Linear):
             yield None
             return
-        dense = _dense_copy(base)
+        dense = _dense_copy(base, as_source=False)  # [out, in]: compared with the FP8 layer
         self._set_base(dense)
         try:
             yield dense
