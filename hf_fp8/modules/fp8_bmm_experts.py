@@ -110,6 +110,7 @@ class Fp8BmmExperts(Fp8Experts):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``[E * T, H]`` rows grouped by expert (the source's call) -> ``[E * T, H]``."""
         self._check_not_parametrized()
+        self._check_call()
         self._check_frozen()
         num_experts, hidden = self.num_experts, self.layout.hidden_size
         x = hidden_states.reshape(num_experts, -1, hidden)

@@ -580,6 +580,37 @@ class Fp8Experts(RecipeWords, nn.Module):
                 ),
             )
 
+    def _check_call(self) -> None:
+        """Refuse what the grouped kernels cannot run, naming the fix: ``torch.func.vmap``
+        (R31 F7: the routing groups tokens by expert with host-side counts; ``grad`` /
+        ``jacrev`` run), and a static recipe without input scales (R31 F5)."""
+        from hf_fp8.kernels.cpu_linear import functorch_active
+
+        name = self.__dict__.get("fp8_name")
+        if functorch_active():
+            from torch._C._functorch import TransformType
+            from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+            if any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
+                raise NotImplementedError(
+                    f"FP8 experts {name or self.layout.source_class.__name__}: torch.func.vmap "
+                    "cannot run them (tokens are grouped by expert with host-side counts). Pass "
+                    "the samples as one batch of tokens (the experts take any number), or loop "
+                    "over them; torch.func.grad / jacrev / vjp work without vmap"
+                )
+        if self.recipe.is_static:
+            missing = [
+                p for p in self.layout.projections if getattr(self, f"{p}_input_scale") is None
+            ]
+            if missing:
+                keys = ", ".join(f"'{name or '<experts>'}.{p}': ..." for p in missing)
+                raise RuntimeError(
+                    f"static FP8 experts {name or '(unnamed)'} have no input scales for "
+                    f"{missing}: calibrate them with hf_fp8.calibrate(model, batches), or give "
+                    f"Fp8Config('static', activation_scale=...) (every layer) or "
+                    f"activation_scales={{{keys}}} (one scale for all experts of a projection)"
+                )
+
     def _check_not_parametrized(self) -> None:
         """peft's ``target_parameters`` (LoRA on a parameter) registers a parametrization
         that adds a high-precision delta to the stored tensor: here fp8 codes without their
@@ -637,6 +668,7 @@ class Fp8Experts(RecipeWords, nn.Module):
             )
         self._check_implementation()
         self._check_not_parametrized()
+        self._check_call()
         self._check_frozen()
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])

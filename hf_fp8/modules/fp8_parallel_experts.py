@@ -97,6 +97,7 @@ class Fp8ParallelExperts(Fp8Experts):
         """``inputs [S, in]`` sorted by expert, ``expert_size`` rows per expert (ints) ->
         ``[S, out]``, as the source's ``split`` + per-expert ``F.linear``."""
         self._check_not_parametrized()
+        self._check_call()
         self._check_frozen()
         counts = tuple(int(c) for c in expert_size)
         if len(counts) != self.num_experts or sum(counts) != inputs.shape[0]:
