@@ -236,7 +236,14 @@ class Fp8LoraLinear(LoraLinear):
 
     @fan_in_fan_out.setter
     def fan_in_fan_out(self, value: bool) -> None:
-        pass  # peft's __init__ sets it; the base layer decides (above)
+        # peft's __init__ sets it (False: the config's flag, forced above); the base decides
+        if bool(value) != self.fan_in_fan_out:
+            base = type(self.get_base_layer()).__name__
+            raise ValueError(
+                f"fan_in_fan_out={value!r} on a LoRA layer over {base}: the flag follows the base "
+                "layer (False on an Fp8Linear, stored [out, in]; True on a GPT-2 Conv1D, [in, out]) "
+                "and cannot be set"
+            )
 
     def _sync_dora_layout(self) -> None:
         """peft's DoRA merge reads the magnitude layer's own ``fan_in_fan_out``: the base's."""

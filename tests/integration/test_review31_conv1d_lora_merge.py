@@ -191,3 +191,17 @@ def test_dora_merge_gives_conv1d_layers_as_on_the_reference(tiny_model_dir, tmp_
     merged.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(_logits(reloaded), _logits(merged))
+
+
+def test_fan_in_fan_out_follows_the_base_and_cannot_be_set_against_it(tiny_model_dir):
+    peft_model, _ = _pair(tiny_model_dir)
+    layer = peft_model.base_model.model.transformer.h[0].mlp.c_fc
+    with pytest.raises(ValueError, match="follows the base"):
+        layer.fan_in_fan_out = True  # the FP8 base stores [out, in]
+    layer.fan_in_fan_out = False  # what it is: accepted
+    layer.merge()
+    assert layer.fan_in_fan_out is True
+    with pytest.raises(ValueError, match="Conv1D"):
+        layer.fan_in_fan_out = False
+    layer.unmerge()
+    assert layer.fan_in_fan_out is False
