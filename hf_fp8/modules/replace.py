@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hf_fp8.modules.fp8_linear import Fp8Linear
+from hf_fp8.modules.origin import mark_source_class
 from hf_fp8.modules.selection import is_conv1d, matches_module  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ def _build_linears(
         new = done.get(id(module))
         if new is None:
             new = Fp8Linear.from_linear(as_linear(module), config, module_name=name)
+            mark_source_class(new, module)  # a Conv1D dequantizes to a Conv1D (R31, HF28)
             scale = scales.get(id(module))
             if scale is not None and scale != config.activation_scale_for(name):
                 new.set_input_scale(scale)  # given under another of its names

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -144,11 +143,6 @@ def test_a_conv1d_checkpoint_requantizes_after_the_round_trip(tiny_model_dir, tm
     assert torch.equal(_logits(again), expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="NEEDS_HF28_DIFF: /work/notes/diffs/hf28-conv1d-quantize-model.diff (hf_fp8/modules/"
-    "replace.py records the Conv1D origin of a layer quantize_model converts)",
-)
 def test_quantize_model_then_dequantize_gives_conv1d_layers(tiny_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("gpt2"), dtype=torch.float32)
     hf_fp8.quantize_model(model, Fp8Config("weight_only"))
