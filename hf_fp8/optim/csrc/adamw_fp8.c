@@ -1212,40 +1212,51 @@ typedef struct {
     __m512i amx, amn, avx, avn;
 } upd16_t;
 
-/* update_group's arithmetic on 16 lanes (i: the first element) from the decoded moments, the
-   scalar loop's fp32 operations in the same order; the reductions as in update_group */
+/* update_group's arithmetic on N vectors of 16 lanes (elements i.. i + 16N) from the decoded
+   moments, the scalar loop's fp32 operations in the same order; each step applied to the N
+   vectors before the next, so that the square root -> division chains of the N vectors are in
+   flight together (N = 4: 0.98x the step's time of one vector at a time); the reductions as in
+   update_group (in another order: max and min are exact). vmaxps(x, acc) returns acc where x is
+   NaN: NaN left out of the max for free (on non-negative floats the float max is the
+   bit-pattern max); the min-non-zero reductions run on |x| bits - FLT_MIN_BITS (unsigned): zero
+   and subnormal magnitudes wrap above every normal one, NaN stays above INF_BITS -
+   FLT_MIN_BITS, the start; one vpminud instead of a compare and a masked min. */
 AI void upd_v16(upd16_t* s, char* p_, const char* g_, float* restrict m_out,
-                float* restrict v_out, __m512 mo, __m512 vo, int64_t i, const int PB,
-                const int GB, const int SQ) {
+                float* restrict v_out, const __m512* mo, const __m512* vo_, int64_t i,
+                const int PB, const int GB, const int SQ, const int N) {
     float* restrict p32 = (float*)p_;
     uint16_t* restrict pbf = (uint16_t*)p_;
     const float* restrict g32 = (const float*)g_;
     const uint16_t* restrict gbf = (const uint16_t*)g_;
     const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), fmin = _mm512_set1_epi32((int)FLT_MIN_BITS);
-    if (SQ) vo = _mm512_mul_ps(vo, vo);
-    __m512 g = GB ? bf16x16_to_f(gbf + i) : _mm512_loadu_ps(g32 + i);
-    __m512 p = PB ? bf16x16_to_f(pbf + i) : _mm512_loadu_ps(p32 + i);
-    __m512 mn = _mm512_add_ps(mo, _mm512_mul_ps(s->w1, _mm512_sub_ps(g, mo)));
-    __m512 vn = _mm512_add_ps(_mm512_mul_ps(vo, s->b2), _mm512_mul_ps(_mm512_mul_ps(s->w2, g), g));
-    __m512 rt = _mm512_sqrt_ps(vn);
-    __m512 den = _mm512_add_ps(_mm512_mul_ps(rt, s->inv_bc2s), s->eps);
-    __m512 pn = _mm512_sub_ps(_mm512_mul_ps(p, s->decay),
-                              _mm512_div_ps(_mm512_mul_ps(s->step_size, mn), den));
-    if (PB) f_to_bf16x16(pbf + i, pn); else _mm512_storeu_ps(p32 + i, pn);
-    __m512 vs = SQ ? rt : vn;
-    _mm512_storeu_ps(m_out + i, mn);
-    _mm512_storeu_ps(v_out + i, vs);
-    __m512i a = _mm512_and_si512(_mm512_castps_si512(mn), absm);
-    __m512i b = _mm512_and_si512(_mm512_castps_si512(vs), absm);
-    /* vmaxps(x, acc) returns acc where x is NaN: NaN left out of the max for free (on
-       non-negative floats the float max is the bit-pattern max) */
-    s->amx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(s->amx)));
-    s->avx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(s->avx)));
-    /* the min-non-zero reductions run on |x| bits - FLT_MIN_BITS (unsigned): zero and
-       subnormal magnitudes wrap above every normal one, NaN stays above INF_BITS - FLT_MIN_BITS,
-       the start; one vpminud instead of a compare and a masked min */
-    s->amn = _mm512_min_epu32(s->amn, _mm512_sub_epi32(a, fmin));
-    s->avn = _mm512_min_epu32(s->avn, _mm512_sub_epi32(b, fmin));
+    __m512 vo[4], g[4], mn[4], vn[4], rt[4], den[4], q[4]; /* N <= 4 */
+    for (int u = 0; u < N; ++u) {
+        vo[u] = SQ ? _mm512_mul_ps(vo_[u], vo_[u]) : vo_[u];
+        g[u] = GB ? bf16x16_to_f(gbf + i + 16 * u) : _mm512_loadu_ps(g32 + i + 16 * u);
+    }
+    for (int u = 0; u < N; ++u) {
+        mn[u] = _mm512_add_ps(mo[u], _mm512_mul_ps(s->w1, _mm512_sub_ps(g[u], mo[u])));
+        vn[u] = _mm512_add_ps(_mm512_mul_ps(vo[u], s->b2),
+                              _mm512_mul_ps(_mm512_mul_ps(s->w2, g[u]), g[u]));
+    }
+    for (int u = 0; u < N; ++u) rt[u] = _mm512_sqrt_ps(vn[u]);
+    for (int u = 0; u < N; ++u) den[u] = _mm512_add_ps(_mm512_mul_ps(rt[u], s->inv_bc2s), s->eps);
+    for (int u = 0; u < N; ++u) q[u] = _mm512_div_ps(_mm512_mul_ps(s->step_size, mn[u]), den[u]);
+    for (int u = 0; u < N; ++u) {
+        const int64_t iu = i + 16 * u;
+        __m512 p = PB ? bf16x16_to_f(pbf + iu) : _mm512_loadu_ps(p32 + iu);
+        __m512 pn = _mm512_sub_ps(_mm512_mul_ps(p, s->decay), q[u]);
+        if (PB) f_to_bf16x16(pbf + iu, pn); else _mm512_storeu_ps(p32 + iu, pn);
+        __m512 vs = SQ ? rt[u] : vn[u];
+        _mm512_storeu_ps(m_out + iu, mn[u]);
+        _mm512_storeu_ps(v_out + iu, vs);
+        __m512i a = _mm512_and_si512(_mm512_castps_si512(mn[u]), absm);
+        __m512i b = _mm512_and_si512(_mm512_castps_si512(vs), absm);
+        s->amx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(s->amx)));
+        s->avx = _mm512_castps_si512(_mm512_max_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(s->avx)));
+        s->amn = _mm512_min_epu32(s->amn, _mm512_sub_epi32(a, fmin));
+        s->avn = _mm512_min_epu32(s->avn, _mm512_sub_epi32(b, fmin));
+    }
 }
 
 #if HAVE_VBMI
@@ -1328,16 +1339,37 @@ AI void update_group_ex_v(char* p_, const char* g_, const uint8_t* restrict qm,
         const __m512 nam = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(am), sgn));
         const __m512 nav = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(av), sgn));
         const __m512 bm = _mm512_maskz_loadu_ps(0xFEFF, tbm), bv = _mm512_maskz_loadu_ps(0xFEFF, tbv);
-        for (int64_t i = 0; i < n; i += 16)
-            upd_v16(&s, p_, g_, m_out, v_out, dec_coat_vb(qm + i, blo, bhi, am, nam, bm),
-                    dec_coat_vb(qv + i, blo, bhi, av, nav, bv), i, PB, GB, SQ);
+        int64_t i = 0;
+        for (; i + 64 <= n; i += 64) { /* 4 vectors at a time */
+            __m512 mo[4], vo[4];
+            for (int u = 0; u < 4; ++u) {
+                mo[u] = dec_coat_vb(qm + i + 16 * u, blo, bhi, am, nam, bm);
+                vo[u] = dec_coat_vb(qv + i + 16 * u, blo, bhi, av, nav, bv);
+            }
+            upd_v16(&s, p_, g_, m_out, v_out, mo, vo, i, PB, GB, SQ, 4);
+        }
+        for (; i < n; i += 16) {
+            const __m512 mo = dec_coat_vb(qm + i, blo, bhi, am, nam, bm);
+            const __m512 vo = dec_coat_vb(qv + i, blo, bhi, av, nav, bv);
+            upd_v16(&s, p_, g_, m_out, v_out, &mo, &vo, i, PB, GB, SQ, 1);
+        }
     }
 #else
     {
         const dec_tab_t tm = dec_tables_v(tam, tbm), tv = dec_tables_v(tav, tbv);
-        for (int64_t i = 0; i < n; i += 16)
-            upd_v16(&s, p_, g_, m_out, v_out, dec_coat_v(qm + i, tm), dec_coat_v(qv + i, tv), i,
-                    PB, GB, SQ);
+        int64_t i = 0;
+        for (; i + 64 <= n; i += 64) { /* 4 vectors at a time */
+            __m512 mo[4], vo[4];
+            for (int u = 0; u < 4; ++u) {
+                mo[u] = dec_coat_v(qm + i + 16 * u, tm);
+                vo[u] = dec_coat_v(qv + i + 16 * u, tv);
+            }
+            upd_v16(&s, p_, g_, m_out, v_out, mo, vo, i, PB, GB, SQ, 4);
+        }
+        for (; i < n; i += 16) {
+            const __m512 mo = dec_coat_v(qm + i, tm), vo = dec_coat_v(qv + i, tv);
+            upd_v16(&s, p_, g_, m_out, v_out, &mo, &vo, i, PB, GB, SQ, 1);
+        }
     }
 #endif
     red[0] = _mm512_reduce_max_epu32(s.amx);
