@@ -43,6 +43,7 @@ from torch import nn
 from hf_fp8.modules.fp8_experts import Fp8Experts
 from hf_fp8.modules.fp8_linear import Fp8Linear
 from hf_fp8.numerics.checks import CheckpointTensorError
+from hf_fp8.quantizer.new_layers import loaded_names
 from hf_fp8.quantizer.validation import checkpoint_file
 from hf_fp8.utils.safetensors_header import _header_fits
 
@@ -216,13 +217,17 @@ class StoredInputScales:
         each name, and the loader writes every one into the same tensor: the one it reads
         last wins, silently. Equal stored values load; different ones raise
         ``CheckpointTensorError`` naming both keys (the rule ``activation_scales`` follows,
-        ``hf_fp8.modules.replace.shared_scale``)."""
+        ``hf_fp8.modules.replace.shared_scale``). A name is found as the loader finds it:
+        the model's own, across the base-model prefix, or renamed by the model's conversion
+        mapping (Mixtral stores ``block_sparse_moe.experts``, the model calls it
+        ``mlp.experts``: reviewer R32 F1)."""
         if self.names is None:
             return
         aliases: dict[int, tuple[nn.Module, list[str]]] = {}
         for name, module in model.named_modules(remove_duplicate=False):
             if isinstance(module, (Fp8Linear, Fp8Experts)):
                 aliases.setdefault(id(module), (module, []))[1].append(name)
+        shared: list[tuple[list[str], list[str]]] = []
         for module, names in aliases.values():
             if len(names) < 2:
                 continue
@@ -230,25 +235,59 @@ class StoredInputScales:
                 leaves = [".input_scale"]
             else:
                 leaves = [f".{proj}_input_scale" for proj in module.layout.projections]
-            for leaf in leaves:
-                self._check_one_shared([f"{n}{leaf}" for n in names], names)
+            shared += [([f"{n}{leaf}" for n in names], names) for leaf in leaves]
+        if not shared:
+            return
+        renamed = self._renamed_into(model, {key for keys, _ in shared for key in keys})
+        for keys, names in shared:
+            self._check_one_shared(keys, names, renamed)
 
-    def _check_one_shared(self, keys: list[str], names: list[str]) -> None:
-        stored = [(key, name) for key in keys if (name := self._stored_name(key)) is not None]
+    def _renamed_into(self, model: nn.Module, keys: set[str]) -> dict[str, list[str]]:
+        """``{model key: stored names}`` for the stored input scales that no tensor of
+        ``model`` has under its own name and that the loader renames into one of ``keys``
+        (``hf_fp8.quantizer.new_layers.loaded_names``: the model's conversion mapping, then
+        the base-model prefix)."""
+        own = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        own |= {_strip(n) for n in own if "." in n}
+        leaves = {key.rpartition(".")[2] for key in keys}
+        out: dict[str, list[str]] = {}
+        for name in sorted(self.names or ()):
+            if name.rpartition(".")[2] not in leaves or name in own or _strip(name) in own:
+                continue
+            loaded = loaded_names(model, [name])
+            target = next(iter(loaded)) if len(loaded) == 1 else None
+            if target in keys:
+                out.setdefault(target, []).append(name)
+        return out
+
+    def _check_one_shared(
+        self, keys: list[str], names: list[str], renamed: dict[str, list[str]]
+    ) -> None:
+        stored: list[tuple[str, str]] = []
+        for key in keys:
+            own = self._stored_name(key)
+            found = [own] if own is not None else []
+            found += [n for n in renamed.get(key, ()) if n not in found]
+            stored += [(key, name) for name in found]
         if len(stored) < 2:
             return
-        values = [(key, _read_tensor(self.files, name)) for key, name in stored]
-        values = [(key, v) for key, v in values if v is not None]
-        first_key, first = values[0] if values else ("", None)
-        for key, value in values[1:]:
+        values = [(key, name, _read_tensor(self.files, name)) for key, name in stored]
+        values = [(key, name, v) for key, name, v in values if v is not None]
+        first_key, first_name, first = values[0] if values else ("", "", None)
+        for key, name, value in values[1:]:
             if value.shape != first.shape or not torch.equal(value, first):
+                where = (
+                    f" (stored as {first_name} and {name})"
+                    if (first_name, name) != (first_key, key)
+                    else ""
+                )
                 raise CheckpointTensorError(
                     f"{first_key} and {key}: the checkpoint stores different input scales "
-                    f"({_brief(first)} and {_brief(value)}) for one module shared under the "
-                    f"names {names}: a shared module has one input scale, and the loader would "
-                    "keep whichever it reads last. Keep one of these tensors in the checkpoint, "
-                    "or give them the same value (e.g. calibrate the shared model and "
-                    "save_pretrained it)"
+                    f"({_brief(first)} and {_brief(value)}){where} for one module shared under "
+                    f"the names {names}: a shared module has one input scale, and the loader "
+                    "would keep whichever it reads last. Keep one of these tensors in the "
+                    "checkpoint, or give them the same value (e.g. calibrate the shared model "
+                    "and save_pretrained it)"
                 )
 
     def _stored_name(self, key: str) -> str | None:
