@@ -521,6 +521,8 @@ class Fp8HfQuantizer(HfQuantizer):
 
     # -- after loading ----------------------------------------------------------------------------
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if torch.is_inference_mode_enabled():
+            _normal_parameters(model)
         if self.stored_scale_keys:
             raise _already_fp8(min(self.stored_scale_keys))
         missing = []
@@ -648,3 +650,23 @@ class Fp8HfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _normal_parameters(model: nn.Module) -> None:
+    """Under ``torch.inference_mode()`` transformers' loader hands a quantized model's tensors
+    over as inference tensors (a float model's stay normal): then a forward in grad mode
+    raises "Inference tensors cannot be saved for backward" and a later ``load_state_dict``
+    or ``calibrate`` cannot update them (R31 F11). Each parameter becomes a normal tensor
+    (one copy; tied parameters stay tied); buffers stay as the float load leaves them."""
+    made: dict[int, nn.Parameter] = {}
+    with torch.inference_mode(False):
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or not param.is_inference():
+                    continue
+                new = made.get(id(param))
+                if new is None:
+                    new = nn.Parameter(param.clone(), requires_grad=param.requires_grad)
+                    new.__dict__.update(param.__dict__)  # _is_hf_initialized and the like
+                    made[id(param)] = new
+                module._parameters[name] = new

@@ -151,11 +151,6 @@ def test_from_pretrained_static_under_inference_mode(tmp_path) -> None:
     assert _rel(got, want) < 0.1 and _rel(got_inference, want) < 0.1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the quantizer's load hands inference tensors over: needs "
-    "/work/notes/diffs/hf25-inference-loaded-params.diff (hf_fp8/quantizer/hf_quantizer.py)",
-)
 def test_from_pretrained_under_inference_mode_then_train(tmp_path) -> None:
     """R31 F11: the float model loaded under inference_mode trains afterwards; the FP8 one
     failed in its first norm layer ("Inference tensors cannot be saved for backward")."""
