@@ -49,7 +49,9 @@ from hf_fp8.hub.card_info import (
     info_from_model,
 )
 from hf_fp8.modules import Fp8Experts, Fp8Linear
-from hf_fp8.numerics import is_fp8
+from hf_fp8.modules.fp8_linear import input_scale_above_bound
+from hf_fp8.numerics import fp8_dtype, is_fp8
+from hf_fp8.numerics.checks import input_scale_problem
 from hf_fp8.utils.folders import UnsafePathError
 
 _STATE = "_hf_fp8_card"
@@ -231,6 +233,38 @@ def _check_scale_values(key: str, value: torch.Tensor) -> None:
         raise _refuse(key, "holds a scale that is not a finite positive number")
 
 
+def _check_input_scale(key: str, value: Any, module: nn.Module) -> None:
+    """``value``, the state dict's input scale ``key`` of the FP8 layer ``module``, is what the
+    reload accepts: float32 of the shape the layer stores (``[1]`` for an ``Fp8Linear``, one
+    per expert ``[E]`` for an ``Fp8Experts``; the layer's own tensor's where it has one), checked
+    before its values (an fp8 or complex tensor has no ``>``), then finite, > 0 and within the
+    bounds of the layer's format, as ``check_scale_tensor`` checks it at reload (R32 F2/F3:
+    ``[3]`` or fp16 was written and did not reload, fp8 failed in torch)."""
+    if isinstance(module, Fp8Experts):
+        proj = key.rpartition(".")[2].removesuffix("_input_scale")
+        current, shape = getattr(module, f"{proj}_input_scale"), (module.num_experts,)
+    else:
+        current, shape = module.input_scale, (1,)
+    if isinstance(current, torch.Tensor):
+        shape = tuple(current.shape)
+    if not isinstance(value, torch.Tensor):
+        raise _refuse(key, f"is a {type(value).__name__}, not a tensor")
+    if value.dtype != torch.float32 or tuple(value.shape) != shape:
+        raise _refuse(
+            key,
+            f"is {str(value.dtype).removeprefix('torch.')} of shape {tuple(value.shape)} where "
+            f"the layer stores its input scale as float32 of shape {shape}",
+        )
+    if not _plain(value):
+        return
+    fp8 = fp8_dtype(module.fp8_format)
+    problem = input_scale_problem("its value", value, fp8) or input_scale_above_bound(
+        "its value", value, fp8, module.compute_dtype
+    )
+    if problem:
+        raise _refuse(key, f"is an input scale the reload refuses ({problem})")
+
+
 def _prefixed_hint(state_dict: Mapping[str, Any], key: str) -> str:
     """A hint when ``state_dict`` holds ``key`` under a wrapper's prefix (torch.compile's
     ``_orig_mod.``, DDP's ``module.``): a state dict taken from the wrapper, not the model."""
@@ -249,8 +283,9 @@ def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
     ``save_pretrained`` of the hf_fp8 ``model`` that would not reload: an FP8 layer of the
     model without its fp8 codes, weight scale or bias in it, any of them with another dtype or
     shape than the layer's (high-precision values where the layer stores fp8 codes), a scale
-    that is not finite and positive, or fp8 codes under a name that is no FP8 layer's (codes
-    without their scale). Other entries (norms, embeddings, high-precision layers) are not
+    that is not finite and positive, an input scale that is not float32 of the layer's shape
+    or not within the bounds the reload accepts, or fp8 codes under a name that is no FP8
+    layer's (codes without their scale). Other entries (norms, embeddings, high-precision layers) are not
     checked, as for a high-precision model."""
     codes: set[str] = set()
     for layer, module, key, scale_key, input_key in _fp8_tensor_names(model):
@@ -282,7 +317,7 @@ def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
             _check_like(k, state_dict[k], reference, what)
         _check_scale_values(scale_key, state_dict[scale_key])
         if input_key in state_dict:
-            _check_scale_values(input_key, state_dict[input_key])
+            _check_input_scale(input_key, state_dict[input_key], module)
     for key, value in state_dict.items():
         if isinstance(value, torch.Tensor) and is_fp8(value.dtype) and key not in codes:
             raise _refuse(
