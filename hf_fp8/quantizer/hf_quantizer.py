@@ -133,8 +133,16 @@ def _weights_train(model: nn.Module) -> bool:
     frozen by design, so this is read from the model around them (R30 F1): not where peft
     manages the model (``get_peft_model`` / ``inject_adapter_in_model`` set ``peft_config`` on it
     and froze every base parameter), nor where every other parameter is frozen (after peft's
-    ``unload()``, or ``model.requires_grad_(False)``), as on a high-precision model; otherwise
-    they train, as after a float load (what transformers' other quantizers' dequantize gives)."""
+    ``unload()``, or ``model.requires_grad_(False)``), as on a high-precision model.
+
+    The flag is read from the model's other weight matrices (high-precision ``Linear`` /
+    ``Embedding`` / conv weights: ``lm_head``, ``embed_tokens``, a router), not from its biases
+    and norms (R32 F4: BitFit and norm tuning made every dense weight trainable, where the
+    float model with the same freezing keeps its linears frozen): all of them train (a full
+    fine-tune, as after a float load) -> the dense weights train; any of them frozen -> frozen
+    (BitFit, norms only, a head-only probe, all frozen). A partly frozen model whose dense
+    weights are so kept frozen while something else trains warns, naming how to train them
+    (its frozen matrices may also be the embeddings only, which the flags cannot tell)."""
     if hasattr(model, "peft_config"):
         return False
     peft = sys.modules.get("peft.tuners.tuners_utils")
@@ -142,13 +150,37 @@ def _weights_train(model: nn.Module) -> bool:
     if tuner is not None and any(isinstance(m, tuner) for m in model.modules()):
         return False
     fp8_frozen: set[int] = set()
-    for module in model.modules():
+    dense: list[str] = []  # the dense weights dequantize makes
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
         if isinstance(module, Fp8Linear):
             fp8_frozen.update(map(id, (module.weight, module.weight_scale, module.input_scale)))
+            dense.append(f"{prefix}weight")
         elif isinstance(module, Fp8Experts):
             fp8_frozen.update(map(id, module._frozen()))
-    others = [p for p in model.parameters() if id(p) not in fp8_frozen]
-    return not others or any(p.requires_grad for p in others)
+            dense += [f"{prefix}{proj}" for proj in module.layout.projections]
+    others = [(n, p) for n, p in model.named_parameters() if id(p) not in fp8_frozen]
+    matrices = [(n, p) for n, p in others if p.dim() >= 2] or others
+    if all(p.requires_grad for _, p in matrices):
+        return True  # a full fine-tune (or nothing else to read: as after a float load)
+    trained = [n for n, p in others if p.requires_grad]
+    if trained and dense:
+        frozen = [n for n, p in matrices if not p.requires_grad]
+        warnings.warn(
+            f"hf_fp8: dequantize(): the model is partly frozen ({_names(trained)} train; "
+            f"its other weight matrices {_names(frozen)} do not), so the {len(dense)} dense "
+            f"weight(s) made from its FP8 layers ({_names(dense)}) are frozen too, as a float "
+            "model's linears under BitFit, norm or head tuning (FP8 weights have no trainable "
+            "flag of their own). To train them (e.g. you froze only the embeddings), call "
+            "requires_grad_(True) on these weights after dequantize()",
+            UserWarning,
+            stacklevel=5,  # _dequantize, HfQuantizer.dequantize, model.dequantize, the caller
+        )
+    return False
+
+
+def _names(names: list[str]) -> str:
+    return f"{len(names)}: " + ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
 
 
 def _dequantize_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
