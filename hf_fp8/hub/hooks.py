@@ -379,28 +379,30 @@ def _handing_state_dict(
     original: Callable, model: nn.Module, save_directory: Any, args: tuple, kwargs: dict
 ) -> Iterator[None]:
     """For the length of the save: the state dict passed, checked, handed to hf_fp8's
-    quantizer with the input-scale record of what it holds (``SAVING``)."""
-    state_dict, main = _save_arguments(original, model, save_directory, args, kwargs)
-    if state_dict is None:
-        yield
-        return
+    quantizer with the input-scale record of what it holds (``SAVING``); a save without one
+    (or of another kind of model) hands none, also when it runs inside a save that passed one
+    (R32 S1: a save of the same model started from within it got the outer state dict)."""
     from hf_fp8.quantizer import hf_quantizer
-    from hf_fp8.quantizer.input_scales import input_scales_metadata
 
-    if not isinstance(getattr(model, "hf_quantizer", None), hf_quantizer.Fp8HfQuantizer):
-        yield
-        return
-    metadata = input_scales_metadata(model)
-    # an adapter save (peft config loaded) writes adapter weights only; another process than
-    # the main one writes nothing
-    if main and not getattr(model, "_hf_peft_config_loaded", False):
-        check_state_dict(model, state_dict)
-        metadata = state_dict_record(model, state_dict, metadata)
+    state_dict, main = _save_arguments(original, model, save_directory, args, kwargs)
+    handed = None
+    if state_dict is not None and isinstance(
+        getattr(model, "hf_quantizer", None), hf_quantizer.Fp8HfQuantizer
+    ):
+        from hf_fp8.quantizer.input_scales import input_scales_metadata
+
+        metadata = input_scales_metadata(model)
+        # an adapter save (peft config loaded) writes adapter weights only; another process
+        # than the main one writes nothing
+        if main and not getattr(model, "_hf_peft_config_loaded", False):
+            check_state_dict(model, state_dict)
+            metadata = state_dict_record(model, state_dict, metadata)
+        handed = (model, state_dict, metadata)
     saving = getattr(hf_quantizer, "SAVING", None)  # hf26-save-state-dict.diff
     if saving is None:
         yield
         return
-    token = saving.set((model, state_dict, metadata))
+    token = saving.set(handed)
     try:
         yield
     finally:

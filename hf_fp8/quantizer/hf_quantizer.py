@@ -66,6 +66,8 @@ POST_LOAD_HOOKS: list[Callable[[nn.Module, Any], None]] = []
 # ``get_state_dict_and_metadata`` returns. hf_fp8's save_pretrained wrapper (hf_fp8.hub.hooks)
 # sets ``(model, state dict, metadata)`` here for the length of that save, once it checked the
 # state dict; the metadata's input-scale record then describes that state dict, not the model.
+# The first ``get_state_dict_and_metadata`` of that model takes it (and clears it): a save of the
+# same model started from within that save writes the model's own tensors (R32 S1).
 SAVING: contextvars.ContextVar[tuple[nn.Module, dict, dict] | None] = contextvars.ContextVar(
     "hf_fp8_saving", default=None
 )
@@ -668,6 +670,7 @@ class Fp8HfQuantizer(HfQuantizer):
         after saving is still refused."""
         saving = SAVING.get()
         if saving is not None and saving[0] is model:
+            SAVING.set(None)  # handed to this save only, not to one it starts (R32 S1)
             return saving[1], dict(saving[2])
         return None, input_scales_metadata(model)
 
