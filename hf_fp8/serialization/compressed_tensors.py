@@ -36,7 +36,7 @@ import torch
 from hf_fp8.config import Fp8Config
 from hf_fp8.recipe import Granularity
 from hf_fp8.serialization.layers import LayerPlan
-from hf_fp8.serialization.tensors import to_hf_fp8_tensors
+from hf_fp8.serialization.tensors import kv_cache_message, to_hf_fp8_tensors
 
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "float-quantized"
@@ -283,7 +283,7 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
     if qc.get("format") not in _READ_FORMATS and qc.get("format") != "mixed-precision":
         raise _unsupported(f"format {qc.get('format')!r}")
     if qc.get("kv_cache_scheme"):
-        raise _unsupported("the KV cache is quantized (kv_cache_scheme)")
+        raise _unsupported(kv_cache_message(f"kv_cache_scheme={qc['kv_cache_scheme']!r}"))
     for key in ("sparsity_config", "transform_config"):
         if qc.get(key):
             raise _unsupported(f"it has a {key}")

@@ -18,7 +18,12 @@ from hf_fp8.serialization.checkpoint import (
 from hf_fp8.serialization.experts import ExpertMerger, expert_modules, experts_view
 from hf_fp8.serialization.formats import EXPORT_FORMATS, FORMATS, format_of
 from hf_fp8.serialization.layers import build_meta_model, plan_layers
-from hf_fp8.serialization.tensors import check_complete, check_scale_aliases, compute_dtype_of
+from hf_fp8.serialization.tensors import (
+    check_complete,
+    check_no_kv_cache_scales,
+    check_scale_aliases,
+    compute_dtype_of,
+)
 from hf_fp8.serialization.unfused_experts import (
     ExpertFuser,
     UnfusedExperts,
@@ -92,6 +97,7 @@ def import_checkpoint(
     """
     src = Checkpoint(resolve_checkpoint(checkpoint))
     fmt_name, scheme = import_config(src)
+    check_no_kv_cache_scales(src.tensors())  # all shards: an FP8 KV cache is refused
     unfused = _unfused_experts(src)
     tensors = fused_view(src.tensors(), unfused)
     tensors, groups = experts_view(src.config.get("model_type"), tensors)

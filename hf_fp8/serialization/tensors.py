@@ -120,6 +120,38 @@ def check_scale_aliases(names: Iterable[str], renames: Mapping[str, str]) -> Non
             raise CheckpointTensorError(_alias_message(other, name, target))
 
 
+# Scales of a quantized KV cache / attention (vLLM's and compressed-tensors' ``k_scale``,
+# ``v_scale``, ``q_scale``, ``prob_scale``; AutoFP8's ``kv_scale`` and per-projection
+# ``k_proj.output_scale``): hf_fp8 does not quantize the KV cache (R33 F1).
+KV_CACHE_SCALES = frozenset(
+    {"k_scale", "v_scale", "q_scale", "kv_scale", "prob_scale", "output_scale"}
+)
+
+
+def kv_cache_message(what: str) -> str:
+    """The refusal of an FP8 KV-cache checkpoint, ``what`` naming the tensors or config key."""
+    return (
+        f"{what}: this checkpoint quantizes the KV cache (FP8 KV cache / attention scales), "
+        "and hf_fp8 does not quantize the KV cache: imported, the model would silently run "
+        "with a high-precision KV cache, not what the checkpoint holds. Serve it as is (vLLM "
+        "reads these scales). Only if a high-precision KV cache is acceptable: copy the "
+        "checkpoint, delete the *.k_scale / *.v_scale / *.q_scale / *.kv_scale / "
+        "*.prob_scale / *.output_scale tensors from its safetensors files "
+        "(safetensors.torch.load_file, del, save_file) and kv_cache_scheme / "
+        "kv_cache_quant_method from config.json's quantization_config, then import the copy"
+    )
+
+
+def check_no_kv_cache_scales(names: Iterable[str]) -> None:
+    """Refuse KV-cache / attention scale tensors on any module (``KV_CACHE_SCALES``): raises
+    ``CheckpointTensorError`` naming them and the fix. Run on every name of a checkpoint
+    before anything is written."""
+    found = sorted(n for n in names if n.rpartition(".")[2] in KV_CACHE_SCALES)
+    if found:
+        shown = ", ".join(found[:4]) + (f" (and {len(found) - 4} more)" if len(found) > 4 else "")
+        raise CheckpointTensorError(kv_cache_message(shown))
+
+
 def _alias_message(first: str, second: str, target: str) -> str:
     return (
         f"{first} and {second} are both the scale {target}: the checkpoint stores one scale "
@@ -181,6 +213,8 @@ def to_hf_fp8_tensors(
                 )
         elif leaf == "bias":
             out[name] = _check_bias(name, value, plan.fp8[module][0])
+        elif leaf in KV_CACHE_SCALES:
+            raise CheckpointTensorError(kv_cache_message(name))
         else:
             raise ValueError(
                 f"unsupported tensor {name} on an FP8 layer: this variant (e.g. packed, "

@@ -27,7 +27,7 @@ from hf_fp8.config import Fp8Config
 from hf_fp8.serialization.checkpoint import module_of
 from hf_fp8.serialization.compressed_tensors import BLOCK_STATIC_FIXES, checked_size
 from hf_fp8.serialization.layers import LayerPlan
-from hf_fp8.serialization.tensors import to_hf_fp8_tensors
+from hf_fp8.serialization.tensors import kv_cache_message, to_hf_fp8_tensors
 
 QUANT_METHOD = "fp8"
 # hf_fp8's own key: the dynamic activation granularity of per-tensor-weight exports
@@ -112,6 +112,9 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
     scheme = str(qc.get("activation_scheme", "dynamic")).lower()
     if scheme not in ("static", "dynamic"):
         raise ValueError(f"fp8 activation_scheme {scheme!r} is not 'static' or 'dynamic'")
+    for key in ("kv_cache_scheme", "kv_cache_quant_method"):
+        if qc.get(key):
+            raise ValueError(kv_cache_message(f"fp8 quantization_config.{key}={qc[key]!r}"))
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3" or qc.get("scale_fmt", "float") != "float":
         raise ValueError(
