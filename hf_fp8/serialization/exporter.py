@@ -72,6 +72,45 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
+# The linears vLLM fuses into one layer (its models' packed_modules_mapping): the shards of one
+# fused layer must share a scheme, all FP8 or all high precision, or vLLM refuses the checkpoint
+# ("different quantization schemes for the shards of …qkv_proj"; R33 F3).
+VLLM_FUSED_SHARDS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def check_fused_shards(plan: LayerPlan, fmt_name: str) -> None:
+    """Refuse a group of sibling linears that vLLM fuses (``VLLM_FUSED_SHARDS``) with some
+    members FP8 and others high precision, naming them and the fix."""
+    fp8 = {**dict.fromkeys(plan.high_precision, False), **dict.fromkeys(plan.fp8, True)}
+    mixed = []
+    for fused, shards in VLLM_FUSED_SHARDS.items():
+        parents = sorted({n.rpartition(".")[0] for n in fp8 if n.rpartition(".")[2] in shards})
+        for parent in parents:
+            members = {
+                f"{parent}.{s}": fp8[f"{parent}.{s}"] for s in shards if f"{parent}.{s}" in fp8
+            }
+            if len(set(members.values())) > 1:
+                mixed.append((fused, shards, members))
+    if not mixed:
+        return
+    fused, shards, members = mixed[0]
+    kept = ", ".join(n for n, is_fp8 in members.items() if not is_fp8)
+    quantized = ", ".join(n for n, is_fp8 in members.items() if is_fp8)
+    more = f" (and {len(mixed) - 1} more such group(s))" if len(mixed) > 1 else ""
+    names = ", ".join(repr(s) for s in shards)
+    raise ValueError(
+        f"{fmt_name} export: vLLM fuses {'/'.join(shards)} of one layer into {fused} and needs "
+        f"them all FP8 or all high precision, but {kept} is kept in high precision and "
+        f"{quantized} is FP8{more}: vLLM refuses this checkpoint (different quantization "
+        f"schemes for the shards of {fused}). Keep all of them in high precision "
+        f"(Fp8Config(..., modules_to_not_convert=[..., {names}])) or none of them, then "
+        "quantize and export again; or keep the hf_fp8 checkpoint (from_pretrained loads it)"
+    )
+
+
 def _high_precision_experts(
     plan: LayerPlan, config: dict, tensors: dict, fmt_name: str
 ) -> tuple[LayerPlan, dict[str, int]]:
@@ -142,6 +181,7 @@ def exporting(
         plan = plan_layers(src.config, tensors, experts=expert_modules(groups))
         check_complete(plan, tensors, config)
         plan, unfused = _high_precision_experts(plan, src.config, tensors, fmt.name)
+        check_fused_shards(plan, fmt.name)
         quantization_config = fmt.export_config(config, plan)
         dtype = compute_dtype_of(src.config)
 
