@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,7 +59,48 @@ def hf_fp8_config(checkpoint: Checkpoint) -> Fp8Config:
     return Fp8Config.from_dict(checkpoint.quantization_config)
 
 
+def _from_peft(obj: object) -> bool:
+    """A peft model or adapter layer (peft's classes and subclasses such as hf_fp8's
+    ``Fp8LoraLinear``); peft is only looked up when something imported it."""
+    if type(obj).__module__.split(".")[0] == "peft":
+        return True
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    peft = sys.modules.get("peft")
+    bases = (getattr(tuners, "BaseTunerLayer", None), getattr(peft, "PeftModel", None))
+    return any(isinstance(b, type) and isinstance(obj, b) for b in bases)
+
+
+_PEFT_FIX = (
+    "merge the adapters with merged = model.merge_and_unload() (a high-precision model), "
+    "then hf_fp8.quantize_model(merged, Fp8Config(...)) and export that; or export the FP8 "
+    "base model without its adapters (model.unload(), or the folder it was loaded from); "
+    "save the adapters themselves with model.save_pretrained(folder)"
+)
+
+
+def _check_peft(model: nn.Module) -> None:
+    """Refuse a peft model, or a model holding peft adapter layers (``get_base_model()``):
+    peft's ``save_pretrained`` writes an adapter, not the model, and the adapters have no place
+    in an FP8 checkpoint (R33 F8)."""
+    if _from_peft(model):
+        raise TypeError(
+            f"export got a peft model ({type(model).__name__}): the compressed-tensors and "
+            f"vllm-fp8 formats hold a transformers model, not its adapters. To export: {_PEFT_FIX}"
+        )
+    layers = [name for name, m in model.named_modules() if name and _from_peft(m)]
+    if layers:
+        shown = ", ".join(layers[:3]) + (
+            f" (and {len(layers) - 3} more)" if len(layers) > 3 else ""
+        )
+        raise TypeError(
+            f"export got a model holding peft adapter layers ({shown}): the compressed-tensors "
+            f"and vllm-fp8 formats hold a transformers model, not its adapters. To export: "
+            f"{_PEFT_FIX}"
+        )
+
+
 def _check_model(model: nn.Module) -> None:
+    _check_peft(model)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(
             f"export needs a transformers model or a folder, got {type(model).__name__}"
