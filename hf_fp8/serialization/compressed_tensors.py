@@ -205,7 +205,38 @@ def _unsupported(what: str) -> ValueError:
     )
 
 
-def _check_args(args: dict[str, Any], role: str) -> None:
+_JSON_TYPES = {dict: "an object ({...})", list: "a list", str: "a string", bool: "true or false"}
+
+
+def checked_type(value: Any, field: str, kind: type, *, optional: bool = False) -> Any:
+    """``value`` when it is a ``kind`` (``None`` too when ``optional``); else ``ValueError``
+    naming ``field`` of config.json's ``quantization_config`` and the JSON type expected
+    (R33 F7: a list or a string gave a raw AttributeError, ``"false"`` read as true). A bool
+    is not an int and an int is not a bool."""
+    if optional and value is None:
+        return value
+    if isinstance(value, kind) and not (kind is not bool and isinstance(value, bool)):
+        return value
+    got = next((w for t, w in _JSON_TYPES.items() if type(value) is t), type(value).__name__)
+    if value is None:
+        got = "null"
+    raise ValueError(
+        f"config.json's quantization_config{'.' + field if field else ''} is {got} "
+        f"({_short(value)}): expected "
+        f"{_JSON_TYPES.get(kind, kind.__name__)}; the config is damaged or was written by "
+        "another tool: fix it or re-export the checkpoint"
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_args(args: dict[str, Any], role: str, where: str) -> None:
+    for key in ("symmetric", "dynamic"):
+        checked_type(args.get(key), f"{where}.{key}", bool, optional=True)
+    checked_type(args.get("strategy"), f"{where}.strategy", str, optional=True)
     kind, bits = args.get("type"), args.get("num_bits")
     if kind != "float" or bits != 8:
         raise _unsupported(f"{role} are {kind} with {bits} bits (int8, fp4 … are not FP8)")
@@ -229,10 +260,12 @@ def checked_size(value: Any, field: str) -> int:
 
 
 def _group_kwargs(name: str, group: dict[str, Any]) -> dict[str, Any]:
-    weights = group.get("weights")
+    where = f"config_groups.{name}"
+    checked_type(group, where, dict)
+    weights = checked_type(group.get("weights"), f"{where}.weights", dict, optional=True)
     if not weights:
         raise _unsupported(f"config group {name} quantizes no weights")
-    _check_args(weights, "weights")
+    _check_args(weights, "weights", f"{where}.weights")
     if group.get("format") not in (None, *_READ_FORMATS):
         raise _unsupported(f"config group {name} has format {group['format']!r}")
     if group.get("output_activations"):
@@ -244,16 +277,16 @@ def _group_kwargs(name: str, group: dict[str, Any]) -> dict[str, Any]:
     if granularity is None:
         raise _unsupported(f"weight strategy {strategy!r}")
     kwargs: dict[str, Any] = {"weight_granularity": granularity}
-    where = f"config_groups.{name}"
     block = weights.get("block_structure") or [128, 128]
     if not isinstance(block, (list, tuple)) or len(block) != 2:
         raise _unsupported(f"{where}.weights.block_structure {block!r} is not [rows, cols]")
     block = [checked_size(b, f"{where}.weights.block_structure[{i}]") for i, b in enumerate(block)]
-    acts = group.get("input_activations")
+    acts_field = f"{where}.input_activations"
+    acts = checked_type(group.get("input_activations"), acts_field, dict, optional=True)
     if not acts:
         kwargs["activation_scheme"] = "weight_only"
     else:
-        _check_args(acts, "input activations")
+        _check_args(acts, "input activations", acts_field)
         a_strategy, dynamic = acts.get("strategy"), acts.get("dynamic")
         if dynamic is True and a_strategy in ("token", "tensor"):
             kwargs.update(activation_scheme="dynamic", activation_granularity=a_strategy)
@@ -273,7 +306,8 @@ def _group_kwargs(name: str, group: dict[str, Any]) -> dict[str, Any]:
 
 def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
     """``Fp8Config`` keyword arguments (scheme part) of a compressed-tensors config."""
-    groups = qc.get("config_groups") or {}
+    checked_type(qc, "", dict)
+    groups = checked_type(qc.get("config_groups"), "config_groups", dict, optional=True)
     if not groups:
         raise _unsupported("no config_groups")
     found = {name: _group_kwargs(name, group) for name, group in groups.items()}
@@ -282,7 +316,7 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
         raise _unsupported(f"quantization_status is {status!r}: weights are not stored in fp8")
     if qc.get("format") not in _READ_FORMATS and qc.get("format") != "mixed-precision":
         raise _unsupported(f"format {qc.get('format')!r}")
-    if qc.get("kv_cache_scheme"):
+    if qc.get("kv_cache_scheme") is not None:  # {} too: the library reads an int8 scheme
         raise _unsupported(kv_cache_message(f"kv_cache_scheme={qc['kv_cache_scheme']!r}"))
     for key in ("sparsity_config", "transform_config"):
         if qc.get(key):

@@ -63,6 +63,13 @@ def format_of(quantization_config: dict[str, Any] | None) -> str:
     """Name of the format a checkpoint's ``quantization_config`` describes:
     ``"hf_fp8"``, ``"compressed-tensors"``, ``"vllm-fp8"``, ``"unquantized"`` or the
     foreign ``quant_method``."""
+    if quantization_config is not None and not isinstance(quantization_config, dict):
+        kind = type(quantization_config).__name__
+        kind = {"str": "a string", "list": "a list"}.get(kind, kind)
+        raise ValueError(
+            f"config.json's quantization_config is {kind}: expected an object ({{...}}) with a "
+            "quant_method; the config is damaged: fix it or re-export the checkpoint"
+        )
     if not quantization_config:
         return "unquantized"
     method = quantization_config.get("quant_method")

@@ -113,7 +113,7 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
     if scheme not in ("static", "dynamic"):
         raise ValueError(f"fp8 activation_scheme {scheme!r} is not 'static' or 'dynamic'")
     for key in ("kv_cache_scheme", "kv_cache_quant_method"):
-        if qc.get(key):
+        if qc.get(key) is not None:
             raise ValueError(kv_cache_message(f"fp8 quantization_config.{key}={qc[key]!r}"))
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3" or qc.get("scale_fmt", "float") != "float":
