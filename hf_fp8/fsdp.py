@@ -60,3 +60,75 @@ def fully_shard_fp8(
     for module in modules:
         fully_shard(module, mp_policy=keep, **fsdp_kwargs)
     return modules
+
+
+def _fp8_dtype(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def full_tensor_fp8(tensor: Any) -> torch.Tensor:
+    """``tensor.full_tensor()`` of a DTensor (an FSDP2 shard) that also works for fp8 codes
+    over backends without a float8 type (gloo: ``RuntimeError: Invalid scalar type``): the
+    codes are gathered as their bytes (``view(torch.uint8)``) and viewed back, bit-exact.
+    Other dtypes gather as ``full_tensor()`` does; a plain tensor is returned as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded shards
+        tensor = tensor.to(tensor.device_mesh.device_type)
+    replicate = [Replicate()] * len(tensor.placements)
+    if not _fp8_dtype(tensor.dtype):
+        return _wait(tensor.redistribute(tensor.device_mesh, replicate).to_local())
+    codes = DTensor.from_local(
+        tensor.to_local().view(torch.uint8),
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+    )
+    return _wait(codes.redistribute(tensor.device_mesh, replicate).to_local()).view(tensor.dtype)
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
+
+
+def full_state_dict_fp8(model: nn.Module, options: Any = None) -> dict[str, Any]:
+    """The full (unsharded) state dict of an FSDP2-sharded model holding FP8 layers.
+
+    torch's ``get_model_state_dict(model, StateDictOptions(full_state_dict=True))`` gathers
+    every DTensor with an all-gather in its own dtype, and gloo has no float8 type: it fails
+    with ``RuntimeError: Invalid scalar type``. This is that call with fp8 codes gathered as
+    bytes (:func:`full_tensor_fp8`), bit-exact. ``options``: torch's ``StateDictOptions``
+    (default: ``full_state_dict=True, cpu_offload=True``, what ``accelerator.get_state_dict``
+    uses); with ``cpu_offload=True`` (and torch.distributed initialized) only rank 0 gets the
+    tensors, on CPU, the other ranks an empty dict, as in torch. Every rank must call it.
+    ``accelerator.get_state_dict`` / ``save_model`` and ``Trainer.save_model`` use it for
+    models with FP8 layers (the ``accelerate_fsdp2`` patch)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if options is None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sharded = get_model_state_dict(
+        model,
+        options=dataclasses.replace(
+            options, full_state_dict=False, cpu_offload=False, broadcast_from_rank0=False
+        ),
+    )
+    rank0_only = options.cpu_offload and dist.is_available() and dist.is_initialized()
+    keep = not rank0_only or dist.get_rank() == 0
+    out: dict[str, Any] = {}
+    for key, value in sharded.items():
+        value = full_tensor_fp8(value)  # a collective: every rank gathers every tensor
+        if keep:
+            if options.cpu_offload and isinstance(value, torch.Tensor):
+                value = value.cpu()
+            out[key] = value
+    return out

@@ -154,12 +154,66 @@ def _refuse_offloaded(layers: dict[str, Fp8Linear], experts: dict[str, ExpertsOb
         )
 
 
+def _world(distributed: bool) -> int:
+    """The number of ranks to agree with: the default process group's size, else 1."""
+    import torch.distributed as dist
+
+    if not distributed or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+def _collective_device(model: nn.Module) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    device = next(model.parameters()).device
+    if device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _reduce_minmax(observers: dict[str, Observer], seen: int, device: torch.device) -> int:
+    """Every rank's minmax observers become those of one process that saw all ranks'
+    batches (the max of the amaxes, the sums of the counts): the scales are then exact and
+    equal on every rank. Returns the batches seen on all ranks."""
+    import torch.distributed as dist
+
+    names = sorted(observers)
+    amax = torch.stack([observers[n].amax().float().reshape(()) for n in names]).to(device)
+    counts = torch.tensor(
+        [[observers[n].batches, observers[n].nonfinite] for n in names] + [[seen, 0]],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    amax, counts = amax.cpu(), counts.cpu()
+    for i, name in enumerate(names):
+        observers[name]._amax = amax[i].clone()
+        observers[name].batches = int(counts[i, 0])
+        observers[name].nonfinite = int(counts[i, 1])
+    return int(counts[-1, 0])
+
+
+def _broadcast_scales(scales: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Rank 0's scales on every rank (observers whose statistics do not reduce exactly)."""
+    import torch.distributed as dist
+
+    names = sorted(scales)
+    values = torch.tensor([scales[n] for n in names], dtype=torch.float64, device=device)
+    dist.broadcast(values, src=0)
+    return dict(zip(names, values.cpu().tolist(), strict=True))
+
+
 def calibrate(
     model: nn.Module,
     batches: Any,
     observer: str = "minmax",
     *,
     progress: bool = True,
+    distributed: bool = True,
     **observer_kwargs: Any,
 ) -> dict[str, float]:
     """Set the ``input_scale`` of every static ``Fp8Linear`` and ``Fp8Experts`` from ``batches``.
@@ -195,13 +249,38 @@ def calibrate(
     Returns the scales by module name (``"<experts>.<proj>[<expert>]"`` for experts).
     A model with offloaded static layers (``device_map`` with ``"disk"``, CPU offload) is
     refused before any batch runs: calibrate it without offloading, save, and reload.
+
+    Several ranks (``torch.distributed`` initialized, world size above 1, e.g. DDP or
+    FSDP2 training, each rank with its own share of the data): every rank of the default
+    process group must call ``calibrate``, and every rank ends with the same scales. With
+    ``"minmax"`` the observed maxima are reduced across ranks: the scales are exactly those
+    of one process calibrating on all ranks' batches. The other observers' statistics do not
+    reduce exactly: rank 0's scales are broadcast to every rank (calibrate rank 0 on enough
+    data). ``distributed=False`` calibrates each rank alone (e.g. when only rank 0 calls it).
+
+    A ``torch.compile``'d model (``fullgraph=True`` included) runs its calibration batches
+    eagerly (``torch.compiler.set_stance("force_eager")``): the observers read activations
+    in Python; the compiled graph is used again afterwards.
     """
     with torch.no_grad():
-        return _calibrate(model, batches, observer, progress, observer_kwargs)
+        return _calibrate(model, batches, observer, progress, distributed, observer_kwargs)
+
+
+def _eager() -> Any:
+    """A context running ``torch.compile``'d code eagerly (nothing before torch 2.6)."""
+    import contextlib
+
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _calibrate(
-    model: nn.Module, batches: Any, observer: str, progress: bool, observer_kwargs: dict
+    model: nn.Module,
+    batches: Any,
+    observer: str,
+    progress: bool,
+    distributed: bool,
+    observer_kwargs: dict,
 ) -> dict[str, float]:
     data = as_batches(batches)
     make = functools.partial(make_observer, observer, **observer_kwargs)
@@ -264,7 +343,8 @@ def _calibrate(
             check_batch(seen, batch)
             batch = _to_device(batch, device)
             token_mask.set(batch)  # padding is not observed (R27 F1)
-            _run(model, batch)
+            with _eager():  # a compiled model cannot trace the observers (R34 F3)
+                _run(model, batch)
             seen += 1
     finally:
         for h in hooks:
@@ -276,6 +356,11 @@ def _calibrate(
         token_mask.clear()
         for module, training in was_training.items():
             module.training = training
+    world = _world(distributed)
+    if world > 1:
+        device = _collective_device(model)
+        if observer == "minmax":  # before any raise: every rank takes part (R34 F2)
+            seen = _reduce_minmax(observers, seen, device)
     if not seen:
         raise ValueError(f"calibrate got no batches: pass {ACCEPTED}")
     _warn_nonfinite(observers)
@@ -284,6 +369,8 @@ def _calibrate(
     for name, obs in observers.items():
         if name not in scales:
             scales[name] = float(obs.scale())
+    if world > 1 and observer != "minmax":
+        scales = _broadcast_scales(scales, device)
     for name, m in layers.items():
         m.set_input_scale(scales[name])
         m.__dict__.pop("_saturation", None)  # counts under the old scale (R27 F5)

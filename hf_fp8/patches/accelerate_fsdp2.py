@@ -15,6 +15,13 @@ the policy's ``reduce_dtype``. Everything else is accelerate's own code path.
 
 If accelerate never reaches that point (its internals changed) the wrapper raises instead of
 letting training run on cast codes; the error names the manual route.
+
+``Accelerator.get_state_dict`` (what ``accelerator.save_model`` and ``Trainer.save_model``
+call) gathers an FSDP2 model with torch's ``get_model_state_dict(full_state_dict=True)``,
+which all-gathers fp8 codes in their own dtype: gloo has no float8 type (``RuntimeError:
+Invalid scalar type``). The patch wraps it too: for an FSDP2 model holding fp8 tensors it
+returns :func:`hf_fp8.fsdp.full_state_dict_fp8` with accelerate's options (codes gathered as
+bytes, bit-exact); every other case is accelerate's own code.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ TRIGGER = "accelerate.accelerator"
 UTILS = "accelerate.utils.fsdp_utils"
 PREPARE = "fsdp2_prepare_model"
 POLICY = "fsdp2_prepare_auto_wrap_policy"
+STATE_DICT = "get_state_dict"
 MANUAL = (
     "call hf_fp8.fully_shard_fp8(model) before accelerator.prepare(model, optimizer, ...), "
     'or use mixed_precision="no"'
@@ -111,6 +119,36 @@ def _wrap_policy(original: Callable) -> Callable:
     return fsdp2_prepare_auto_wrap_policy
 
 
+def _has_fp8_dtensor(model: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    from hf_fp8.fsdp import _fp8_dtype
+
+    return any(
+        isinstance(t, DTensor) and _fp8_dtype(t.dtype)
+        for t in [*model.parameters(), *model.buffers()]
+    )
+
+
+def _wrap_state_dict(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_state_dict(self, model, *args, **kwargs):
+        if not getattr(self, "is_fsdp2", False) or not _has_fp8_dtensor(model):
+            return original(self, model, *args, **kwargs)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        from hf_fp8.fsdp import full_state_dict_fp8
+
+        # accelerate 1.16's options for FSDP2 (broadcast_from_rank0 only matters on load)
+        options = StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True
+        )
+        return full_state_dict_fp8(model, options)
+
+    get_state_dict._hf_fp8 = True
+    return get_state_dict
+
+
 def applied() -> bool:
     """True when ``accelerator.prepare`` goes through the wrapped FSDP2 preparation."""
     accelerator = sys.modules.get(TRIGGER)
@@ -129,6 +167,7 @@ def apply() -> None:
     if not getattr(getattr(accelerator, PREPARE, None), "__name__", "") == PREPARE:
         raise RuntimeError(f"accelerate.accelerator no longer imports {PREPARE}")
     policy = getattr(utils, POLICY, None)
+    _apply_state_dict(accelerator)
     wrapped = _wrap_prepare(prepare)
     for module in (utils, accelerator, sys.modules.get("accelerate.utils")):
         if module is not None and getattr(module, PREPARE, None) is prepare:
@@ -139,6 +178,19 @@ def apply() -> None:
         disable("accelerate_fsdp2", f"{UTILS}.{POLICY} is gone", partly=True)
         return
     setattr(utils, POLICY, _wrap_policy(policy))
+
+
+def _apply_state_dict(accelerator: Any) -> None:
+    """Wrap ``Accelerator.get_state_dict`` once; if it is gone, only that part is disabled."""
+    cls = getattr(accelerator, "Accelerator", None)
+    current = getattr(cls, STATE_DICT, None)
+    if current is None:
+        from hf_fp8.patches import disable
+
+        disable("accelerate_fsdp2", f"{TRIGGER}.Accelerator.{STATE_DICT} is gone", partly=True)
+        return
+    if not getattr(current, "_hf_fp8", False):
+        setattr(cls, STATE_DICT, _wrap_state_dict(current))
 
 
 TRIGGERS = {TRIGGER: apply}
