@@ -149,6 +149,40 @@ def _check_moe(config: Fp8Config, plan: LayerPlan, group: dict[str, Any]) -> Non
     )
 
 
+def warn_dynamic_granularity(config: Fp8Config, export: str, *, stacklevel: int = 3) -> None:
+    """Warn when vLLM quantizes this model's dynamic activations at another granularity than
+    the model does (R33 F2): in ``1 × k`` groups for block weights (its block FP8 linear),
+    per token for other weights (compressed-tensors' ``CompressedTensorsW8A8Fp8``: per tensor
+    when static, else per token, whatever the ``strategy``). The checkpoint keeps the model's
+    granularity for transformers and hf_fp8's compressed-tensors import."""
+    if config.activation_scheme != "dynamic":
+        return
+    block = config.weight_granularity == "block"
+    served = "block" if block else "token"
+    if config.activation_granularity == served:
+        return
+    words = {
+        "token": "per token",
+        "tensor": "per tensor",
+        "block": f"in 1 × {config.block_size[1]} groups",
+    }
+    fix = (
+        'Fp8Config("dynamic", weight_granularity="block") (1 × k activation groups)'
+        if block
+        else 'Fp8Config("dynamic") (per-row weights) or Fp8Config("dynamic", '
+        'weight_granularity="tensor"), both with per-token activations'
+    )
+    warnings.warn(
+        f"{export} export: vLLM quantizes the dynamic activations of "
+        f"{'block' if block else 'non-block'} FP8 weights {words[served]}, whatever the "
+        f"checkpoint says; this model's are {words[config.activation_granularity]} "
+        f"({config.activation_granularity!r}), so vLLM serves numbers a few % off this "
+        f"model's. For vLLM's numbers quantize with {fix}",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+
+
 def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
     """``quantization_config`` of the compressed-tensors export of an hf_fp8 model."""
     if config.fp8_format != "e4m3":

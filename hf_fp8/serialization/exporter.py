@@ -24,6 +24,7 @@ from hf_fp8.serialization.checkpoint import (
     rewrite_tensors,
     write_config,
 )
+from hf_fp8.serialization.compressed_tensors import warn_dynamic_granularity
 from hf_fp8.serialization.experts import (
     check_split,
     check_splittable,
@@ -225,6 +226,10 @@ def exporting(
         plan, unfused = _high_precision_experts(plan, src.config, tensors, fmt.name)
         check_fused_shards(plan, fmt.name)
         quantization_config = fmt.export_config(config, plan)
+        if fmt.name == COMPRESSED_TENSORS:
+            # here, not in export_config: the model card reads a vLLM warning from
+            # export_config as "vLLM refuses it", and vLLM loads this one (other numbers)
+            warn_dynamic_granularity(config, fmt.name, stacklevel=4)
         dtype = compute_dtype_of(src.config)
 
         def convert(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -25,7 +25,11 @@ import torch
 
 from hf_fp8.config import Fp8Config
 from hf_fp8.serialization.checkpoint import module_of
-from hf_fp8.serialization.compressed_tensors import BLOCK_STATIC_FIXES, checked_size
+from hf_fp8.serialization.compressed_tensors import (
+    BLOCK_STATIC_FIXES,
+    checked_size,
+    warn_dynamic_granularity,
+)
 from hf_fp8.serialization.layers import LayerPlan
 from hf_fp8.serialization.tensors import kv_cache_message, to_hf_fp8_tensors
 
@@ -78,6 +82,8 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
                     "with a block_size that divides every layer"
                 )
         qc["weight_block_size"] = list(config.block_size)
+        # vLLM (and this format's import) run 1 × k activation groups with block weights
+        warn_dynamic_granularity(config, "vllm-fp8")
     elif config.activation_scheme == "dynamic":
         qc[GRANULARITY_KEY] = config.activation_granularity
         warnings.warn(
