@@ -105,6 +105,15 @@ TORCH_ONLY_KEYS = (
 )
 
 
+# torch.compile(optimizer.step): the step runs eagerly (a graph break; its fused C kernel or its
+# own torch.compile'd update are the fast paths); under fullgraph=True dynamo raises with this.
+_NOT_COMPILED = (
+    "AdamWFp8.step is not traced by torch.compile: it runs eagerly, with its own fast paths "
+    "(the fused C kernel on CPU, a torch.compile'd update elsewhere). Call optimizer.step() "
+    "outside torch.compile, or compile it without fullgraph=True (a graph break)"
+)
+
+
 class AdamWFp8(Optimizer):
     """AdamW with FP8 moments and COAT dynamic range expansion.
 
@@ -326,6 +335,7 @@ class AdamWFp8(Optimizer):
             )
 
     # ------------------------------------------------------------------ step
+    @torch.compiler.disable(reason=_NOT_COMPILED)
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One optimization step; ``closure`` re-evaluates the model and returns the loss."""
