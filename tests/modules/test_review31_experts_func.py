@@ -74,8 +74,9 @@ def test_static_experts_without_scales_name_the_keys() -> None:
         RuntimeError, match=r"mlp\.experts have no input scales.*'mlp\.experts\.down_proj'"
     ):
         fp8(x, index, weights)
-    parallel = Fp8ParallelExperts.from_experts(
-        JetMoeParallelExperts(4, 16, 24), Fp8Config("static")
-    )
+    source = JetMoeParallelExperts(4, 16, 24)
+    with torch.no_grad():  # its weight is torch.empty: uninitialised memory may hold NaN
+        source.weight.normal_(0.0, 0.02)
+    parallel = Fp8ParallelExperts.from_experts(source, Fp8Config("static"))
     with pytest.raises(RuntimeError, match=r"no input scales for \['weight'\].*activation_scales"):
         parallel(torch.randn(4, 16), [1, 1, 1, 1])
