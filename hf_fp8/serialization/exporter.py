@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -154,6 +155,56 @@ def check_fused_shards(plan: LayerPlan, fmt_name: str) -> None:
     )
 
 
+def _more(count: int, what: str) -> str:
+    return f" (and {count} more {what})" if count else ""
+
+
+def warn_served_input_scales(scales: dict[str, float], plan: LayerPlan, fmt_name: str) -> None:
+    """Warn where vLLM serves one static input scale, the largest, for several of the
+    model's (R33 F5 / F6): the shards of a fused linear (``VLLM_FUSED_SHARDS``) and the experts
+    of a fused-MoE layer, per projection. ``scales``: FP8 module -> its input scale."""
+    fused = []
+    for name, shards in VLLM_FUSED_SHARDS.items():
+        parents = sorted({n.rpartition(".")[0] for n in scales if n.rpartition(".")[2] in shards})
+        for parent in parents:
+            found = {s: scales[f"{parent}.{s}"] for s in shards if f"{parent}.{s}" in scales}
+            if len(set(found.values())) > 1:
+                fused.append((parent, name, found))
+    if fused:
+        parent, name, found = fused[0]
+        listed = ", ".join(f"{parent}.{s} {v:g}" for s, v in found.items())
+        largest = max(found.values())
+        more = _more(len(fused) - 1, "fused layers")
+        warnings.warn(
+            f"{fmt_name} export: vLLM fuses {'/'.join(found)} into {name} with one static "
+            f"input scale, the largest: {listed} are served with {largest:g}{more}, so the "
+            f"smaller ones quantize their input up to {largest / min(found.values()):.3g}"
+            "x more coarsely in vLLM than in this model. They read the same input: give them "
+            "one scale (the same Fp8Config(activation_scales=...) value, or calibrate them)",
+            UserWarning,
+            stacklevel=4,
+        )
+    per_layer: dict[tuple[str, str], list[float]] = {}
+    for linear, owner in plan.fp8_experts.items():
+        if linear in scales:
+            per_layer.setdefault((owner, linear.rpartition(".")[2]), []).append(scales[linear])
+    differ = [(k, v) for k, v in sorted(per_layer.items()) if len(set(v)) > 1]
+    if differ:
+        (owner, proj), values = max(differ, key=lambda kv: max(kv[1]) / min(kv[1]))
+        more = _more(len(differ) - 1, "experts projections")
+        warnings.warn(
+            f"{fmt_name} export: the experts of a layer have different static input scales "
+            f"(one per expert, as calibrated); vLLM's fused-MoE loader keeps one per layer and "
+            f"projection, the largest, for every expert. Most spread: {owner} {proj}: "
+            f"{min(values):g} … {max(values):g}, served with {max(values):g}, so some experts "
+            f"quantize their input up to {max(values) / min(values):.3g}x more coarsely in "
+            f"vLLM than in this model{more}. transformers and hf_fp8 keep the per-expert "
+            "scales",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 def _high_precision_experts(
     plan: LayerPlan, config: dict, tensors: dict, fmt_name: str
 ) -> tuple[LayerPlan, dict[str, int]]:
@@ -232,12 +283,18 @@ def exporting(
             warn_dynamic_granularity(config, fmt.name, stacklevel=4)
         dtype = compute_dtype_of(src.config)
 
+        input_scales: dict[str, float] = {}
+
         def convert(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             shard = unfuse_experts(split_experts(shard, groups, config), unfused)
             checked = to_hf_fp8_tensors(shard, plan, config, compute_dtype=dtype)
+            for name, value in checked.items():
+                if name.endswith(".input_scale"):
+                    input_scales[name.removesuffix(".input_scale")] = float(value.reshape(-1)[0])
             return fmt.export_tensors(checked, plan, config)
 
         rewrite_tensors(src, tmp, convert)
+        warn_served_input_scales(input_scales, plan, fmt.name)
         if src.root != tmp.resolve():
             copy_other_files(src, tmp)
         write_config(tmp, {**src.config, "quantization_config": quantization_config})
