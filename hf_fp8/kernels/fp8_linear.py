@@ -194,6 +194,37 @@ def _functorch_forward(
     return torch.where(redo.unsqueeze(-1), run(False), out)
 
 
+INFERENCE_WEIGHTS_FIX = (
+    "create or load the model outside torch.inference_mode() (torch.no_grad() is as fast "
+    "under torch.compile), or, outside it, replace them by normal tensors before compiling: "
+    "with torch.no_grad(): for m in model.modules(): if isinstance(m, hf_fp8.Fp8Linear): "
+    "m.weight = torch.nn.Parameter(m.weight.clone(), requires_grad=False); "
+    "m.weight_scale = torch.nn.Parameter(m.weight_scale.clone(), requires_grad=False)"
+)
+
+
+@torch.library.custom_op("hf_fp8::saved_weight_scale", mutates_args=())
+def saved_weight_scale(w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """A copy of ``w_scale`` (per-row / per-block scales: small), after checking at run time
+    that a compiled graph can save the weights for backward. Inside ``torch.compile``
+    ``tensor.is_inference()`` cannot be traced; this opaque op (no graph break) checks the
+    real tensors, so that weights created under ``torch.inference_mode()`` raise this error
+    instead of torch's "Inference tensors cannot be saved for backward" (R34 F11)."""
+    if w_fp8.is_inference() or w_scale.is_inference():
+        raise RuntimeError(
+            f"Fp8Linear (weight {tuple(w_fp8.shape)}): its weights were created under "
+            "torch.inference_mode() (inference tensors) and a torch.compile'd backward "
+            "cannot save them (eager training can: it reads them back at backward). "
+            f"Fix: {INFERENCE_WEIGHTS_FIX}"
+        )
+    return w_scale.clone()
+
+
+@saved_weight_scale.register_fake
+def _(w_fp8, w_scale):
+    return torch.empty_like(w_scale)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """FP8 forward; straight-through backward in the compute dtype.
 
@@ -320,6 +351,12 @@ def fp8_linear(
         return fresh_output(out, (*lead, w_fp8.shape[0]))
     tensors = (x, w_fp8, w_scale, bias, input_scale)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        if (
+            torch.compiler.is_compiling()
+            and x.requires_grad  # the weights are saved for backward
+            and not (w_fp8.requires_grad or w_scale.requires_grad)
+        ):
+            w_scale = saved_weight_scale(w_fp8, w_scale)  # a clear error for inference weights
         out = _Fp8LinearFunction.apply(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
     else:
         out = _forward(x, w_fp8, w_scale, bias, input_scale, plan, use_scaled_mm)
