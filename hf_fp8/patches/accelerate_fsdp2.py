@@ -21,7 +21,9 @@ call) gathers an FSDP2 model with torch's ``get_model_state_dict(full_state_dict
 which all-gathers fp8 codes in their own dtype: gloo has no float8 type (``RuntimeError:
 Invalid scalar type``). The patch wraps it too: for an FSDP2 model holding fp8 tensors it
 returns :func:`hf_fp8.fsdp.full_state_dict_fp8` with accelerate's options (codes gathered as
-bytes, bit-exact); every other case is accelerate's own code.
+bytes, bit-exact); every other case is accelerate's own code. ``save_fsdp_model`` (what
+``accelerator.save_state`` and the Trainer's checkpoints call) goes through accelerate's
+``_get_model_state_dict``, wrapped the same way when its options ask for a full state dict.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ UTILS = "accelerate.utils.fsdp_utils"
 PREPARE = "fsdp2_prepare_model"
 POLICY = "fsdp2_prepare_auto_wrap_policy"
 STATE_DICT = "get_state_dict"
+SAVE_STATE_DICT = "_get_model_state_dict"  # accelerate 1.16: what save_fsdp_model calls
 MANUAL = (
     "call hf_fp8.fully_shard_fp8(model) before accelerator.prepare(model, optimizer, ...), "
     'or use mixed_precision="no"'
@@ -149,6 +152,29 @@ def _wrap_state_dict(original: Callable) -> Callable:
     return get_state_dict
 
 
+def _wrap_save_state_dict(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _get_model_state_dict(model, adapter_only=False, sd_options=None):
+        if (
+            sd_options is None
+            or not getattr(sd_options, "full_state_dict", False)
+            or not _has_fp8_dtensor(model)
+        ):
+            return original(model, adapter_only=adapter_only, sd_options=sd_options)
+        import dataclasses
+
+        from accelerate.utils.modeling import is_peft_model
+
+        from hf_fp8.fsdp import full_state_dict_fp8
+
+        if adapter_only and is_peft_model(model):  # accelerate's adapter-only options
+            sd_options = dataclasses.replace(sd_options, ignore_frozen_params=True)
+        return full_state_dict_fp8(model, sd_options)
+
+    _get_model_state_dict._hf_fp8 = True
+    return _get_model_state_dict
+
+
 def applied() -> bool:
     """True when ``accelerator.prepare`` goes through the wrapped FSDP2 preparation."""
     accelerator = sys.modules.get(TRIGGER)
@@ -168,6 +194,7 @@ def apply() -> None:
         raise RuntimeError(f"accelerate.accelerator no longer imports {PREPARE}")
     policy = getattr(utils, POLICY, None)
     _apply_state_dict(accelerator)
+    _apply_save_state_dict(utils)
     wrapped = _wrap_prepare(prepare)
     for module in (utils, accelerator, sys.modules.get("accelerate.utils")):
         if module is not None and getattr(module, PREPARE, None) is prepare:
@@ -191,6 +218,26 @@ def _apply_state_dict(accelerator: Any) -> None:
         return
     if not getattr(current, "_hf_fp8", False):
         setattr(cls, STATE_DICT, _wrap_state_dict(current))
+
+
+def _apply_save_state_dict(utils: Any) -> None:
+    """Wrap ``accelerate.utils.fsdp_utils._get_model_state_dict`` once (partly disabled if
+    it is gone: ``save_fsdp_model`` with FULL_STATE_DICT then fails over gloo as before)."""
+    import inspect
+
+    current = getattr(utils, SAVE_STATE_DICT, None)
+    if current is None or getattr(current, "_hf_fp8", False):
+        if current is None:
+            from hf_fp8.patches import disable
+
+            disable("accelerate_fsdp2", f"{UTILS}.{SAVE_STATE_DICT} is gone", partly=True)
+        return
+    if list(inspect.signature(current).parameters) != ["model", "adapter_only", "sd_options"]:
+        from hf_fp8.patches import disable
+
+        disable("accelerate_fsdp2", f"{UTILS}.{SAVE_STATE_DICT} changed its arguments", partly=True)
+        return
+    setattr(utils, SAVE_STATE_DICT, _wrap_save_state_dict(current))
 
 
 TRIGGERS = {TRIGGER: apply}

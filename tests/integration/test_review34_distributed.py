@@ -82,6 +82,13 @@ def _worker(rank: int, port: int, out: Path) -> None:
             torch.save(sd, out / "accelerate_sd.pt")
     except Exception as e:
         result["accelerate_error"] = f"{type(e).__name__}: {e}"[:400]
+    try:  # accelerator.save_state / Trainer checkpoints with FULL_STATE_DICT
+        from accelerate.utils import save_fsdp_model
+
+        save_fsdp_model(acc.state.fsdp_plugin, acc, model, str(out / "fsdp_full"))
+        result["save_fsdp_model"] = True
+    except Exception as e:
+        result["save_fsdp_model_error"] = f"{type(e).__name__}: {e}"[:400]
     try:
         from hf_fp8.fsdp import full_state_dict_fp8
 
@@ -150,6 +157,14 @@ def test_accelerate_get_state_dict_of_fsdp2_fp8_model_equals_unsharded(ranks):
         assert "accelerate_error" not in result, result["accelerate_error"]
     assert results[1]["accelerate_keys"] == 0  # rank 0 only, as accelerate's cpu_offload
     full = torch.load(out / "accelerate_sd.pt", weights_only=True)
+    _assert_equal_state_dicts(full, _model("dynamic").state_dict())
+
+
+def test_accelerate_save_fsdp_model_full_state_dict_equals_unsharded(ranks):
+    results, out = ranks
+    for result in results:
+        assert "save_fsdp_model_error" not in result, result["save_fsdp_model_error"]
+    full = torch.load(out / "fsdp_full" / "pytorch_model_fsdp.bin", weights_only=True)
     _assert_equal_state_dicts(full, _model("dynamic").state_dict())
 
 
