@@ -42,7 +42,7 @@ def _quantized(source: str, config: Fp8Config, fidelity: dict | None = None):
 
 
 # -- (a) exports ----------------------------------------------------------------------------------
-SKIP_Q = ["lm_head", "q_proj"]
+SKIP_Q = ["lm_head", "o_proj"]  # another model; vLLM fuses q_proj with k/v (R33 F3: refused)
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "vllm-fp8"])
