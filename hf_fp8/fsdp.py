@@ -132,3 +132,96 @@ def full_state_dict_fp8(model: nn.Module, options: Any = None) -> dict[str, Any]
                 value = value.cpu()
             out[key] = value
     return out
+
+
+def set_full_state_dict_fp8(
+    model: nn.Module, state_dict: dict[str, Any], options: Any = None
+) -> Any:
+    """Load a full (unsharded) state dict into an FSDP2-sharded model holding FP8 layers.
+
+    torch's ``set_model_state_dict(model, sd, StateDictOptions(full_state_dict=True,
+    broadcast_from_rank0=True))`` broadcasts every tensor in its own dtype: gloo has no
+    float8 type (``RuntimeError: Invalid scalar type``). Here fp8 codes travel as bytes.
+    With ``broadcast_from_rank0`` (the default when torch.distributed is initialized) only
+    rank 0's ``state_dict`` is read (the others may pass ``{}``); every rank must call it.
+    Each rank then keeps its own shard; ``strict`` and the other options are torch's.
+    Returns what ``set_model_state_dict`` returns (missing and unexpected keys)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if options is None:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=initialized)
+    local = dataclasses.replace(
+        options, full_state_dict=False, cpu_offload=False, broadcast_from_rank0=False
+    )
+    sharded = get_model_state_dict(model, options=local)
+    from_rank0 = options.broadcast_from_rank0 and initialized
+    keys = [k for k, v in sharded.items() if isinstance(v, torch.Tensor)]
+    if from_rank0:
+        # rank 0 says which keys it holds with the right shape (1), holds wrong (2), lacks (0)
+        status = torch.zeros(len(keys), dtype=torch.uint8)
+        if dist.get_rank() == 0:
+            for i, key in enumerate(keys):
+                if key in state_dict:
+                    same = tuple(state_dict[key].shape) == tuple(sharded[key].shape)
+                    status[i] = 1 if same else 2
+        status = _broadcast(status, _comm_device(sharded.values())).cpu()
+        wrong = [k for k, s in zip(keys, status.tolist(), strict=True) if s == 2]
+        if wrong:
+            raise ValueError(
+                f"set_full_state_dict_fp8: rank 0's state dict has other shapes than the model "
+                f"for {wrong[:8]}; it is not this model's state dict"
+            )
+        present = [k for k, s in zip(keys, status.tolist(), strict=True) if s == 1]
+    else:
+        present = [k for k in keys if k in state_dict]
+    out: dict[str, Any] = {}
+    for key in present:
+        current = sharded[key]
+        device = _comm_device([current])
+        if from_rank0:
+            if dist.get_rank() == 0:
+                full = state_dict[key].detach().to(device=device, dtype=current.dtype)
+            else:
+                full = torch.empty(current.shape, dtype=current.dtype, device=device)
+            full = _broadcast(full.contiguous(), device)
+        else:
+            full = state_dict[key].detach().to(device=device, dtype=current.dtype)
+        if isinstance(current, DTensor):
+            # every rank holds the full tensor: each keeps its shard, no communication
+            full = distribute_tensor(
+                full, current.device_mesh, current.placements, src_data_rank=None
+            )
+        out[key] = full
+    return set_model_state_dict(model, out, options=local)
+
+
+def _comm_device(tensors: Any) -> torch.device:
+    """Where a collective's buffers live: the DTensors' mesh device, else CPU for gloo."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for t in tensors:
+        if isinstance(t, DTensor):
+            return torch.device(t.device_mesh.device_type)
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _broadcast(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``dist.broadcast`` from rank 0 that also carries fp8 (as bytes)."""
+    import torch.distributed as dist
+
+    tensor = tensor.to(device)
+    data = tensor.view(torch.uint8) if _fp8_dtype(tensor.dtype) else tensor
+    dist.broadcast(data, src=0)
+    return tensor

@@ -23,7 +23,9 @@ Invalid scalar type``). The patch wraps it too: for an FSDP2 model holding fp8 t
 returns :func:`hf_fp8.fsdp.full_state_dict_fp8` with accelerate's options (codes gathered as
 bytes, bit-exact); every other case is accelerate's own code. ``save_fsdp_model`` (what
 ``accelerator.save_state`` and the Trainer's checkpoints call) goes through accelerate's
-``_get_model_state_dict``, wrapped the same way when its options ask for a full state dict.
+``_get_model_state_dict``, wrapped the same way when its options ask for a full state dict;
+``load_fsdp_model`` goes through ``_set_model_state_dict``, wrapped with
+:func:`hf_fp8.fsdp.set_full_state_dict_fp8` (rank 0's tensors broadcast, fp8 as bytes).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ PREPARE = "fsdp2_prepare_model"
 POLICY = "fsdp2_prepare_auto_wrap_policy"
 STATE_DICT = "get_state_dict"
 SAVE_STATE_DICT = "_get_model_state_dict"  # accelerate 1.16: what save_fsdp_model calls
+LOAD_STATE_DICT = "_set_model_state_dict"  # and what load_fsdp_model calls
 MANUAL = (
     "call hf_fp8.fully_shard_fp8(model) before accelerator.prepare(model, optimizer, ...), "
     'or use mixed_precision="no"'
@@ -175,6 +178,29 @@ def _wrap_save_state_dict(original: Callable) -> Callable:
     return _get_model_state_dict
 
 
+def _wrap_load_state_dict(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _set_model_state_dict(model, state_dict, adapter_only=False, sd_options=None):
+        if (
+            sd_options is None
+            or not getattr(sd_options, "full_state_dict", False)
+            or not _has_fp8_dtensor(model)
+        ):
+            return original(model, state_dict, adapter_only=adapter_only, sd_options=sd_options)
+        import dataclasses
+
+        from accelerate.utils.modeling import is_peft_model
+
+        from hf_fp8.fsdp import set_full_state_dict_fp8
+
+        if adapter_only and is_peft_model(model):  # accelerate's adapter-only options
+            sd_options = dataclasses.replace(sd_options, strict=False)
+        return set_full_state_dict_fp8(model, state_dict, sd_options)
+
+    _set_model_state_dict._hf_fp8 = True
+    return _set_model_state_dict
+
+
 def applied() -> bool:
     """True when ``accelerator.prepare`` goes through the wrapped FSDP2 preparation."""
     accelerator = sys.modules.get(TRIGGER)
@@ -221,23 +247,30 @@ def _apply_state_dict(accelerator: Any) -> None:
 
 
 def _apply_save_state_dict(utils: Any) -> None:
-    """Wrap ``accelerate.utils.fsdp_utils._get_model_state_dict`` once (partly disabled if
-    it is gone: ``save_fsdp_model`` with FULL_STATE_DICT then fails over gloo as before)."""
+    """Wrap ``accelerate.utils.fsdp_utils._get_model_state_dict`` and ``_set_model_state_dict``
+    once (each partly disabled if gone or changed: ``save_fsdp_model`` / ``load_fsdp_model``
+    with FULL_STATE_DICT then fail over gloo as before)."""
     import inspect
 
-    current = getattr(utils, SAVE_STATE_DICT, None)
-    if current is None or getattr(current, "_hf_fp8", False):
+    from hf_fp8.patches import disable
+
+    wanted = {
+        SAVE_STATE_DICT: (["model", "adapter_only", "sd_options"], _wrap_save_state_dict),
+        LOAD_STATE_DICT: (
+            ["model", "state_dict", "adapter_only", "sd_options"],
+            _wrap_load_state_dict,
+        ),
+    }
+    for name, (parameters, wrap) in wanted.items():
+        current = getattr(utils, name, None)
         if current is None:
-            from hf_fp8.patches import disable
-
-            disable("accelerate_fsdp2", f"{UTILS}.{SAVE_STATE_DICT} is gone", partly=True)
-        return
-    if list(inspect.signature(current).parameters) != ["model", "adapter_only", "sd_options"]:
-        from hf_fp8.patches import disable
-
-        disable("accelerate_fsdp2", f"{UTILS}.{SAVE_STATE_DICT} changed its arguments", partly=True)
-        return
-    setattr(utils, SAVE_STATE_DICT, _wrap_save_state_dict(current))
+            disable("accelerate_fsdp2", f"{UTILS}.{name} is gone", partly=True)
+        elif getattr(current, "_hf_fp8", False):
+            continue
+        elif list(inspect.signature(current).parameters) != parameters:
+            disable("accelerate_fsdp2", f"{UTILS}.{name} changed its arguments", partly=True)
+        else:
+            setattr(utils, name, wrap(current))
 
 
 TRIGGERS = {TRIGGER: apply}

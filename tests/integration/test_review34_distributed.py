@@ -29,13 +29,13 @@ pytestmark = [
 ]
 
 
-def _model(scheme: str):
+def _model(scheme: str, seed: int = 0):
     from transformers import LlamaForCausalLM
 
     import hf_fp8
     from hf_fp8.utils.tiny import tiny_llama_config
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(64, 2, 32))
     kw = {"activation_scale": 0.05} if scheme == "static" else {}
     hf_fp8.quantize_model(model, hf_fp8.Fp8Config(scheme, **kw), skip=["lm_head"])
@@ -89,6 +89,19 @@ def _worker(rank: int, port: int, out: Path) -> None:
         result["save_fsdp_model"] = True
     except Exception as e:
         result["save_fsdp_model_error"] = f"{type(e).__name__}: {e}"[:400]
+    try:  # accelerator.load_state / Trainer resume with FULL_STATE_DICT, into other weights
+        from accelerate.utils import load_fsdp_model
+
+        other = _model("dynamic", seed=1)
+        other_opt = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad])
+        other, other_opt = acc.prepare(other, other_opt)
+        load_fsdp_model(acc.state.fsdp_plugin, acc, other, str(out / "fsdp_full"))
+        sd = acc.get_state_dict(other)
+        if rank == 0:
+            torch.save(sd, out / "loaded_sd.pt")
+        result["load_fsdp_model"] = True
+    except Exception as e:
+        result["load_fsdp_model_error"] = f"{type(e).__name__}: {e}"[:400]
     try:
         from hf_fp8.fsdp import full_state_dict_fp8
 
@@ -166,6 +179,21 @@ def test_accelerate_save_fsdp_model_full_state_dict_equals_unsharded(ranks):
         assert "save_fsdp_model_error" not in result, result["save_fsdp_model_error"]
     full = torch.load(out / "fsdp_full" / "pytorch_model_fsdp.bin", weights_only=True)
     _assert_equal_state_dicts(full, _model("dynamic").state_dict())
+
+
+def test_accelerate_load_fsdp_model_full_state_dict_restores_the_saved_model(ranks):
+    results, out = ranks
+    for result in results:
+        assert "load_fsdp_model_error" not in result, result["load_fsdp_model_error"]
+    loaded = torch.load(out / "loaded_sd.pt", weights_only=True)
+    reference = _model("dynamic").state_dict()
+    assert not torch.equal(  # the model loaded into had other codes before
+        _model("dynamic", seed=1)
+        .state_dict()["model.layers.0.mlp.up_proj.weight"]
+        .view(torch.uint8),
+        reference["model.layers.0.mlp.up_proj.weight"].view(torch.uint8),
+    )
+    _assert_equal_state_dicts(loaded, reference)
 
 
 def test_full_state_dict_fp8_helper_equals_unsharded(ranks):
