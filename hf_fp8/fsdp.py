@@ -14,6 +14,13 @@ own that keeps the stored dtypes; shard the layers and the model after it as usu
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+
+Full (unsharded) state dicts: torch's ``get_model_state_dict`` / ``set_model_state_dict``
+with ``full_state_dict=True`` move every tensor in its own dtype, and gloo has no float8
+type (``RuntimeError: Invalid scalar type``). :func:`full_state_dict_fp8` and
+:func:`set_full_state_dict_fp8` are those calls with fp8 codes sent as bytes (bit-exact);
+``accelerate`` uses them for FP8 models (``get_state_dict``, ``save_model``, FULL_STATE_DICT
+``save_state`` / ``load_state``) through the ``accelerate_fsdp2`` patch.
 """
 
 from __future__ import annotations
