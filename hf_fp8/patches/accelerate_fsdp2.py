@@ -21,7 +21,9 @@ call) gathers an FSDP2 model with torch's ``get_model_state_dict(full_state_dict
 which all-gathers fp8 codes in their own dtype: gloo has no float8 type (``RuntimeError:
 Invalid scalar type``). The patch wraps it too: for an FSDP2 model holding fp8 tensors it
 returns :func:`hf_fp8.fsdp.full_state_dict_fp8` with accelerate's options (codes gathered as
-bytes, bit-exact); every other case is accelerate's own code. ``save_fsdp_model`` (what
+bytes, bit-exact); every other case is accelerate's own code. A FULL_STATE_DICT optimizer
+checkpoint (``save_fsdp_optimizer``) of an optimizer holding fp8 state (``AdamWFp8``'s
+moments) over gloo is refused before anything is written, naming SHARDED_STATE_DICT. ``save_fsdp_model`` (what
 ``accelerator.save_state`` and the Trainer's checkpoints call) goes through accelerate's
 ``_get_model_state_dict``, wrapped the same way when its options ask for a full state dict;
 ``load_fsdp_model`` goes through ``_set_model_state_dict``, wrapped with
@@ -43,6 +45,12 @@ POLICY = "fsdp2_prepare_auto_wrap_policy"
 STATE_DICT = "get_state_dict"
 SAVE_STATE_DICT = "_get_model_state_dict"  # accelerate 1.16: what save_fsdp_model calls
 LOAD_STATE_DICT = "_set_model_state_dict"  # and what load_fsdp_model calls
+OPTIM_SAVE = "save_fsdp_optimizer"
+OPTIM_FULL_FIX = (
+    "save sharded optimizer checkpoints instead: fsdp_state_dict_type: SHARDED_STATE_DICT "
+    "(FullyShardedDataParallelPlugin(state_dict_type='SHARDED_STATE_DICT')), which keeps the "
+    "fp8 moments as they are; the model alone saves in full with accelerator.save_model"
+)
 MANUAL = (
     "call hf_fp8.fully_shard_fp8(model) before accelerator.prepare(model, optimizer, ...), "
     'or use mixed_precision="no"'
@@ -201,6 +209,43 @@ def _wrap_load_state_dict(original: Callable) -> Callable:
     return _set_model_state_dict
 
 
+def _fp8_state_over_gloo(optimizer: Any) -> bool:
+    """True when ``optimizer`` (maybe accelerate's wrapper) holds fp8 DTensor state and the
+    default process group is gloo (which has no float8 type to gather it in)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from hf_fp8.fsdp import _fp8_dtype
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+        return False
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return any(
+        isinstance(v, DTensor) and _fp8_dtype(v.dtype)
+        for state in getattr(inner, "state", {}).values()
+        for v in state.values()
+    )
+
+
+def _wrap_optim_save(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def save_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, *args, **kwargs):
+        if (
+            getattr(fsdp_plugin, "fsdp_version", 1) == 2
+            and "FULL_STATE_DICT" in str(getattr(fsdp_plugin, "state_dict_type", ""))
+            and _fp8_state_over_gloo(optimizer)
+        ):
+            raise RuntimeError(
+                "hf_fp8: a FULL_STATE_DICT optimizer checkpoint gathers every optimizer state "
+                "in its own dtype, and gloo has no float8 type: this optimizer's fp8 states "
+                f"(AdamWFp8 moments) cannot be gathered (nothing was written); {OPTIM_FULL_FIX}"
+            )
+        return original(fsdp_plugin, accelerator, optimizer, *args, **kwargs)
+
+    save_fsdp_optimizer._hf_fp8 = True
+    return save_fsdp_optimizer
+
+
 def applied() -> bool:
     """True when ``accelerator.prepare`` goes through the wrapped FSDP2 preparation."""
     accelerator = sys.modules.get(TRIGGER)
@@ -271,6 +316,15 @@ def _apply_save_state_dict(utils: Any) -> None:
             disable("accelerate_fsdp2", f"{UTILS}.{name} changed its arguments", partly=True)
         else:
             setattr(utils, name, wrap(current))
+    current = getattr(utils, OPTIM_SAVE, None)
+    if current is None:
+        disable("accelerate_fsdp2", f"{UTILS}.{OPTIM_SAVE} is gone", partly=True)
+    elif not getattr(current, "_hf_fp8", False):
+        wrapped = _wrap_optim_save(current)
+        holders = ("accelerate.utils", "accelerate.accelerator", "transformers.trainer")
+        for module in (utils, *(sys.modules.get(m) for m in holders)):
+            if module is not None and getattr(module, OPTIM_SAVE, None) is current:
+                setattr(module, OPTIM_SAVE, wrapped)
 
 
 TRIGGERS = {TRIGGER: apply}
