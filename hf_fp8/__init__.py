@@ -27,12 +27,14 @@ _LAZY = {
     "Fp8Linear": "hf_fp8.modules",
     "calibrate": "hf_fp8.calibration",
     "export": "hf_fp8.serialization",
+    "full_state_dict_fp8": "hf_fp8.fsdp",
     "fully_shard_fp8": "hf_fp8.fsdp",
     "ignore_fp8_for_ddp": "hf_fp8.ddp",
     "import_checkpoint": "hf_fp8.serialization",
     "inspect_checkpoint": "hf_fp8.serialization",
     "quantize_model": "hf_fp8.quantizer",
     "set_card_info": "hf_fp8.hub",
+    "set_full_state_dict_fp8": "hf_fp8.fsdp",
     # kept for callers of earlier versions; not in __all__
     "attach_card_hooks": "hf_fp8.hub",
     "register_peft_lora": "hf_fp8.lora",
@@ -50,19 +52,21 @@ __all__ = [
     "__version__",
     "calibrate",
     "export",
+    "full_state_dict_fp8",
     "fully_shard_fp8",
     "ignore_fp8_for_ddp",
     "import_checkpoint",
     "inspect_checkpoint",
     "quantize_model",
     "set_card_info",
+    "set_full_state_dict_fp8",
 ]
 
 if TYPE_CHECKING:
     from hf_fp8.calibration import calibrate
     from hf_fp8.config import Fp8Config
     from hf_fp8.ddp import ignore_fp8_for_ddp
-    from hf_fp8.fsdp import fully_shard_fp8
+    from hf_fp8.fsdp import full_state_dict_fp8, fully_shard_fp8, set_full_state_dict_fp8
     from hf_fp8.hub import set_card_info
     from hf_fp8.modules import Fp8Linear
     from hf_fp8.numerics.checks import CheckpointTensorError
