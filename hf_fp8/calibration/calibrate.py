@@ -154,11 +154,23 @@ def _refuse_offloaded(layers: dict[str, Fp8Linear], experts: dict[str, ExpertsOb
         )
 
 
-def _world(distributed: bool) -> int:
-    """The number of ranks to agree with: the default process group's size, else 1."""
+def _world(distributed: bool | None) -> int:
+    """The number of ranks to agree with: the default process group's size with
+    ``distributed=True``, else 1 (``None`` on several ranks warns: ranks may disagree)."""
     import torch.distributed as dist
 
     if not distributed or not dist.is_available() or not dist.is_initialized():
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed is None and several:
+            warnings.warn(
+                f"hf_fp8.calibrate ran on rank {dist.get_rank()}'s batches only: ranks "
+                "that calibrate on their own data end with different input scales. If "
+                "every rank calls calibrate, pass distributed=True (the ranks then agree); "
+                "if one rank calibrates before the model is wrapped (DDP / FSDP "
+                "broadcast its scales), pass distributed=False to silence this",
+                UserWarning,
+                stacklevel=4,
+            )
         return 1
     return dist.get_world_size()
 
@@ -213,7 +225,7 @@ def calibrate(
     observer: str = "minmax",
     *,
     progress: bool = True,
-    distributed: bool = True,
+    distributed: bool | None = None,
     **observer_kwargs: Any,
 ) -> dict[str, float]:
     """Set the ``input_scale`` of every static ``Fp8Linear`` and ``Fp8Experts`` from ``batches``.
@@ -251,12 +263,15 @@ def calibrate(
     refused before any batch runs: calibrate it without offloading, save, and reload.
 
     Several ranks (``torch.distributed`` initialized, world size above 1, e.g. DDP or
-    FSDP2 training, each rank with its own share of the data): every rank of the default
-    process group must call ``calibrate``, and every rank ends with the same scales. With
-    ``"minmax"`` the observed maxima are reduced across ranks: the scales are exactly those
-    of one process calibrating on all ranks' batches. The other observers' statistics do not
-    reduce exactly: rank 0's scales are broadcast to every rank (calibrate rank 0 on enough
-    data). ``distributed=False`` calibrates each rank alone (e.g. when only rank 0 calls it).
+    FSDP2 training, each rank with its own share of the data): with ``distributed=True``
+    every rank of the default process group must call ``calibrate`` (it is a collective),
+    and every rank ends with the same scales. With ``"minmax"`` the observed maxima are
+    reduced across ranks: the scales are exactly those of one process calibrating on all
+    ranks' batches. The other observers' statistics do not reduce exactly: rank 0's scales
+    are broadcast to every rank (calibrate rank 0 on enough data). The default (``None``)
+    calibrates each rank alone, as a collective would hang when only one rank calls it (the
+    "main process quantizes" pattern), and warns on several ranks that their scales may
+    differ; ``distributed=False`` calibrates each rank alone without the warning.
 
     A ``torch.compile``'d model (``fullgraph=True`` included) runs its calibration batches
     eagerly (``torch.compiler.set_stance("force_eager")``): the observers read activations
@@ -279,7 +294,7 @@ def _calibrate(
     batches: Any,
     observer: str,
     progress: bool,
-    distributed: bool,
+    distributed: bool | None,
     observer_kwargs: dict,
 ) -> dict[str, float]:
     data = as_batches(batches)

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,11 +130,22 @@ def _worker(rank: int, port: int, out: Path) -> None:
     for observer in ("minmax", "percentile"):
         try:
             scales = hf_fp8.calibrate(
-                _model("static"), _calib_data(rank), observer=observer, progress=False
+                _model("static"),
+                _calib_data(rank),
+                observer=observer,
+                progress=False,
+                distributed=True,
             )
             result[f"scales_{observer}"] = scales
         except Exception as e:
             result[f"calibrate_{observer}_error"] = f"{type(e).__name__}: {e}"[:400]
+    # the default is no collective (only one rank may call it): each rank alone, one warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result["scales_default"] = hf_fp8.calibrate(
+            _model("static"), _calib_data(rank), observer="minmax", progress=False
+        )
+    result["default_warnings"] = [str(w.message) for w in caught]
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -251,6 +263,21 @@ def test_percentile_calibration_on_two_ranks_takes_rank0_scales(ranks):
     )
     assert results[0]["scales_percentile"] == results[1]["scales_percentile"]
     assert results[1]["scales_percentile"] == pytest.approx(rank0, rel=0, abs=0)
+
+
+def test_default_calibration_on_two_ranks_stays_per_rank_and_warns(ranks):
+    """R35: a collective by default hung the "main process calibrates" pattern; the default
+    calibrates each rank alone (its scales are one process's on its own data) and warns."""
+    import hf_fp8
+
+    results, _ = ranks
+    for rank, result in enumerate(results):
+        alone = hf_fp8.calibrate(
+            _model("static"), _calib_data(rank), observer="minmax", progress=False
+        )
+        assert result["scales_default"] == pytest.approx(alone, rel=0, abs=0)
+        assert any("distributed=True" in w for w in result["default_warnings"])
+    assert results[0]["scales_default"] != results[1]["scales_default"]
 
 
 if __name__ == "__main__":
