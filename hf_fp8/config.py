@@ -11,6 +11,7 @@ import importlib.metadata
 import inspect
 import math
 import numbers
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -159,6 +160,7 @@ class Fp8Config(QuantizationConfigMixin):
         if unknown:
             raise ValueError(unknown_fields_message(unknown, "quantization_config has"))
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in known}
+        config_dict = _without_none_scales(config_dict)
         config = cls(**{**config_dict, **overrides})
         return (config, kwargs) if return_unused_kwargs else config
 
@@ -277,6 +279,27 @@ def _scales(scales: Any) -> dict[str, float] | None:
     return {
         k: _scale(v, f"activation_scales[{k!r}]", optional=False) for k, v in scales.items()
     } or None
+
+
+def _without_none_scales(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's ``activation_scales`` without ``None`` entries, which hf-fp8 before
+    the twelfth session accepted and saved (R35): the layer's scale is in the checkpoint's
+    tensors; ``Fp8Config(...)`` built by hand still refuses ``None`` (R31 F5)."""
+    scales = config_dict.get("activation_scales")
+    if not isinstance(scales, Mapping):
+        return config_dict
+    dropped = sorted(str(k) for k, v in scales.items() if v is None)
+    if not dropped:
+        return config_dict
+    warnings.warn(
+        f"quantization_config.activation_scales holds None for {dropped} (saved by an older "
+        "hf-fp8): those entries are dropped; the layers take the input scales stored in the "
+        "checkpoint (else activation_scale)",
+        UserWarning,
+        stacklevel=3,
+    )
+    kept = {k: v for k, v in scales.items() if v is not None}
+    return {**config_dict, "activation_scales": kept or None}
 
 
 def _check_scale_bounds(scales: dict[str, Any], recipe: Fp8Recipe) -> None:

@@ -25,12 +25,16 @@ def test_a_none_activation_scales_entry_is_refused_naming_key_and_fix(fallback) 
         Fp8Config("static", activation_scale=fallback, activation_scales={KEY: None})
 
 
-def test_a_json_null_entry_is_refused_on_load() -> None:
+def test_a_json_null_entry_is_dropped_on_load_with_a_warning() -> None:
+    """R35: older hf-fp8 saved None entries (with the layer's scale stored in the tensors);
+    refusing them made those checkpoints unloadable: a loaded config drops them, warning."""
     saved = json.loads(
         json.dumps({**Fp8Config("static").to_dict(), "activation_scales": {KEY: None}})
     )
-    with pytest.raises(ValueError, match=rf"activation_scales\['{KEY}'\] is None"):
-        Fp8Config.from_dict(saved)
+    with pytest.warns(UserWarning, match="None"):
+        config = Fp8Config.from_dict(saved)
+    assert config.activation_scales is None
+    assert config.activation_scale_for(KEY) is None  # the stored tensor, else calibrate
 
 
 def test_entries_must_be_numbers_and_the_message_no_longer_offers_none() -> None:
