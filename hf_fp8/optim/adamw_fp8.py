@@ -977,6 +977,16 @@ def _check_no_shared_memory(
         name = f" {names[p]!r}" if p in names else ""
         return f"parameter {index[p]}{name} (shape {tuple(p.shape)})"
 
+    seen: set[int] = set()
+    for p in params:
+        if id(p) in seen:
+            raise ValueError(
+                f"AdamWFp8: {label(p)} appears more than once in the optimizer's param groups "
+                "(torch.optim warns that duplicate parameters are deprecated and will be an "
+                "error); nothing was updated. List each parameter once, e.g. "
+                "list(dict.fromkeys(params))"
+            )
+        seen.add(id(p))
     spans: dict[tuple[torch.device, int], list[tuple[int, int, torch.Tensor]]] = {}
     plain = (torch.Tensor, torch.nn.Parameter)
     for p in params:
@@ -1009,7 +1019,8 @@ def _check_no_shared_memory(
                 first, second = sorted((holder, p), key=lambda q: index[q])
                 raise ValueError(
                     f"AdamWFp8: {label(first)} and {label(second)} share memory (views of one "
-                    "tensor, e.g. a weight tied as torch.nn.Parameter(w.t())) and both have a "
+                    "tensor, e.g. a weight tied as torch.nn.Parameter(w.t()); non-contiguous "
+                    "views of one buffer count by their whole span) and both have a "
                     "gradient; nothing was updated. Tie them as one Parameter (assign the same "
                     "Parameter object to both modules and transpose in the forward), or give "
                     "one its own memory with torch.nn.Parameter(t.detach().clone())"
