@@ -43,7 +43,8 @@ def _refused(model, out, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_peft_model_export_is_refused(tiny_model_dir, tmp_path, fmt):
     model = get_peft_model(_fp8_model(tiny_model_dir("llama")), LoraConfig(**LORA))
-    _refused(model, tmp_path / "out", fmt)
+    message = _refused(model, tmp_path / "out", fmt)
+    assert "model.unload()" in message, message  # the route that keeps the FP8 base
 
 
 def test_base_model_with_adapter_layers_is_refused(tiny_model_dir, tmp_path):
