@@ -13,14 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from hf_fp8 import Fp8Config, Fp8Linear
-from tests.tiny_models import model_inputs
+from tests.quantizer.test_review31_conv1d_dequantize import _conv1d_layers as _layers
+from tests.quantizer.test_review31_conv1d_dequantize import _logits, _reference
 
-CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 TARGETS = ["c_attn", "attn.c_proj", "c_fc"]  # 64 -> 192, 64 -> 64 (square), 64 -> 256
 
 
@@ -28,24 +27,6 @@ def _fp8(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(
         tiny_model_dir("gpt2"), dtype=torch.float32, quantization_config=Fp8Config("weight_only")
     )
-
-
-def _reference(tiny_model_dir, fp8) -> nn.Module:
-    """The float GPT-2 holding ``fp8``'s dequantized weights in its own Conv1D layers."""
-    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir("gpt2"), dtype=torch.float32)
-    with torch.no_grad():
-        for block, fp8_block in zip(ref.transformer.h, fp8.transformer.h, strict=True):
-            for name in CONV1D:
-                conv, layer = block.get_submodule(name), fp8_block.get_submodule(name)
-                assert isinstance(conv, Conv1D) and isinstance(layer, Fp8Linear)
-                conv.weight.copy_(layer.dequantize_weight(torch.float32).t())
-                conv.bias.copy_(layer.bias)
-    return ref
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**model_inputs("gpt2")).logits
 
 
 def _pair(tiny_model_dir, **config):
@@ -66,14 +47,6 @@ def _pair(tiny_model_dir, **config):
                 )
                 ref_params[name].copy_(param)
     return peft_model, reference
-
-
-def _layers(model) -> dict[str, nn.Module]:
-    return {
-        f"{i}.{name}": block.get_submodule(name)
-        for i, block in enumerate(model.transformer.h)
-        for name in CONV1D
-    }
 
 
 def _check_merged_like_reference(merged, reference) -> None:
