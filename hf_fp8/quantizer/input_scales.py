@@ -78,15 +78,28 @@ def input_scales_metadata(model: nn.Module) -> dict[str, str]:
     return {RECORD_KEY: json.dumps(model_input_scales(model))} if static else {}
 
 
-def _file_record(path: str) -> set[str] | None:
-    """The record in the safetensors file ``path``'s metadata; None: none or unreadable."""
+# A record names each stored input scale once: ~1 MB for 10,000 names. Longer is not a record
+# an hf-fp8 save wrote (a hostile one cost ~8x its size in memory per shard when parsed: R36).
+MAX_RECORD_CHARS = 8 << 20
+
+
+def _file_record_text(path: str) -> str | None:
+    """The raw record in the safetensors file ``path``'s metadata; None: none, unreadable or
+    longer than ``MAX_RECORD_CHARS``."""
     try:
         if not path.endswith(".safetensors") or not _header_fits(path):
             return None
         with safe_open(path, "pt") as f:
             value = (f.metadata() or {}).get(RECORD_KEY)
-        names = json.loads(value) if isinstance(value, str) else None
-    except (OSError, SafetensorError, ValueError, RecursionError):
+    except (OSError, SafetensorError, ValueError):
+        return None
+    return value if isinstance(value, str) and len(value) <= MAX_RECORD_CHARS else None
+
+
+def _parse_record(text: str) -> set[str] | None:
+    try:
+        names = json.loads(text)
+    except (ValueError, RecursionError):
         return None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         return None
@@ -95,12 +108,15 @@ def _file_record(path: str) -> set[str] | None:
 
 def saved_record(files: Sequence[str]) -> set[str] | None:
     """The input scales the save of ``files`` recorded: the same record in every file, else
-    (one lacks it, two differ, a ``.bin``) None."""
-    records = [_file_record(str(f)) for f in files]
-    if not records or any(r is None for r in records):
-        return None
-    first = records[0]
-    return first if all(r == first for r in records) else None
+    (one lacks it, two differ, a ``.bin``, one too long) None. The raw texts are compared
+    and only one is parsed (a save writes the same text into every shard)."""
+    first: str | None = None
+    for f in files:
+        text = _file_record_text(str(f))
+        if text is None or (first is not None and text != first):
+            return None
+        first = text
+    return None if first is None else _parse_record(first)
 
 
 class StoredInputScales:
