@@ -207,9 +207,26 @@ def _refuse(key: str, problem: str) -> StateDictError:
     )
 
 
-def _plain(t: Any) -> bool:
-    """A tensor whose values may be read here (not meta, not a DTensor shard)."""
-    return type(t) in (torch.Tensor, nn.Parameter) and not t.is_meta
+def _values(t: Any) -> torch.Tensor | None:
+    """``t``'s values as a plain tensor to check, or None where they cannot be read here (meta,
+    a DTensor shard, a fake tensor, a wrapper subclass without data). Other tensor subclasses
+    are read through ``as_subclass(torch.Tensor)`` (R36: a subclass skipped the checks and a
+    NaN or negative scale was written)."""
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return None
+    if type(t) in (torch.Tensor, nn.Parameter):
+        return t
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor | FakeTensor):
+        return None
+    try:
+        plain = t.as_subclass(torch.Tensor)
+        plain.reshape(-1)[:1].tolist()  # has readable data
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return plain
 
 
 def _check_like(key: str, value: Any, reference: torch.Tensor, what: str) -> None:
@@ -229,7 +246,8 @@ def _check_like(key: str, value: Any, reference: torch.Tensor, what: str) -> Non
 
 
 def _check_scale_values(key: str, value: torch.Tensor) -> None:
-    if _plain(value) and value.numel() and not bool(((value > 0) & value.isfinite()).all()):
+    plain = _values(value)
+    if plain is not None and plain.numel() and not bool(((plain > 0) & plain.isfinite()).all()):
         raise _refuse(key, "holds a scale that is not a finite positive number")
 
 
@@ -255,11 +273,12 @@ def _check_input_scale(key: str, value: Any, module: nn.Module) -> None:
             f"is {str(value.dtype).removeprefix('torch.')} of shape {tuple(value.shape)} where "
             f"the layer stores its input scale as float32 of shape {shape}",
         )
-    if not _plain(value):
+    plain = _values(value)
+    if plain is None:
         return
     fp8 = fp8_dtype(module.fp8_format)
-    problem = input_scale_problem("its value", value, fp8) or input_scale_above_bound(
-        "its value", value, fp8, module.compute_dtype
+    problem = input_scale_problem("its value", plain, fp8) or input_scale_above_bound(
+        "its value", plain, fp8, module.compute_dtype
     )
     if problem:
         raise _refuse(key, f"is an input scale the reload refuses ({problem})")
