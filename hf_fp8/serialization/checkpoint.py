@@ -166,7 +166,12 @@ class Checkpoint:
             raise FileNotFoundError(
                 f"{self.root} has no {CONFIG_NAME}: pass a folder written by save_pretrained"
             )
-        self.config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
+        self.config: dict[str, Any] = _read_json(config_path)
+        if not isinstance(self.config, dict):
+            raise ValueError(
+                f"{config_path} holds a {type(self.config).__name__}, not a JSON object: "
+                "not a model config; pass a folder written by save_pretrained"
+            )
         weights, index_path = self.path(WEIGHTS_NAME), self.path(INDEX_NAME)
         self.sharded = not weights.is_file() and index_path.is_file()
         if weights.is_file():
@@ -181,7 +186,7 @@ class Checkpoint:
             )
 
     def _read_index(self, index_path: Path) -> dict[str, str]:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
+        index = _read_json(index_path)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -203,7 +208,13 @@ class Checkpoint:
 
     @property
     def quantization_config(self) -> dict[str, Any] | None:
-        return self.config.get("quantization_config")
+        qc = self.config.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            raise ValueError(
+                f"{CONFIG_NAME}'s quantization_config is a {type(qc).__name__}, not a JSON "
+                "object: the checkpoint's config is damaged; save or download it again"
+            )
+        return qc
 
     @property
     def quant_method(self) -> str | None:
@@ -285,13 +296,26 @@ def copy_companion_files(
     return copied
 
 
+def _read_json(path: Path) -> Any:
+    """The JSON in ``path``; a file that is not JSON (or nested past Python's recursion
+    limit, R36) raises ``ValueError`` naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise ValueError(
+            f"{path.name} in {path.parent} is not readable JSON ({reason}): the checkpoint "
+            "is damaged; save or download it again"
+        ) from None
+
+
 def pipeline_module_dirs(modules_json: str | bytes) -> set[str]:
     """The folders a sentence-transformers ``modules.json`` names (``1_Pooling``,
     ``2_Dense`` …; the model itself, path ``""``, is not a folder). Names that leave the
     folder (absolute, ``..``) are left out; an unreadable file names none."""
     try:
         modules = json.loads(modules_json)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return set()
     dirs = set()
     for module in modules if isinstance(modules, list) else []:
