@@ -89,3 +89,8 @@ def test_in_place_after_a_sharded_fp8_linear(tmp_path):
 
 if __name__ == "__main__":
     _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    # skip interpreter finalization, where torch 2.13's gloo run-loop thread aborts or hangs
+    # (README "Known at exit"), as the other two-rank workers do
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
