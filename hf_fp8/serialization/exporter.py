@@ -43,6 +43,7 @@ from hf_fp8.serialization.formats import format_of, get_format
 from hf_fp8.serialization.layers import LayerPlan, build_meta_model, plan_layers
 from hf_fp8.serialization.names import COMPRESSED_TENSORS
 from hf_fp8.serialization.tensors import check_complete, compute_dtype_of, to_hf_fp8_tensors
+from hf_fp8.serialization.vllm_fused import fused_groups
 
 
 def hf_fp8_config(checkpoint: Checkpoint) -> Fp8Config:
@@ -116,40 +117,28 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-# The linears vLLM fuses into one layer (its models' packed_modules_mapping): the shards of one
-# fused layer must share a scheme, all FP8 or all high precision, or vLLM refuses the checkpoint
-# ("different quantization schemes for the shards of …qkv_proj"; R33 F3).
-VLLM_FUSED_SHARDS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
-def check_fused_shards(plan: LayerPlan, fmt_name: str) -> None:
-    """Refuse a group of sibling linears that vLLM fuses (``VLLM_FUSED_SHARDS``) with some
-    members FP8 and others high precision, naming them and the fix."""
+def check_fused_shards(plan: LayerPlan, fmt_name: str, model_type: object = None) -> None:
+    """Refuse a group of sibling linears that vLLM fuses into one layer
+    (``serialization.vllm_fused``: Llama's q/k/v, BERT's query/key/value, DeepSeek's MLA
+    q_a/kv_a pair, gate/up …) with some members FP8 and others high precision, naming them and
+    the fix (R33 F3; other families than Llama's: known gap 13.1)."""
     fp8 = {**dict.fromkeys(plan.high_precision, False), **dict.fromkeys(plan.fp8, True)}
-    mixed = []
-    for fused, shards in VLLM_FUSED_SHARDS.items():
-        parents = sorted({n.rpartition(".")[0] for n in fp8 if n.rpartition(".")[2] in shards})
-        for parent in parents:
-            members = {
-                f"{parent}.{s}": fp8[f"{parent}.{s}"] for s in shards if f"{parent}.{s}" in fp8
-            }
-            if len(set(members.values())) > 1:
-                mixed.append((fused, shards, members))
+    groups = fused_groups(fp8, model_type)
+    mixed = [g for g in groups if len({fp8[m] for m in g.members}) > 1]
     if not mixed:
         return
-    fused, shards, members = mixed[0]
-    kept = ", ".join(n for n, is_fp8 in members.items() if not is_fp8)
-    quantized = ", ".join(n for n, is_fp8 in members.items() if is_fp8)
+    group = mixed[0]
+    shards = group.kind.shards
+    kept = ", ".join(m for m in group.members if not fp8[m])
+    quantized = ", ".join(m for m in group.members if fp8[m])
     more = f" (and {len(mixed) - 1} more such group(s))" if len(mixed) > 1 else ""
     names = ", ".join(repr(s) for s in shards)
+    fused = group.kind.fused
     raise ValueError(
         f"{fmt_name} export: vLLM fuses {'/'.join(shards)} of one layer into {fused} and needs "
         f"them all FP8 or all high precision, but {kept} is kept in high precision and "
         f"{quantized} is FP8{more}: vLLM refuses this checkpoint (different quantization "
-        f"schemes for the shards of {fused}). Keep all of them in high precision "
+        f"schemes for the shards of {group.fused}). Keep all of them in high precision "
         f"(Fp8Config(..., modules_to_not_convert=[..., {names}])) or none of them, then "
         "quantize and export again; or keep the hf_fp8 checkpoint (from_pretrained loads it)"
     )
@@ -159,24 +148,25 @@ def _more(count: int, what: str) -> str:
     return f" (and {count} more {what})" if count else ""
 
 
-def warn_served_input_scales(scales: dict[str, float], plan: LayerPlan, fmt_name: str) -> None:
+def warn_served_input_scales(
+    scales: dict[str, float], plan: LayerPlan, fmt_name: str, model_type: object = None
+) -> None:
     """Warn where vLLM serves one static input scale, the largest, for several of the
-    model's (R33 F5 / F6): the shards of a fused linear (``VLLM_FUSED_SHARDS``) and the experts
+    model's (R33 F5 / F6): the shards of a fused linear (``vllm_fused.fused_groups``) and the experts
     of a fused-MoE layer, per projection. ``scales``: FP8 module -> its input scale."""
     fused = []
-    for name, shards in VLLM_FUSED_SHARDS.items():
-        parents = sorted({n.rpartition(".")[0] for n in scales if n.rpartition(".")[2] in shards})
-        for parent in parents:
-            found = {s: scales[f"{parent}.{s}"] for s in shards if f"{parent}.{s}" in scales}
-            if len(set(found.values())) > 1:
-                fused.append((parent, name, found))
+    for group in fused_groups(scales, model_type):
+        found = {m: scales[m] for m in group.members}
+        if len(set(found.values())) > 1:
+            fused.append((group, found))
     if fused:
-        parent, name, found = fused[0]
-        listed = ", ".join(f"{parent}.{s} {v:g}" for s, v in found.items())
+        group, found = fused[0]
+        listed = ", ".join(f"{m} {v:g}" for m, v in found.items())
         largest = max(found.values())
         more = _more(len(fused) - 1, "fused layers")
         warnings.warn(
-            f"{fmt_name} export: vLLM fuses {'/'.join(found)} into {name} with one static "
+            f"{fmt_name} export: vLLM fuses {'/'.join(group.kind.shards)} into "
+            f"{group.kind.fused} with one static "
             f"input scale, the largest: {listed} are served with {largest:g}{more}, so the "
             f"smaller ones quantize their input up to {largest / min(found.values()):.3g}"
             "x more coarsely in vLLM than in this model. They read the same input: give them "
@@ -275,7 +265,8 @@ def exporting(
         plan = plan_layers(src.config, tensors, experts=expert_modules(groups))
         check_complete(plan, tensors, config)
         plan, unfused = _high_precision_experts(plan, src.config, tensors, fmt.name)
-        check_fused_shards(plan, fmt.name)
+        model_type = src.config.get("model_type")
+        check_fused_shards(plan, fmt.name, model_type)
         quantization_config = fmt.export_config(config, plan)
         if fmt.name == COMPRESSED_TENSORS:
             # here, not in export_config: the model card reads a vLLM warning from
@@ -294,7 +285,7 @@ def exporting(
             return fmt.export_tensors(checked, plan, config)
 
         rewrite_tensors(src, tmp, convert)
-        warn_served_input_scales(input_scales, plan, fmt.name)
+        warn_served_input_scales(input_scales, plan, fmt.name, model_type)
         if src.root != tmp.resolve():
             copy_other_files(src, tmp)
         write_config(tmp, {**src.config, "quantization_config": quantization_config})
