@@ -408,6 +408,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows.append(
             ("unquantized", f"{_bytes(summary.bytes_before)} ({summary.compute_dtype} weights)")
         )
+    if summary.kv_cache_text:
+        rows.append(("kv cache", summary.kv_cache_text))
     if summary.note:
         rows.append(("note", summary.note))
     for key, value in rows:

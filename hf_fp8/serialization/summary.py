@@ -29,6 +29,8 @@ from hf_fp8.serialization.experts import (
 from hf_fp8.serialization.formats import FORMATS, format_of
 from hf_fp8.serialization.layers import LayerPlan, plan_layers
 from hf_fp8.serialization.tensors import (
+    KV_CACHE_CONFIG_KEYS,
+    KV_CACHE_SCALES,
     check_merged_weight_scale,
     check_scale_aliases,
     compute_dtype_of,
@@ -108,6 +110,10 @@ class CheckpointSummary:
     fp8_parameters: int = 0  # of which stored as fp8 codes
     # what stays in high precision and why: [{"what", "parameters", "why"}], largest first
     high_precision_parts: list[dict[str, Any]] = field(default_factory=list)
+    # an FP8 KV cache: its scale tensors (k_scale, v_scale, …; counted as scales, not
+    # parameters) and quantization_config keys (kv_cache_scheme, …), which hf_fp8 does not apply
+    kv_cache_scales: list[str] = field(default_factory=list)
+    kv_cache_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fp8_share(self) -> float:
@@ -130,6 +136,28 @@ class CheckpointSummary:
             return self.note or "not FP8"
         return describe_scheme(self.scheme, self.compute_dtype)
 
+    @property
+    def kv_cache_text(self) -> str | None:
+        """What the checkpoint holds of an FP8 KV cache and that hf_fp8 does not apply it;
+        ``None`` when it holds nothing of one."""
+        if not self.kv_cache_scales and not self.kv_cache_config:
+            return None
+        parts = []
+        if self.kv_cache_scales:
+            scales = self.kv_cache_scales
+            leaves = sorted({n.rpartition(".")[2] for n in scales})
+            parts.append(
+                f"{len(scales)} KV-cache / attention scale tensors ({', '.join(leaves)}; "
+                f"e.g. {scales[0]})"
+            )
+        parts += [f"quantization_config.{k}={v!r}" for k, v in self.kv_cache_config.items()]
+        return (
+            f"{', '.join(parts)}: an FP8 KV cache, which vLLM applies and hf_fp8 does not "
+            "apply (hf_fp8 does not quantize the KV cache): hf-fp8 import refuses this "
+            "checkpoint, naming the tensors and keys to delete from a copy if a "
+            "high-precision KV cache is acceptable; serve it with vLLM as it is"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
@@ -137,6 +165,7 @@ class CheckpointSummary:
             "bytes_before": self.bytes_before,
             "scheme_text": self.scheme_text,
             "fp8_share": self.fp8_share,
+            "kv_cache_text": self.kv_cache_text,
         }
 
 
@@ -146,6 +175,8 @@ def _config(checkpoint: Checkpoint | HubHeaders, fmt: str) -> tuple[Fp8Config | 
         if fmt == "hf_fp8":
             return Fp8Config.from_dict(qc), None
         if fmt in FORMATS:
+            # the FP8 KV cache is reported on its own (kv_cache_config), not as the scheme
+            qc = {k: v for k, v in qc.items() if k not in KV_CACHE_CONFIG_KEYS}
             return Fp8Config(**FORMATS[fmt].import_kwargs(qc)), None
         return None, f"{fmt}: not an FP8 format hf_fp8 reads"
     except ValueError as err:
@@ -275,9 +306,16 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
             summary.high_precision_layers = plan.high_precision
             if config is not None and isinstance(checkpoint, Checkpoint):
                 check_stored_tensors(checkpoint, fmt, plan, config, groups)
+    qc = checkpoint.quantization_config
+    if isinstance(qc, dict):
+        summary.kv_cache_config = {k: qc[k] for k in KV_CACHE_CONFIG_KEYS if qc.get(k) is not None}
     high: dict[str, list[Any]] = {}
     for name, info in tensors.items():
         module, leaf = module_of(name)
+        if leaf in KV_CACHE_SCALES:  # an FP8 KV cache's scales, on any module
+            summary.kv_cache_scales.append(name)
+            summary.scale_bytes += info.nbytes
+            continue
         fp8 = info.dtype in FP8_DTYPE_NAMES and (
             (module in fp8_modules and leaf == "weight") or name in groups or name in fused_codes
         )
@@ -297,6 +335,7 @@ def summarize(checkpoint: Checkpoint | HubHeaders) -> CheckpointSummary:
             what, why = high_precision_reason(name, info, plan, checkpoint.quantization_config)
             entry = high.setdefault(what, [0, why])
             entry[0] += info.numel
+    summary.kv_cache_scales.sort()
     summary.high_precision_parts = [
         {"what": what, "parameters": n, "why": why}
         for what, (n, why) in sorted(high.items(), key=lambda kv: -kv[1][0])

@@ -128,6 +128,10 @@ KV_CACHE_SCALES = frozenset(
 )
 
 
+# quantization_config keys of an FP8 KV cache (compressed-tensors', vLLM fp8's)
+KV_CACHE_CONFIG_KEYS = ("kv_cache_scheme", "kv_cache_quant_method")
+
+
 def kv_cache_message(what: str) -> str:
     """The refusal of an FP8 KV-cache checkpoint, ``what`` naming the tensors or config key."""
     return (

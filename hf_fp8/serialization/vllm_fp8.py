@@ -31,7 +31,11 @@ from hf_fp8.serialization.compressed_tensors import (
     warn_dynamic_granularity,
 )
 from hf_fp8.serialization.layers import LayerPlan
-from hf_fp8.serialization.tensors import kv_cache_message, to_hf_fp8_tensors
+from hf_fp8.serialization.tensors import (
+    KV_CACHE_CONFIG_KEYS,
+    kv_cache_message,
+    to_hf_fp8_tensors,
+)
 
 QUANT_METHOD = "fp8"
 # hf_fp8's own key: the dynamic activation granularity of per-tensor-weight exports
@@ -118,7 +122,7 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
     scheme = str(qc.get("activation_scheme", "dynamic")).lower()
     if scheme not in ("static", "dynamic"):
         raise ValueError(f"fp8 activation_scheme {scheme!r} is not 'static' or 'dynamic'")
-    for key in ("kv_cache_scheme", "kv_cache_quant_method"):
+    for key in KV_CACHE_CONFIG_KEYS:
         if qc.get(key) is not None:
             raise ValueError(kv_cache_message(f"fp8 quantization_config.{key}={qc[key]!r}"))
     fmt = qc.get("fmt", "e4m3")
