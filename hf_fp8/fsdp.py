@@ -20,7 +20,12 @@ with ``full_state_dict=True`` move every tensor in its own dtype, and gloo has n
 type (``RuntimeError: Invalid scalar type``). :func:`full_state_dict_fp8` and
 :func:`set_full_state_dict_fp8` are those calls with fp8 codes sent as bytes (bit-exact);
 ``accelerate`` uses them for FP8 models (``get_state_dict``, ``save_model``, FULL_STATE_DICT
-``save_state`` / ``load_state``) through the ``accelerate_fsdp2`` patch.
+``save_state`` / ``load_state``) through the ``accelerate_fsdp2`` patch. Full optimizer state
+dicts (torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` with
+``full_state_dict=True``) fail the same way for ``AdamWFp8``'s fp8 moments:
+:func:`full_optimizer_state_dict_fp8` and :func:`set_full_optimizer_state_dict_fp8` (also used
+by accelerate's FULL_STATE_DICT optimizer checkpoints through the patch; the full dict also
+loads in one process without FSDP).
 """
 
 from __future__ import annotations
@@ -232,3 +237,353 @@ def _broadcast(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     data = tensor.view(torch.uint8) if _fp8_dtype(tensor.dtype) else tensor
     dist.broadcast(data, src=0)
     return tensor
+
+
+# --------------------------------------------------------------- optimizer state dicts
+FULL_OPTIM_FIX = (
+    "load an optimizer checkpoint saved from this model with the same trainable parameters "
+    "and parameter groups, or resume without the optimizer state to restart the moments"
+)
+
+
+def full_optimizer_state_dict_fp8(
+    model: nn.Module, optimizer: torch.optim.Optimizer, options: Any = None
+) -> dict[str, Any]:
+    """The full (unsharded) optimizer state dict of an FSDP2-sharded model, fp8 states included.
+
+    torch's ``get_optimizer_state_dict(model, optimizer, StateDictOptions(full_state_dict=True))``
+    all-gathers every state in its own dtype, and gloo has no float8 type: the fp8 moments of
+    :class:`~hf_fp8.optim.AdamWFp8` fail with ``RuntimeError: Invalid scalar type``. This is that
+    call with fp8 states gathered as bytes (:func:`full_tensor_fp8`), bit-exact: the same
+    dict (parameters named by their fully qualified names, each state tensor whole: the
+    per-row groups of ``AdamWFp8`` never straddle a shard). ``options``: torch's
+    ``StateDictOptions`` (default ``full_state_dict=True, cpu_offload=True``: only rank 0 gets
+    the tensors, on CPU, the other ranks ``{}``, as in torch). Every rank must call it; the
+    ranks first agree that they hold the same state entries (else ``RuntimeError``, no
+    gather). Load it with :func:`set_full_optimizer_state_dict_fp8` (on any number of ranks,
+    or in one process without FSDP). Like torch's call, an optimizer without state is first
+    initialised by a zero-gradient step at ``lr=0`` (weights unchanged)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    if options is None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sharded = get_optimizer_state_dict(
+        model,
+        optimizer,
+        options=dataclasses.replace(
+            options, full_state_dict=False, cpu_offload=False, broadcast_from_rank0=False
+        ),
+    )
+    initialized = dist.is_available() and dist.is_initialized()
+    entries = [
+        (fqn, key, type(v).__name__, str(getattr(v, "dtype", "")))
+        for fqn, st in sharded["state"].items()
+        for key, v in st.items()
+    ]
+    if initialized:  # every rank must gather the same tensors in the same order
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entries)
+        if any(g != entries for g in gathered):
+            raise RuntimeError(
+                "full_optimizer_state_dict_fp8: the ranks hold different optimizer state "
+                "entries (a rank stepped other parameters); nothing was gathered. Call it on "
+                "every rank after the same steps"
+            )
+    keep = not (options.cpu_offload and initialized) or dist.get_rank() == 0
+    state: dict[str, Any] = {}
+    for fqn, st in sharded["state"].items():
+        entry: dict[str, Any] = {}
+        for key, value in st.items():
+            if isinstance(value, DTensor):
+                value = full_tensor_fp8(value)  # a collective: every rank gathers every tensor
+            elif isinstance(value, torch.Tensor):
+                value = value.detach().clone()  # not the live state
+            if options.cpu_offload and isinstance(value, torch.Tensor):
+                value = value.cpu()
+            entry[key] = value
+        state[fqn] = entry
+    if not keep:
+        return {}
+    import copy
+
+    return {"state": state, "param_groups": copy.deepcopy(sharded["param_groups"])}
+
+
+def set_full_optimizer_state_dict_fp8(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any] | None,
+    options: Any = None,
+) -> None:
+    """Load a full optimizer state dict (:func:`full_optimizer_state_dict_fp8`, accelerate's
+    FULL_STATE_DICT ``optimizer.bin``) into ``optimizer`` over an FSDP2-sharded ``model``, or
+    over a plain model in one process.
+
+    torch's ``set_optimizer_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``
+    broadcasts in each tensor's dtype (gloo has no float8 type). Here, with
+    ``broadcast_from_rank0`` (the default when torch.distributed is initialized), rank 0's
+    dict is sent to every rank (fp8 as bytes; the others may pass ``{}`` or ``None``); each
+    rank keeps the rows of its shard of every state laid out like its parameter (no further
+    communication) and loads them with ``optimizer.load_state_dict``, which for
+    :class:`~hf_fp8.optim.AdamWFp8` checks every tensor before anything changes. Refused with
+    ``ValueError`` on every rank alike, nothing changed: a dict of other parameter names, of
+    other shapes (another model) or, for ``AdamWFp8``, saved with other format options (the
+    error names the option to create the optimizer with). Every rank must call it.
+    Unlike torch's call, a fresh optimizer takes no initialising step. ``options``: torch's
+    ``StateDictOptions`` (``broadcast_from_rank0``; ``strict``, the default, refuses a
+    checkpoint without state for a trainable parameter, as torch does)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if options is None:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=initialized)
+    if options.broadcast_from_rank0 and initialized:
+        optim_state_dict = _broadcast_tree(optim_state_dict if dist.get_rank() == 0 else None)
+    elif not isinstance(optim_state_dict, dict):
+        raise ValueError(
+            "set_full_optimizer_state_dict_fp8: optim_state_dict must be a dict with 'state' "
+            f"and 'param_groups', got {type(optim_state_dict).__name__}"
+        )
+    saved_groups, saved_state = _check_full_optim_structure(optim_state_dict)
+    fqns = _optimizer_fqns(model, optimizer)
+    groups = [[fqns[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if len(saved_groups) != len(groups):
+        raise ValueError(
+            f"the optimizer checkpoint has {len(saved_groups)} parameter groups, this optimizer "
+            f"has {len(groups)} (it was saved from another model or with other parameter "
+            f"groups); {FULL_OPTIM_FIX}"
+        )
+    for i, (saved, names) in enumerate(zip(saved_groups, groups, strict=True)):
+        theirs, mine = list(saved["params"]), names
+        if sorted(map(str, theirs)) != sorted(mine) or len(set(theirs)) != len(theirs):
+            extra = sorted(set(map(str, theirs)) - set(mine))
+            lacking = sorted(set(mine) - set(map(str, theirs)))
+            raise ValueError(
+                f"param group {i} of the optimizer checkpoint names parameters this "
+                f"optimizer does not have {extra[:6]} and lacks {lacking[:6]} (it was saved "
+                f"from another model, or with other trainable parameters); {FULL_OPTIM_FIX}"
+            )
+    merged = getattr(optimizer, "_merged_groups", None)
+    # AdamWFp8: other format options are named before any shape
+    checked_groups = merged(saved_groups) if merged is not None else None
+    index = {name: i for i, name in enumerate(n for names in groups for n in names)}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    unknown = sorted(str(k) for k in saved_state if k not in index)
+    if unknown:
+        raise ValueError(
+            f"the optimizer checkpoint holds state for {unknown[:6]}, which this optimizer's "
+            f"param groups do not list (it was saved from another model); {FULL_OPTIM_FIX}"
+        )
+    if options.strict:
+        lacking = [
+            n
+            for n, p in zip(index, params, strict=True)
+            if p.requires_grad and n not in saved_state
+        ]
+        if lacking and saved_state:
+            raise ValueError(
+                f"the optimizer checkpoint has no state for {lacking[:6]} (torch's strict "
+                "loading refuses it: those moments would restart); load it with "
+                "StateDictOptions(full_state_dict=True, strict=False) to restart them, or "
+                f"{FULL_OPTIM_FIX}"
+            )
+    group_of = [i for i, names in enumerate(groups) for _ in names]
+    sharded = any(_is_dtensor(p) for p in params)
+    state: dict[int, Any] = {}
+    for name, st in saved_state.items():
+        p = params[index[name]]
+        if not isinstance(st, dict):
+            raise ValueError(
+                f"the optimizer checkpoint's state of {name!r} is a {type(st).__name__}, "
+                "expected a dict"
+            )
+        if checked_groups is not None and sharded:
+            # every rank checks the whole tensors (load_state_dict sees only its rows): a
+            # damaged row is refused on every rank alike, before any rank installs anything
+            _check_whole(st, p, checked_groups[group_of[index[name]]], index[name], name)
+        state[index[name]] = {k: _shard_like(v, p, name, k) for k, v in st.items()}
+    start = 0
+    id_groups = []
+    for saved, names in zip(saved_groups, groups, strict=True):
+        id_groups.append({**saved, "params": list(range(start, start + len(names)))})
+        start += len(names)
+    _load_checked(optimizer, {"state": state, "param_groups": id_groups}, groups)
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _check_whole(st: dict[str, Any], p: torch.Tensor, group: dict, pid: int, name: str) -> None:
+    """AdamWFp8's checks of one parameter's full (unsharded) state, naming its FQN."""
+    from hf_fp8.optim._state_check import OptimizerStateError, validated_state
+
+    try:
+        validated_state(st, p, group, pid)
+    except OptimizerStateError as exc:
+        raise ValueError(
+            f"the optimizer checkpoint's state of {name!r} does not fit this model's parameter "
+            f"of shape {tuple(p.shape)} (a checkpoint of another model) or is damaged: {exc}"
+        ) from exc
+
+
+def _load_checked(optimizer: Any, sd: dict[str, Any], groups: list[list[str]]) -> None:
+    """``optimizer.load_state_dict(sd)``; an AdamWFp8 state error names the parameter's FQN."""
+    import re
+
+    from hf_fp8.optim._state_check import OptimizerStateError
+
+    names = [n for g in groups for n in g]
+    try:
+        optimizer.load_state_dict(sd)
+    except OptimizerStateError as exc:
+        found = re.match(r"optimizer state of parameter (\d+)", str(exc))
+        which = names[int(found.group(1))] if found and int(found.group(1)) < len(names) else "?"
+        raise ValueError(
+            f"the optimizer checkpoint's state of {which!r} does not fit this model's parameter "
+            f"or is damaged: {exc}"
+        ) from exc
+
+
+def _check_full_optim_structure(sd: Any) -> tuple[list[dict[str, Any]], dict[Any, Any]]:
+    if (
+        not isinstance(sd, dict)
+        or not isinstance(sd.get("state"), dict)
+        or not isinstance(sd.get("param_groups"), list)
+        or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), (list, tuple))
+            for g in sd["param_groups"]
+        )
+    ):
+        raise ValueError(
+            "not a full optimizer state dict (a dict with 'state' keyed by parameter names and "
+            "'param_groups' listing them, as full_optimizer_state_dict_fp8 and accelerate's "
+            "FULL_STATE_DICT optimizer.bin hold); an empty dict on rank 0 means rank 0 was "
+            "given none"
+        )
+    return sd["param_groups"], sd["state"]
+
+
+def _optimizer_fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """id(parameter) -> its name in torch's optimizer state dicts (``named_parameters``, with
+    torch's wrapper prefixes removed); raises for an optimizer parameter the model lacks."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # pragma: no cover - older / newer torch
+        _get_fqns = None
+    out: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        fqns = _get_fqns(model, name) if _get_fqns is not None else {name}
+        out.setdefault(id(p), next(iter(fqns)) if len(fqns) == 1 else name)
+    missing = [
+        i
+        for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        if id(p) not in out
+    ]
+    if missing:
+        raise ValueError(
+            f"optimizer parameters {missing[:6]} are not parameters of the model given; pass "
+            "the model the optimizer was built over"
+        )
+    return out
+
+
+def _shard_like(value: Any, p: torch.Tensor, name: str, key: str) -> Any:
+    """A full state tensor of parameter ``p`` cut to this rank's shard, laid out like ``p``
+    (states shaped like ``p``, or ``AdamWFp8``'s ``[rows, n]`` states of a parameter sharded
+    on rows); scalars and plain parameters' states stay as they are."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    if not isinstance(value, torch.Tensor) or not isinstance(p, DTensor) or value.dim() == 0:
+        return value
+    rows_only = all(
+        isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements
+    )
+    fits = tuple(value.shape) == tuple(p.shape) or (
+        rows_only and value.dim() >= 1 and p.dim() >= 1 and value.shape[0] == p.shape[0]
+    )
+    if not fits:
+        raise ValueError(
+            f"the optimizer checkpoint's state[{key!r}] of parameter {name!r} has shape "
+            f"{tuple(value.shape)}, which does not fit the parameter of shape {tuple(p.shape)} "
+            f"(it was saved from another model); {FULL_OPTIM_FIX}"
+        )
+    # every rank holds the full tensor: each keeps its rows, no communication
+    full = value.detach().to(p.device_mesh.device_type).contiguous()
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+
+
+class _TensorSpec(tuple):
+    """(dtype name, shape) of a tensor sent after the structure in :func:`_broadcast_tree`."""
+
+
+def _broadcast_tree(tree: Any) -> Any:
+    """Rank 0's ``tree`` (dicts, lists, tuples, scalars, strings and plain strided tensors) on
+    every rank: the structure as one object, then each tensor's bytes (fp8 included). A tree
+    that cannot be sent raises the same ``ValueError`` on every rank."""
+    import torch.distributed as dist
+
+    tensors: list[torch.Tensor] = []
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided:
+                raise ValueError(f"holds a {type(x).__name__} of layout {x.layout}")
+            tensors.append(x.detach())
+            return _TensorSpec((str(x.dtype).removeprefix("torch."), tuple(x.shape)))
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return (tuple if type(x) is tuple else list)(strip(v) for v in x)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise ValueError(f"holds a {type(x).__name__}")
+
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            if not isinstance(tree, dict) or not tree:
+                raise ValueError("rank 0 was given no optimizer state dict")
+            payload[0] = ("ok", strip(tree))
+        except ValueError as exc:
+            payload[0] = ("error", str(exc))
+    dist.broadcast_object_list(payload, src=0)
+    status, skeleton = payload[0]
+    if status != "ok":
+        raise ValueError(f"set_full_optimizer_state_dict_fp8: rank 0's state dict {skeleton}")
+    device = _comm_device(())
+    count = iter(range(1 << 62))
+
+    def rebuild(x: Any) -> Any:  # depth-first, the order strip() met the tensors in
+        if isinstance(x, _TensorSpec):
+            dtype_name, shape = x
+            dtype = getattr(torch, dtype_name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"set_full_optimizer_state_dict_fp8: dtype {dtype_name!r}?")
+            i = next(count)
+            if dist.get_rank() == 0:
+                data = tensors[i].to(device).contiguous().reshape(-1).view(torch.uint8)
+            else:
+                numel = 1
+                for n in shape:
+                    numel *= n
+                data = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=device)
+            dist.broadcast(data, src=0)
+            return data.view(dtype).reshape(shape)
+        if isinstance(x, dict):
+            return {k: rebuild(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(rebuild(v) for v in x)
+        return x
+
+    return rebuild(skeleton)
