@@ -21,13 +21,21 @@ call) gathers an FSDP2 model with torch's ``get_model_state_dict(full_state_dict
 which all-gathers fp8 codes in their own dtype: gloo has no float8 type (``RuntimeError:
 Invalid scalar type``). The patch wraps it too: for an FSDP2 model holding fp8 tensors it
 returns :func:`hf_fp8.fsdp.full_state_dict_fp8` with accelerate's options (codes gathered as
-bytes, bit-exact); every other case is accelerate's own code. A FULL_STATE_DICT optimizer
-checkpoint (``save_fsdp_optimizer``) of an optimizer holding fp8 state (``AdamWFp8``'s
-moments) over gloo is refused before anything is written, naming SHARDED_STATE_DICT. ``save_fsdp_model`` (what
+bytes, bit-exact); every other case is accelerate's own code. ``save_fsdp_model`` (what
 ``accelerator.save_state`` and the Trainer's checkpoints call) goes through accelerate's
 ``_get_model_state_dict``, wrapped the same way when its options ask for a full state dict;
 ``load_fsdp_model`` goes through ``_set_model_state_dict``, wrapped with
 :func:`hf_fp8.fsdp.set_full_state_dict_fp8` (rank 0's tensors broadcast, fp8 as bytes).
+
+FULL_STATE_DICT optimizer checkpoints (``save_fsdp_optimizer`` / ``load_fsdp_optimizer``, what
+``save_state`` / ``load_state`` and the Trainer's checkpoints call) of an ``AdamWFp8`` (or any
+optimizer holding fp8 DTensor state) go through :func:`hf_fp8.fsdp.full_optimizer_state_dict_fp8`
+and :func:`hf_fp8.fsdp.set_full_optimizer_state_dict_fp8` (torch's ``get_optimizer_state_dict``
+/ ``set_optimizer_state_dict`` gather and broadcast the fp8 moments in their own dtype:
+``Invalid scalar type`` over gloo). Same file (``optimizer.bin``, parameters by name) and the
+plugin's options (``offload_to_cpu``, ``rank0_only``); rank 0 writes it through a hidden file
+renamed into place, so a failed write leaves the previous file whole. A checkpoint of other
+optimizer options or of another model is refused on every rank before anything changes.
 """
 
 from __future__ import annotations
@@ -46,11 +54,7 @@ STATE_DICT = "get_state_dict"
 SAVE_STATE_DICT = "_get_model_state_dict"  # accelerate 1.16: what save_fsdp_model calls
 LOAD_STATE_DICT = "_set_model_state_dict"  # and what load_fsdp_model calls
 OPTIM_SAVE = "save_fsdp_optimizer"
-OPTIM_FULL_FIX = (
-    "save sharded optimizer checkpoints instead: fsdp_state_dict_type: SHARDED_STATE_DICT "
-    "(FullyShardedDataParallelPlugin(state_dict_type='SHARDED_STATE_DICT')), which keeps the "
-    "fp8 moments as they are; the model alone saves in full with accelerator.save_model"
-)
+OPTIM_LOAD = "load_fsdp_optimizer"
 MANUAL = (
     "call hf_fp8.fully_shard_fp8(model) before accelerator.prepare(model, optimizer, ...), "
     'or use mixed_precision="no"'
@@ -209,17 +213,20 @@ def _wrap_load_state_dict(original: Callable) -> Callable:
     return _set_model_state_dict
 
 
-def _fp8_state_over_gloo(optimizer: Any) -> bool:
-    """True when ``optimizer`` (maybe accelerate's wrapper) holds fp8 DTensor state and the
-    default process group is gloo (which has no float8 type to gather it in)."""
-    import torch.distributed as dist
+def _fp8_optimizer(optimizer: Any) -> bool:
+    """True when ``optimizer`` (maybe accelerate's wrapper) is an ``AdamWFp8`` or holds fp8
+    DTensor state: its FULL_STATE_DICT checkpoints go through hf_fp8.fsdp's full optimizer
+    state dicts (fp8 sent as bytes; gloo has no float8 type)."""
     from torch.distributed.tensor import DTensor
 
     from hf_fp8.fsdp import _fp8_dtype
+    from hf_fp8.optim import AdamWFp8
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
-        return False
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = optimizer
+    while hasattr(inner, "optimizer") and not isinstance(inner, AdamWFp8):
+        inner = inner.optimizer
+    if isinstance(inner, AdamWFp8):
+        return True
     return any(
         isinstance(v, DTensor) and _fp8_dtype(v.dtype)
         for state in getattr(inner, "state", {}).values()
@@ -227,23 +234,126 @@ def _fp8_state_over_gloo(optimizer: Any) -> bool:
     )
 
 
+def _unwrapped(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` under accelerate's ``AcceleratedOptimizer`` wrappers."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _full_fsdp2(fsdp_plugin: Any) -> bool:
+    return getattr(fsdp_plugin, "fsdp_version", 1) == 2 and "FULL_STATE_DICT" in str(
+        getattr(fsdp_plugin, "state_dict_type", "")
+    )
+
+
+def _sd_options(fsdp_plugin: Any) -> Any:
+    """accelerate 1.16's ``_prepare_sd_options`` for a FULL_STATE_DICT FSDP2 plugin."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    config = fsdp_plugin.state_dict_config
+    return StateDictOptions(
+        full_state_dict=True,
+        cpu_offload=getattr(config, "offload_to_cpu", False),
+        broadcast_from_rank0=getattr(config, "rank0_only", False),
+    )
+
+
+def _optimizer_file(output_dir: str, optimizer_index: int) -> str:
+    import os
+
+    from accelerate.utils.constants import OPTIMIZER_NAME
+
+    name = (
+        f"{OPTIMIZER_NAME}.bin"
+        if optimizer_index == 0
+        else f"{OPTIMIZER_NAME}_{optimizer_index}.bin"
+    )
+    return os.path.join(output_dir, name)
+
+
+def _save_whole(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` through a hidden file beside it, renamed into place: a failed
+    or killed write leaves the previous file whole (and no partial file after an error)."""
+    import os
+
+    import torch
+
+    folder, name = os.path.split(path)
+    partial = os.path.join(folder, f".{name}.hf_fp8-partial-{os.getpid()}")
+    try:
+        torch.save(obj, partial)
+        with open(partial, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.lexists(partial):
+            os.unlink(partial)
+        raise
+
+
 def _wrap_optim_save(original: Callable) -> Callable:
     @functools.wraps(original)
-    def save_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, *args, **kwargs):
-        if (
-            getattr(fsdp_plugin, "fsdp_version", 1) == 2
-            and "FULL_STATE_DICT" in str(getattr(fsdp_plugin, "state_dict_type", ""))
-            and _fp8_state_over_gloo(optimizer)
-        ):
-            raise RuntimeError(
-                "hf_fp8: a FULL_STATE_DICT optimizer checkpoint gathers every optimizer state "
-                "in its own dtype, and gloo has no float8 type: this optimizer's fp8 states "
-                f"(AdamWFp8 moments) cannot be gathered (nothing was written); {OPTIM_FULL_FIX}"
+    def save_fsdp_optimizer(
+        fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index=0, *args, **kw
+    ):
+        if not (_full_fsdp2(fsdp_plugin) and _fp8_optimizer(optimizer)):
+            return original(
+                fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, *args, **kw
             )
-        return original(fsdp_plugin, accelerator, optimizer, *args, **kwargs)
+        import os
+
+        from hf_fp8.fsdp import full_optimizer_state_dict_fp8
+
+        os.makedirs(output_dir, exist_ok=True)
+        # every rank gathers (fp8 as bytes); rank 0 writes the file whole, as accelerate names it
+        state = full_optimizer_state_dict_fp8(
+            model, _unwrapped(optimizer), _sd_options(fsdp_plugin)
+        )
+        if accelerator.process_index == 0:
+            _save_whole(state, _optimizer_file(output_dir, optimizer_index))
 
     save_fsdp_optimizer._hf_fp8 = True
     return save_fsdp_optimizer
+
+
+def _wrap_optim_load(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_fsdp_optimizer(
+        fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index=0, *args, **kw
+    ):
+        if not (_full_fsdp2(fsdp_plugin) and _fp8_optimizer(optimizer)):
+            return original(
+                fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, *args, **kw
+            )
+        import torch
+
+        from hf_fp8.fsdp import set_full_optimizer_state_dict_fp8
+
+        accelerator.wait_for_everyone()
+        options = _sd_options(fsdp_plugin)
+        state, unread = None, None
+        reads = accelerator.process_index == 0 or not fsdp_plugin.optim_state_dict_config.rank0_only
+        if reads:
+            file = _optimizer_file(input_dir, optimizer_index)
+            try:
+                state = torch.load(file, weights_only=True)
+            except Exception as exc:
+                if not options.broadcast_from_rank0:
+                    raise
+                unread = exc  # the other ranks learn it from the broadcast (no state): no hang
+        try:
+            set_full_optimizer_state_dict_fp8(model, _unwrapped(optimizer), state, options)
+        except ValueError:
+            if unread is not None:
+                raise unread from None
+            raise
+        accelerator.wait_for_everyone()
+
+    load_fsdp_optimizer._hf_fp8 = True
+    return load_fsdp_optimizer
 
 
 def applied() -> bool:
@@ -316,15 +426,16 @@ def _apply_save_state_dict(utils: Any) -> None:
             disable("accelerate_fsdp2", f"{UTILS}.{name} changed its arguments", partly=True)
         else:
             setattr(utils, name, wrap(current))
-    current = getattr(utils, OPTIM_SAVE, None)
-    if current is None:
-        disable("accelerate_fsdp2", f"{UTILS}.{OPTIM_SAVE} is gone", partly=True)
-    elif not getattr(current, "_hf_fp8", False):
-        wrapped = _wrap_optim_save(current)
-        holders = ("accelerate.utils", "accelerate.accelerator", "transformers.trainer")
-        for module in (utils, *(sys.modules.get(m) for m in holders)):
-            if module is not None and getattr(module, OPTIM_SAVE, None) is current:
-                setattr(module, OPTIM_SAVE, wrapped)
+    for name, wrap in ((OPTIM_SAVE, _wrap_optim_save), (OPTIM_LOAD, _wrap_optim_load)):
+        current = getattr(utils, name, None)
+        if current is None:
+            disable("accelerate_fsdp2", f"{UTILS}.{name} is gone", partly=True)
+        elif not getattr(current, "_hf_fp8", False):
+            wrapped = wrap(current)
+            holders = ("accelerate.utils", "accelerate.accelerator", "transformers.trainer")
+            for module in (utils, *(sys.modules.get(m) for m in holders)):
+                if module is not None and getattr(module, name, None) is current:
+                    setattr(module, name, wrapped)
 
 
 TRIGGERS = {TRIGGER: apply}
