@@ -8,12 +8,18 @@
   (FineGrainedFP8) loads.
 
 The format has no word for the granularity of dynamic activations: vLLM picks it per platform
-(``Fp8LinearMethod``: per token where CUTLASS FP8 runs, i.e. FP8 NVIDIA GPUs; per tensor
-elsewhere). hf_fp8 records its model's in ``hf_fp8_activation_granularity`` (``"token"`` |
-``"tensor"``; vLLM's ``Fp8Config.from_config`` and transformers' ``FineGrainedFP8Config`` read
-only the keys they know) and reads it back; without it (AutoFP8 checkpoints) a dynamic import
-is per token, what vLLM runs on the GPUs these checkpoints are made for. Per-row weights and
-weight-only models have no place in this format: export those to compressed-tensors.
+for per-tensor weights (``Fp8LinearMethod``: per token where CUTLASS FP8 runs, i.e. FP8 NVIDIA
+GPUs; per tensor elsewhere) and runs ``1 × k`` groups for block weights. hf_fp8 records its
+model's in ``hf_fp8_activation_granularity`` (``"token"`` | ``"tensor"`` | ``"block"``; vLLM's
+``Fp8Config.from_config`` and transformers' ``FineGrainedFP8Config`` read only the keys they
+know) and reads it back: always for per-tensor weights, for block weights when it is not the
+``1 × k`` groups the format implies (known gap 13.3: block weights with per-token activations
+came back with groups). 1 × k groups on per-tensor weights also record the block size,
+``hf_fp8_block_size: [rows, k]`` (the format has no ``weight_block_size`` there). Without the
+key (AutoFP8 checkpoints) a dynamic import is per token for per-tensor weights, what vLLM runs
+on the GPUs these checkpoints are made for, and ``1 × k`` groups for block weights. Per-row
+weights and weight-only models have no place in this format: export those to
+compressed-tensors.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ from hf_fp8.serialization.tensors import (
 )
 
 QUANT_METHOD = "fp8"
-# hf_fp8's own key: the dynamic activation granularity of per-tensor-weight exports
+# hf_fp8's own keys: the dynamic activation granularity, and the block size of 1 × k
+# activation groups on per-tensor weights (vLLM and transformers ignore both)
 GRANULARITY_KEY = "hf_fp8_activation_granularity"
-_DYNAMIC_GRANULARITIES = ("token", "tensor")
+BLOCK_SIZE_KEY = "hf_fp8_block_size"
+_DYNAMIC_GRANULARITIES = ("token", "tensor", "block")
 # what vLLM runs for a dynamic checkpoint without the key, on a GPU with CUTLASS FP8
 _DEFAULT_DYNAMIC_GRANULARITY = "token"
 # transformers' FineGrainedFP8 names → hf_fp8 names
@@ -86,10 +94,15 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
                     "with a block_size that divides every layer"
                 )
         qc["weight_block_size"] = list(config.block_size)
-        # vLLM (and this format's import) run 1 × k activation groups with block weights
+        # vLLM runs 1 × k activation groups with block weights: another granularity is
+        # recorded for hf_fp8's import, and vLLM's numbers differ (the warning)
+        if config.activation_granularity != "block":
+            qc[GRANULARITY_KEY] = config.activation_granularity
         warn_dynamic_granularity(config, "vllm-fp8")
     elif config.activation_scheme == "dynamic":
         qc[GRANULARITY_KEY] = config.activation_granularity
+        if config.activation_granularity == "block":
+            qc[BLOCK_SIZE_KEY] = list(config.block_size)
         warnings.warn(
             f"vllm-fp8 export: vLLM picks the dynamic activation granularity per platform (per "
             f"token with CUTLASS FP8, else per tensor); this model's ({config.activation_granularity!r}) "
@@ -133,36 +146,48 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
         )
     block = qc.get("weight_block_size")
     recorded = qc.get(GRANULARITY_KEY)
+    group_block = qc.get(BLOCK_SIZE_KEY)
+    if recorded is not None and recorded not in _DYNAMIC_GRANULARITIES:
+        raise ValueError(
+            f"fp8 {GRANULARITY_KEY} {recorded!r} is not one of {_DYNAMIC_GRANULARITIES}: "
+            "the checkpoint's config.json is damaged; re-export it"
+        )
+    if recorded is not None and scheme != "dynamic":
+        raise ValueError(
+            f"fp8 {GRANULARITY_KEY}={recorded!r} goes with dynamic activations only, this "
+            f"checkpoint is {scheme}: the config is damaged; re-export it"
+        )
+    if group_block is not None and (recorded != "block" or block is not None):
+        raise ValueError(
+            f"fp8 {BLOCK_SIZE_KEY}={group_block!r} goes with {GRANULARITY_KEY}='block' on "
+            "per-tensor weights only (block weights have weight_block_size): the config is "
+            "damaged; re-export it"
+        )
     if block is None and scheme == "dynamic":
         granularity = _DEFAULT_DYNAMIC_GRANULARITY if recorded is None else recorded
-        if granularity not in _DYNAMIC_GRANULARITIES:
-            raise ValueError(
-                f"fp8 {GRANULARITY_KEY} {recorded!r} is not one of {_DYNAMIC_GRANULARITIES}: "
-                "the checkpoint's config.json is damaged; re-export it"
-            )
-        return {
+        kwargs = {
             "activation_scheme": "dynamic",
             "weight_granularity": "tensor",
             "activation_granularity": granularity,
         }
-    if recorded is not None:
-        raise ValueError(
-            f"fp8 {GRANULARITY_KEY}={recorded!r} goes with dynamic per-tensor-weight "
-            f"checkpoints only, this one is {scheme}"
-            f"{' with weight blocks' if block is not None else ''}: the config is damaged"
-        )
+        if granularity == "block":
+            if group_block is None:
+                raise ValueError(
+                    f"fp8 {GRANULARITY_KEY}='block' (1 × k activation groups on per-tensor "
+                    f"weights) without {BLOCK_SIZE_KEY}, the group size k (earlier hf_fp8 "
+                    "exports wrote this): nothing says which k the model used. "
+                    "Re-export the model with this hf_fp8, or, if per-token activations will "
+                    f"do, delete {GRANULARITY_KEY} from config.json's quantization_config"
+                )
+            kwargs["block_size"] = _block_size(group_block, BLOCK_SIZE_KEY)
+        return kwargs
     if block is None:
         return {
             "activation_scheme": "static",
             "weight_granularity": "tensor",
             "activation_granularity": "tensor",
         }
-    if not isinstance(block, (list, tuple)) or len(block) != 2:
-        raise ValueError(
-            f"config.json's quantization_config.weight_block_size is {block!r}: expected "
-            "[rows, cols] (two ints); the config is damaged: fix it or re-export the checkpoint"
-        )
-    block = [checked_size(b, f"weight_block_size[{i}]") for i, b in enumerate(block)]
+    block = _block_size(block, "weight_block_size")
     if scheme == "static":
         return {
             "activation_scheme": "static",
@@ -173,9 +198,19 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
     return {
         "activation_scheme": "dynamic",
         "weight_granularity": "block",
-        "activation_granularity": "block",
+        # vLLM's 1 × k groups unless the export recorded the model's own granularity
+        "activation_granularity": "block" if recorded is None else recorded,
         "block_size": block,
     }
+
+
+def _block_size(value: Any, field: str) -> list[int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(
+            f"config.json's quantization_config.{field} is {value!r}: expected "
+            "[rows, cols] (two ints); the config is damaged: fix it or re-export the checkpoint"
+        )
+    return [checked_size(b, f"{field}[{i}]") for i, b in enumerate(value)]
 
 
 def import_tensors(
