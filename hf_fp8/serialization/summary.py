@@ -147,15 +147,24 @@ class CheckpointSummary:
             scales = self.kv_cache_scales
             leaves = sorted({n.rpartition(".")[2] for n in scales})
             parts.append(
-                f"{len(scales)} KV-cache / attention scale tensors ({', '.join(leaves)}; "
+                f"{len(scales)} KV-cache / attention scale tensor(s) ({', '.join(leaves)}; "
                 f"e.g. {scales[0]})"
             )
         parts += [f"quantization_config.{k}={v!r}" for k, v in self.kv_cache_config.items()]
+        if self.format == "hf_fp8":  # from_pretrained reports them UNEXPECTED and drops them
+            what = (
+                "from_pretrained drops them (UNEXPECTED keys) and runs a high-precision KV "
+                "cache; delete them from the checkpoint"
+            )
+        else:
+            what = (
+                "hf-fp8 import refuses this checkpoint, naming the tensors and keys to delete "
+                "from a copy if a high-precision KV cache is acceptable; serve it with vLLM as "
+                "it is"
+            )
         return (
-            f"{', '.join(parts)}: an FP8 KV cache, which vLLM applies and hf_fp8 does not "
-            "apply (hf_fp8 does not quantize the KV cache): hf-fp8 import refuses this "
-            "checkpoint, naming the tensors and keys to delete from a copy if a "
-            "high-precision KV cache is acceptable; serve it with vLLM as it is"
+            f"{', '.join(parts)}: an FP8 KV cache, which hf_fp8 does not apply (it does not "
+            f"quantize the KV cache): {what}"
         )
 
     def to_dict(self) -> dict[str, Any]:

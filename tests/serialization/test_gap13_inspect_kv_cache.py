@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from hf_fp8.cli import main
 from hf_fp8.serialization import export_checkpoint, import_checkpoint, inspect_checkpoint
@@ -135,3 +136,15 @@ def test_cli_text_and_json(exports, tmp_path, capsys):
     assert data["kv_cache_scales"] == sorted(written)
     assert main(["inspect", str(exports["vllm-fp8"])]) == 0
     assert "kv cache" not in capsys.readouterr().out  # nothing to report
+
+
+def test_hf_fp8_checkpoint_with_kv_scales_says_what_from_pretrained_does(tiny_model_dir, tmp_path):
+    model = quantized(tiny_model_dir("llama"), "dynamic-row-token")
+    model.save_pretrained(tmp_path / "fp8")
+    written = _kv(("k_scale",))
+    src = _with_kv(tmp_path / "fp8", tmp_path / "src", written)
+    summary = inspect_checkpoint(src)
+    assert summary.format == "hf_fp8" and summary.kv_cache_scales == sorted(written)
+    assert "from_pretrained drops them" in summary.kv_cache_text, summary.kv_cache_text
+    back = AutoModelForCausalLM.from_pretrained(src)  # what the text says: dropped
+    assert not set(written) & set(back.state_dict())
