@@ -85,6 +85,16 @@ def _autofp8_config(**quantization_config) -> dict:
             _autofp8_config(activation_scheme="dynamic", hf_fp8_activation_granularity="token"),
             "token",
         ),
+        # block weights: vLLM's 1 x k groups, or the granularity an hf_fp8 export recorded
+        (_autofp8_config(activation_scheme="dynamic", weight_block_size=[128, 128]), "block"),
+        (
+            _autofp8_config(
+                activation_scheme="dynamic",
+                weight_block_size=[128, 128],
+                hf_fp8_activation_granularity="token",
+            ),
+            "token",
+        ),
     ],
 )
 def test_import_reads_the_activation_granularity(quantization_config, granularity):
@@ -99,10 +109,12 @@ def test_import_reads_the_activation_granularity(quantization_config, granularit
         _autofp8_config(activation_scheme="dynamic", hf_fp8_activation_granularity="row"),
         _autofp8_config(activation_scheme="static", hf_fp8_activation_granularity="token"),
         _autofp8_config(
-            activation_scheme="dynamic",
+            activation_scheme="static",
             weight_block_size=[128, 128],
             hf_fp8_activation_granularity="token",
         ),
+        # 1 x k groups on per-tensor weights without their size (earlier hf_fp8 exports)
+        _autofp8_config(activation_scheme="dynamic", hf_fp8_activation_granularity="block"),
     ],
 )
 def test_import_refuses_a_granularity_the_scheme_cannot_have(quantization_config):
