@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     evaluation = Dataset.from_dict({"text": sentences[-args.eval_examples :]})
     optim_args = None
     if args.optim.startswith("adamw_fp8"):
-        # AdamWFp8 groups elements within rows; LoRA B is [out, rank], so groups of 128
-        # would be mostly padding (17 bytes/param instead of ~2-3): group by the rank.
+        # AdamWFp8 groups elements within rows; LoRA B is [out, rank], rows much shorter than
+        # the group keep fp32 state (8 bytes/param instead of ~3): group by the rank.
         group_size = args.group_size or min(args.rank, 128)
         optim_args = f"group_size={group_size}"
         if args.min_quantize_numel is not None:
