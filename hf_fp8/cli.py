@@ -686,7 +686,12 @@ def _message(err: BaseException) -> str:
             f"{err.filename} is not empty: choose a new --out, or use --overwrite (only the "
             "files this command writes are replaced; the others are kept)"
         )
-    if any(word in name for word in ("Connect", "Timeout", "OfflineMode")):
+    if "OfflineMode" in name:  # the advice below is already in effect and cannot help
+        return (
+            f"HF_HUB_OFFLINE is set, so the Hugging Face Hub is not contacted ({name}: "
+            f"{_one_line(err)}): unset HF_HUB_OFFLINE (or set it to 0) to upload or download"
+        )
+    if any(word in name for word in ("Connect", "Timeout")):
         return (
             f"cannot reach the Hugging Face Hub ({name}: {_one_line(err)}): check the network, "
             "or set HF_HUB_OFFLINE=1 to use the local cache"
