@@ -329,13 +329,14 @@ def set_full_optimizer_state_dict_fp8(
     torch's ``set_optimizer_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``
     broadcasts in each tensor's dtype (gloo has no float8 type). Here, with
     ``broadcast_from_rank0`` (the default when torch.distributed is initialized), rank 0's
-    dict is sent to every rank (fp8 as bytes; the others may pass ``{}`` or ``None``); each
-    rank keeps the rows of its shard of every state laid out like its parameter (no further
-    communication) and loads them with ``optimizer.load_state_dict``, which for
-    :class:`~hf_fp8.optim.AdamWFp8` checks every tensor before anything changes. Refused with
-    ``ValueError`` on every rank alike, nothing changed: a dict of other parameter names, of
-    other shapes (another model) or, for ``AdamWFp8``, saved with other format options (the
-    error names the option to create the optimizer with). Every rank must call it.
+    dict is sent to every rank (fp8 as bytes; the others may pass ``{}`` or ``None``; rank 0
+    may pass the exception that kept it from reading the dict, which every rank reports), one
+    parameter's state at a time: each rank keeps the rows of its shard of every state laid
+    out like its parameter and drops the rest. Then ``optimizer.load_state_dict`` installs
+    them. Refused with ``ValueError`` on every rank alike, before any rank changes anything:
+    a dict of other parameter names or shapes (another model), for ``AdamWFp8`` one saved
+    with other format options (the error names the option to create the optimizer with) or
+    holding a damaged tensor (every rank checks the whole tensors). Every rank must call it.
     Unlike torch's call, a fresh optimizer takes no initialising step. ``options``: torch's
     ``StateDictOptions`` (``broadcast_from_rank0``; ``strict``, the default, refuses a
     checkpoint without state for a trainable parameter, as torch does)."""
@@ -346,13 +347,11 @@ def set_full_optimizer_state_dict_fp8(
     if options is None:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=initialized)
     if options.broadcast_from_rank0 and initialized:
-        optim_state_dict = _broadcast_tree(optim_state_dict if dist.get_rank() == 0 else None)
-    elif not isinstance(optim_state_dict, dict):
-        raise ValueError(
-            "set_full_optimizer_state_dict_fp8: optim_state_dict must be a dict with 'state' "
-            f"and 'param_groups', got {type(optim_state_dict).__name__}"
-        )
-    saved_groups, saved_state = _check_full_optim_structure(optim_state_dict)
+        source = _Rank0Tree(optim_state_dict if dist.get_rank() == 0 else None)
+    else:
+        source = _LocalTree(optim_state_dict)
+    saved_groups = source.get("param_groups")
+    saved_state = source.skeleton["state"]  # tensors not received yet
     fqns = _optimizer_fqns(model, optimizer)
     groups = [[fqns[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     if len(saved_groups) != len(groups):
@@ -362,10 +361,10 @@ def set_full_optimizer_state_dict_fp8(
             f"groups); {FULL_OPTIM_FIX}"
         )
     for i, (saved, names) in enumerate(zip(saved_groups, groups, strict=True)):
-        theirs, mine = list(saved["params"]), names
-        if sorted(map(str, theirs)) != sorted(mine) or len(set(theirs)) != len(theirs):
-            extra = sorted(set(map(str, theirs)) - set(mine))
-            lacking = sorted(set(mine) - set(map(str, theirs)))
+        theirs = list(map(str, saved["params"]))
+        if sorted(theirs) != sorted(names) or len(set(theirs)) != len(theirs):
+            extra = sorted(set(theirs) - set(names))
+            lacking = sorted(set(names) - set(theirs))
             raise ValueError(
                 f"param group {i} of the optimizer checkpoint names parameters this "
                 f"optimizer does not have {extra[:6]} and lacks {lacking[:6]} (it was saved "
@@ -382,13 +381,13 @@ def set_full_optimizer_state_dict_fp8(
             f"the optimizer checkpoint holds state for {unknown[:6]}, which this optimizer's "
             f"param groups do not list (it was saved from another model); {FULL_OPTIM_FIX}"
         )
-    if options.strict:
+    if options.strict and saved_state:
         lacking = [
             n
             for n, p in zip(index, params, strict=True)
             if p.requires_grad and n not in saved_state
         ]
-        if lacking and saved_state:
+        if lacking:
             raise ValueError(
                 f"the optimizer checkpoint has no state for {lacking[:6]} (torch's strict "
                 "loading refuses it: those moments would restart); load it with "
@@ -398,8 +397,9 @@ def set_full_optimizer_state_dict_fp8(
     group_of = [i for i, names in enumerate(groups) for _ in names]
     sharded = any(_is_dtensor(p) for p in params)
     state: dict[int, Any] = {}
-    for name, st in saved_state.items():
+    for name in list(saved_state):
         p = params[index[name]]
+        st = source.get("state", name)  # this parameter's tensors, whole, on every rank
         if not isinstance(st, dict):
             raise ValueError(
                 f"the optimizer checkpoint's state of {name!r} is a {type(st).__name__}, "
@@ -455,7 +455,7 @@ def _load_checked(optimizer: Any, sd: dict[str, Any], groups: list[list[str]]) -
         ) from exc
 
 
-def _check_full_optim_structure(sd: Any) -> tuple[list[dict[str, Any]], dict[Any, Any]]:
+def _check_full_optim_structure(sd: Any) -> None:
     if (
         not isinstance(sd, dict)
         or not isinstance(sd.get("state"), dict)
@@ -465,13 +465,12 @@ def _check_full_optim_structure(sd: Any) -> tuple[list[dict[str, Any]], dict[Any
             for g in sd["param_groups"]
         )
     ):
+        what = "an empty dict" if sd == {} else f"a {type(sd).__name__}"
         raise ValueError(
-            "not a full optimizer state dict (a dict with 'state' keyed by parameter names and "
-            "'param_groups' listing them, as full_optimizer_state_dict_fp8 and accelerate's "
-            "FULL_STATE_DICT optimizer.bin hold); an empty dict on rank 0 means rank 0 was "
-            "given none"
+            f"not a full optimizer state dict ({what}; expected a dict with 'state' keyed by "
+            "parameter names and 'param_groups' listing them, as full_optimizer_state_dict_fp8 "
+            "returns and accelerate's FULL_STATE_DICT optimizer.bin holds)"
         )
-    return sd["param_groups"], sd["state"]
 
 
 def _optimizer_fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -524,66 +523,97 @@ def _shard_like(value: Any, p: torch.Tensor, name: str, key: str) -> Any:
 
 
 class _TensorSpec(tuple):
-    """(dtype name, shape) of a tensor sent after the structure in :func:`_broadcast_tree`."""
+    """(dtype name, shape) of a tensor that :class:`_Rank0Tree` sends when it is asked for."""
 
 
-def _broadcast_tree(tree: Any) -> Any:
-    """Rank 0's ``tree`` (dicts, lists, tuples, scalars, strings and plain strided tensors) on
-    every rank: the structure as one object, then each tensor's bytes (fp8 included). A tree
-    that cannot be sent raises the same ``ValueError`` on every rank."""
-    import torch.distributed as dist
+class _LocalTree:
+    """A full optimizer state dict this rank holds itself (no broadcast)."""
 
-    tensors: list[torch.Tensor] = []
+    def __init__(self, tree: Any) -> None:
+        _check_full_optim_structure(tree)
+        self.skeleton = tree
 
-    def strip(x: Any) -> Any:
+    def get(self, *path: Any) -> Any:
+        node = self.skeleton
+        for key in path:
+            node = node[key]
+        return node
+
+
+class _Rank0Tree:
+    """Rank 0's full optimizer state dict on every rank: its structure (tensors as
+    :class:`_TensorSpec`) broadcast at once, each tensor's bytes (fp8 included) when
+    :meth:`get` asks for the branch holding it. Every rank must ask for the same branches
+    in the same order (a branch is sent once). A dict rank 0 cannot send raises the same
+    ``ValueError`` on every rank."""
+
+    def __init__(self, tree: Any) -> None:
+        import torch.distributed as dist
+
+        self.rank0 = dist.get_rank() == 0
+        self.tensors: dict[int, torch.Tensor] = {}
+        payload: list[Any] = [None]
+        if self.rank0:
+            try:
+                if isinstance(tree, BaseException):  # rank 0 could not read it: all raise
+                    raise ValueError(f"could not be read ({tree!r})")
+                _check_full_optim_structure(tree)
+                # param groups first: they are asked for before the state
+                payload[0] = (
+                    "ok",
+                    self._strip({"param_groups": tree["param_groups"], "state": tree["state"]}),
+                )
+            except ValueError as exc:
+                payload[0] = ("error", str(exc))
+        dist.broadcast_object_list(payload, src=0)
+        status, self.skeleton = payload[0]
+        if status != "ok":
+            raise ValueError(
+                f"set_full_optimizer_state_dict_fp8: rank 0's state dict: {self.skeleton}"
+            )
+        self.device = _comm_device(())
+
+    def _strip(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided:
                 raise ValueError(f"holds a {type(x).__name__} of layout {x.layout}")
-            tensors.append(x.detach())
-            return _TensorSpec((str(x.dtype).removeprefix("torch."), tuple(x.shape)))
+            self.tensors[len(self.tensors)] = x.detach()
+            dtype = str(x.dtype).removeprefix("torch.")
+            return _TensorSpec((len(self.tensors) - 1, dtype, tuple(x.shape)))
         if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items()}
+            return {k: self._strip(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
-            return (tuple if type(x) is tuple else list)(strip(v) for v in x)
+            return (tuple if type(x) is tuple else list)(self._strip(v) for v in x)
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         raise ValueError(f"holds a {type(x).__name__}")
 
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            if not isinstance(tree, dict) or not tree:
-                raise ValueError("rank 0 was given no optimizer state dict")
-            payload[0] = ("ok", strip(tree))
-        except ValueError as exc:
-            payload[0] = ("error", str(exc))
-    dist.broadcast_object_list(payload, src=0)
-    status, skeleton = payload[0]
-    if status != "ok":
-        raise ValueError(f"set_full_optimizer_state_dict_fp8: rank 0's state dict {skeleton}")
-    device = _comm_device(())
-    count = iter(range(1 << 62))
+    def get(self, *path: Any) -> Any:
+        node = self.skeleton
+        for key in path:
+            node = node[key]
+        return self._receive(node)
 
-    def rebuild(x: Any) -> Any:  # depth-first, the order strip() met the tensors in
+    def _receive(self, x: Any) -> Any:
+        import torch.distributed as dist
+
         if isinstance(x, _TensorSpec):
-            dtype_name, shape = x
+            i, dtype_name, shape = x
             dtype = getattr(torch, dtype_name, None)
             if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"set_full_optimizer_state_dict_fp8: dtype {dtype_name!r}?")
-            i = next(count)
-            if dist.get_rank() == 0:
-                data = tensors[i].to(device).contiguous().reshape(-1).view(torch.uint8)
+                raise ValueError(f"set_full_optimizer_state_dict_fp8: unknown dtype {dtype_name!r}")
+            if self.rank0:
+                data = self.tensors.pop(i).to(self.device).contiguous().reshape(-1)
+                data = data.view(torch.uint8)
             else:
                 numel = 1
                 for n in shape:
                     numel *= n
-                data = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=device)
+                data = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=self.device)
             dist.broadcast(data, src=0)
             return data.view(dtype).reshape(shape)
         if isinstance(x, dict):
-            return {k: rebuild(v) for k, v in x.items()}
+            return {k: self._receive(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
-            return type(x)(rebuild(v) for v in x)
+            return type(x)(self._receive(v) for v in x)
         return x
-
-    return rebuild(skeleton)

@@ -334,7 +334,7 @@ def _wrap_optim_load(original: Callable) -> Callable:
 
         accelerator.wait_for_everyone()
         options = _sd_options(fsdp_plugin)
-        state, unread = None, None
+        state = None
         reads = accelerator.process_index == 0 or not fsdp_plugin.optim_state_dict_config.rank0_only
         if reads:
             file = _optimizer_file(input_dir, optimizer_index)
@@ -343,12 +343,12 @@ def _wrap_optim_load(original: Callable) -> Callable:
             except Exception as exc:
                 if not options.broadcast_from_rank0:
                     raise
-                unread = exc  # the other ranks learn it from the broadcast (no state): no hang
+                state = exc  # sent to the other ranks, which raise it too: no rank hangs
         try:
             set_full_optimizer_state_dict_fp8(model, _unwrapped(optimizer), state, options)
         except ValueError:
-            if unread is not None:
-                raise unread from None
+            if isinstance(state, BaseException):
+                raise state from None  # rank 0: the original error
             raise
         accelerator.wait_for_everyone()
 

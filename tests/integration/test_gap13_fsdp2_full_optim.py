@@ -152,6 +152,8 @@ def _accelerate_phase(rank: int, out: Path, result: dict) -> None:
             {"uninterrupted": uninterrupted, "rewound": rewound, "fresh": fresh},
             out / "acc_params.pt",
         )
+    from accelerate import accelerator as acc_module
+
     try:  # other optimizer options: refused, naming the option; the optimizer keeps no state
         acc3 = Accelerator(mixed_precision="no", fsdp_plugin=plugin())
         model3 = _llama(seed=1)
@@ -164,9 +166,13 @@ def _accelerate_phase(rank: int, out: Path, result: dict) -> None:
     except Exception as e:
         result["acc_other_options"] = f"{type(e).__name__}: {e}"
         result["acc_other_options_state"] = len(opt3.optimizer.state)
+    # a missing optimizer.bin (rank 0 reads it): every rank raises, none waits for the others
+    try:
+        acc_module.load_fsdp_optimizer(acc.state.fsdp_plugin, acc, opt, model, str(out / "none"))
+        result["missing_file"] = "loaded"
+    except Exception as e:
+        result["missing_file"] = f"{type(e).__name__}: {e}"
     # a failed write (disk full) leaves the previous optimizer.bin whole and no other file
-    from accelerate import accelerator as acc_module
-
     file = ckpt / "optimizer.bin"
     before = file.read_bytes() if rank == 0 else b""
     listing = sorted(os.listdir(ckpt)) if rank == 0 else []
@@ -214,6 +220,31 @@ def _torch_phase(rank: int, out: Path, result: dict) -> None:
     resumed = _full_params(model2)
     if rank == 0:
         torch.save({"uninterrupted": uninterrupted, "resumed": resumed}, out / "torch_params.pt")
+    # moment_format="log" (int8 / uint8 codes), every rank gathering and loading its own copy
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    log_options = {**TORCH_OPTIM, "moment_format": "log", "stochastic_rounding": True}
+    model = _shard_mlp(_mlp())
+    opt = hf_fp8.AdamWFp8(model.parameters(), **log_options)
+    _train_mlp(model, opt, range(BEFORE))
+    log_model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    log_osd = full_optimizer_state_dict_fp8(model, opt, StateDictOptions(full_state_dict=True))
+    result["torch_log_keys"] = len(log_osd["state"])
+    _train_mlp(model, opt, range(BEFORE, BEFORE + AFTER))
+    log_uninterrupted = _full_params(model)
+    model2 = _shard_mlp(_mlp())
+    model2.load_state_dict(log_model_state)
+    opt2 = hf_fp8.AdamWFp8(model2.parameters(), **log_options)
+    set_full_optimizer_state_dict_fp8(
+        model2, opt2, log_osd, StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    )
+    _train_mlp(model2, opt2, range(BEFORE, BEFORE + AFTER))
+    log_resumed = _full_params(model2)  # a collective: on every rank
+    if rank == 0:
+        torch.save(
+            {"uninterrupted": log_uninterrupted, "resumed": log_resumed},
+            out / "torch_log_params.pt",
+        )
     # refusals, every rank alike (rank 0's state dict is what counts): other options ...
     for name, options in (
         ("group_size", {**TORCH_OPTIM, "group_size": 64}),
@@ -369,6 +400,14 @@ def test_accelerate_full_checkpoint_of_other_options_is_refused(ranks):
         assert result["acc_other_options_state"] == 0  # nothing installed
 
 
+def test_missing_optimizer_file_raises_on_every_rank(ranks):
+    results, _ = ranks
+    _no_phase_errors(results)
+    assert results[0]["missing_file"].startswith("FileNotFoundError"), results[0]["missing_file"]
+    other = results[1]["missing_file"]  # rank 1 never opens the file: told by rank 0
+    assert other.startswith("ValueError") and "FileNotFoundError" in other, other
+
+
 def test_failed_optimizer_write_leaves_the_previous_file_whole(ranks):
     results, _ = ranks
     _no_phase_errors(results)
@@ -386,6 +425,16 @@ def test_torch_full_optimizer_state_dict_resume_on_two_ranks_bit_exact(ranks):
     assert state["exp_avg_fp8"].dtype == torch.float8_e4m3fn
     assert state["exp_avg_fp8"].shape == (257, 128)
     params = torch.load(out / "torch_params.pt", weights_only=True)
+    _assert_bitwise_equal(params["resumed"], params["uninterrupted"])
+
+
+def test_log_moments_full_state_dict_on_every_rank_resume_bit_exact(ranks):
+    """moment_format="log" with cpu_offload=False (every rank gathers the whole dict) and
+    broadcast_from_rank0=False (every rank loads its own copy)."""
+    results, out = ranks
+    _no_phase_errors(results)
+    assert results[0]["torch_log_keys"] == results[1]["torch_log_keys"] == 7
+    params = torch.load(out / "torch_log_params.pt", weights_only=True)
     _assert_bitwise_equal(params["resumed"], params["uninterrupted"])
 
 
