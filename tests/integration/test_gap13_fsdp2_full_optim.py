@@ -390,6 +390,40 @@ def test_accelerate_full_state_dict_save_and_load_state_resume_bit_exact(ranks):
     _assert_bitwise_equal(params["fresh"], params["uninterrupted"])
 
 
+class _PlainBackward:
+    def backward(self, loss) -> None:
+        loss.backward()
+
+
+def test_accelerate_full_checkpoint_loads_in_one_process_without_fsdp(ranks):
+    """accelerate's FULL_STATE_DICT checkpoint (pytorch_model_fsdp.bin + optimizer.bin) in
+    one process, plain model: training continues like one uninterrupted single-process run
+    and like the two-rank run, bit for bit."""
+    import hf_fp8
+    from hf_fp8.fsdp import set_full_optimizer_state_dict_fp8
+
+    results, out = ranks
+    _no_phase_errors(results, "acc_save_error", "acc_load_error", "acc_fresh_load_error")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks
+    try:
+        reference = _llama()
+        ref_opt = hf_fp8.AdamWFp8([p for p in reference.parameters() if p.requires_grad], **OPTIM)
+        _train_llama(_PlainBackward(), reference, ref_opt, range(BEFORE + AFTER))
+        model = _llama(seed=1)
+        weights = torch.load(out / "acc_ckpt" / "pytorch_model_fsdp.bin", weights_only=True)
+        model.load_state_dict(weights)
+        opt = hf_fp8.AdamWFp8([p for p in model.parameters() if p.requires_grad], **OPTIM)
+        full = torch.load(out / "acc_ckpt" / "optimizer.bin", weights_only=True)
+        set_full_optimizer_state_dict_fp8(model, opt, full)
+        _train_llama(_PlainBackward(), model, opt, range(BEFORE, BEFORE + AFTER))
+    finally:
+        torch.set_num_threads(threads)
+    _assert_bitwise_equal(model.state_dict(), reference.state_dict())
+    two_ranks = torch.load(out / "acc_params.pt", weights_only=True)["uninterrupted"]
+    _assert_bitwise_equal(model.state_dict(), two_ranks)
+
+
 def test_accelerate_full_checkpoint_of_other_options_is_refused(ranks):
     results, _ = ranks
     _no_phase_errors(results)
