@@ -222,9 +222,7 @@ def _fp8_optimizer(optimizer: Any) -> bool:
     from hf_fp8.fsdp import _fp8_dtype
     from hf_fp8.optim import AdamWFp8
 
-    inner = optimizer
-    while hasattr(inner, "optimizer") and not isinstance(inner, AdamWFp8):
-        inner = inner.optimizer
+    inner = _unwrapped(optimizer)
     if isinstance(inner, AdamWFp8):
         return True
     return any(
