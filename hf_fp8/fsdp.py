@@ -519,7 +519,18 @@ def _shard_like(value: Any, p: torch.Tensor, name: str, key: str) -> Any:
         )
     # every rank holds the full tensor: each keeps its rows, no communication
     full = value.detach().to(p.device_mesh.device_type).contiguous()
-    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+    out = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+    home = p.to_local().device  # CPU with FSDP2's CPUOffloadPolicy: the state lives there too
+    if out.to_local().device != home:
+        out = DTensor.from_local(
+            out.to_local().to(home),
+            p.device_mesh,
+            p.placements,
+            run_check=False,
+            shape=out.shape,
+            stride=out.stride(),
+        )
+    return out
 
 
 class _TensorSpec(tuple):
