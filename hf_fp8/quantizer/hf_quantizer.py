@@ -39,6 +39,13 @@ from hf_fp8.quantizer.experts import (
     quantize_experts_tensor,
     swap_experts,
 )
+from hf_fp8.quantizer.float_layers import (
+    layers_to_initialise,
+    loaded_shapes,
+    quantize_initialised,
+    stored_fp8_scales,
+    stored_shapes,
+)
 from hf_fp8.quantizer.input_scales import StoredInputScales, input_scales_metadata
 from hf_fp8.quantizer.kept_modules import file_tensor_names, skip_list_hint
 from hf_fp8.quantizer.new_layers import heads_stored_fp8, layers_not_stored
@@ -232,6 +239,14 @@ def _refuse_stored_input_scales(names: set[str], scheme: str, root: str) -> None
     )
 
 
+def _is_fp8_scale(module: nn.Module, tensor_name: str) -> bool:
+    """``tensor_name`` is a scale of the FP8 layer ``module`` (which a float checkpoint never
+    stores)."""
+    if isinstance(module, Fp8Linear) and tensor_name in ("weight_scale", "input_scale"):
+        return True
+    return is_experts_scale(module, tensor_name)
+
+
 class Fp8QuantizeOp(ConversionOps):
     """Loader op: one high-precision checkpoint weight → ``weight`` (fp8) + ``weight_scale``."""
 
@@ -251,6 +266,16 @@ class Fp8QuantizeOp(ConversionOps):
                 continue
             if module_name in self.hf_quantizer.transposed_modules:
                 weight = weight.t()  # GPT-2 Conv1D stores [in, out]
+            expected = (module.out_features, module.in_features)
+            if tuple(weight.shape) != expected:  # a checkpoint whose shapes were not read
+                raise CheckpointTensorError(
+                    f"{key}: the checkpoint stores it as {list(weight.shape)}, but the model's "
+                    f"layer is {list(expected)} (a resized layer): hf_fp8 reads the shapes of "
+                    ".safetensors checkpoints only, to let transformers initialise such a layer "
+                    "(ignore_mismatched_sizes=True) before quantizing it. Save the checkpoint as "
+                    "safetensors (save_pretrained), or load it without quantization_config and "
+                    "call hf_fp8.quantize_model on the model"
+                )
             w_fp8, w_scale = quantize_weight(
                 weight,
                 fp8_dtype(module.fp8_format),
@@ -261,6 +286,7 @@ class Fp8QuantizeOp(ConversionOps):
             )
             out[key] = w_fp8.contiguous()
             out[f"{module_name}.weight_scale"] = w_scale
+            self.hf_quantizer.produced_keys.add(f"{module_name}.weight_scale")
         return out
 
 
@@ -278,6 +304,11 @@ class Fp8HfQuantizer(HfQuantizer):
         self.fp8_tensor_names: set[str] = set()
         # on-the-fly loads: scales found in the checkpoint (it is FP8 already: refused)
         self.stored_scale_keys: set[str] = set()
+        # on-the-fly loads: the checkpoint's {loaded name: shape} (None: not readable), the
+        # scales the quantize op made, and the layers transformers initialises (R39 F1, F4)
+        self.float_shapes: dict[str, tuple[int, ...]] | None = None
+        self.produced_keys: set[str] = set()
+        self.initialised_layers: list[str] = []
         # checkpoint keys of every Fp8Experts tensor: kept in their stored dtype, checked after
         self.experts_tensor_names: set[str] = set()
         # checkpoint keys of the biases of FP8 layers: refused as fp8 / integers while loading
@@ -387,6 +418,10 @@ class Fp8HfQuantizer(HfQuantizer):
                 skip = sorted({*skip, *new_layers})
                 config = config.replace(modules_to_not_convert=skip)
                 self.quantization_config = config
+        if not self.pre_quantized:  # layers the float checkpoint lacks / stores resized
+            self.float_shapes = loaded_shapes(model, stored_shapes(self.checkpoint_files))
+            self.initialised_layers = layers_to_initialise(model, self.float_shapes, skip)
+            skip = sorted({*skip, *self.initialised_layers})  # plain while loading
         static_pre_quantized = self.pre_quantized and config.activation_scheme == "static"
         swapped: dict[int, Fp8Linear] = {}  # a linear shared by two parents stays shared
         aliases: dict[int, list[str]] = {}  # its names: one scale under any of them (R27 F3)
@@ -440,7 +475,16 @@ class Fp8HfQuantizer(HfQuantizer):
                 if getattr(experts, f"{proj}_bias", None) is not None
             )
         if not self.pre_quantized:  # a key that names no converted layer: refused, named
-            check_activation_scales(model, config.activation_scales)
+            later = set(self.initialised_layers)  # quantized after loading
+            converted = [
+                (n, m)
+                for n, m in model.named_modules(remove_duplicate=False)
+                if isinstance(m, (Fp8Linear, Fp8Experts)) or n in later
+            ]
+            check_activation_scales(model, config.activation_scales, converted)
+            stored_scales = stored_fp8_scales(model, self.float_shapes, _is_fp8_scale)
+            if stored_scales:  # the checkpoint is FP8 already
+                raise _already_fp8(stored_scales[0])
         model.config.quantization_config = config
 
     def _header_names(self) -> set[str]:
@@ -468,11 +512,13 @@ class Fp8HfQuantizer(HfQuantizer):
             module = model.get_submodule(module_name)
         except AttributeError:
             return False
-        if isinstance(module, Fp8Linear) and tensor_name in ("weight_scale", "input_scale"):
+        if (
+            self.float_shapes is None  # checked from the file headers otherwise
+            and param_name not in self.produced_keys  # asked again for the op's outputs
+            and _is_fp8_scale(module, tensor_name)
+        ):
             # the loader asks for every checkpoint key: a stored scale means the file is FP8
             # already (refused after loading, when the keys are all known)
-            self.stored_scale_keys.add(param_name)
-        if is_experts_scale(module, tensor_name):
             self.stored_scale_keys.add(param_name)
         return (isinstance(module, Fp8Linear) and tensor_name == "weight") or is_experts_weight(
             module, tensor_name
@@ -559,6 +605,8 @@ class Fp8HfQuantizer(HfQuantizer):
             _normal_parameters(model)
         if self.stored_scale_keys:
             raise _already_fp8(min(self.stored_scale_keys))
+        if self.initialised_layers:  # initialised by transformers as in the float model
+            quantize_initialised(model, self.initialised_layers, self.quantization_config)
         missing = []
         static = self.pre_quantized and self.quantization_config.activation_scheme == "static"
         input_scales = StoredInputScales(

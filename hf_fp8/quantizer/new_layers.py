@@ -23,6 +23,27 @@ from hf_fp8.modules import convertible_modules
 from hf_fp8.modules.selection import task_heads
 
 
+def loaded_name_map(model: nn.Module, names: Iterable[str]) -> dict[str, str] | None:
+    """``{checkpoint tensor name: the name the loader gives it in model}`` (as
+    :func:`loaded_names`); ``None`` when transformers' renaming is not available."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+
+        mapping = get_model_conversion_mapping(model, None, None)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        meta = dict.fromkeys(model.state_dict(), True)  # only membership is asked
+        return {k: rename_source_key(k, renamings, converters, prefix, meta)[0] for k in names}
+    except Exception:  # another transformers
+        return None
+
+
 def loaded_names(model: nn.Module, names: Iterable[str]) -> set[str]:
     """The checkpoint tensor ``names`` as the loader renames them into ``model``'s keys (the
     model's conversion mapping, then the base-model prefix added or stripped). Falls back to
