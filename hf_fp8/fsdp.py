@@ -258,9 +258,9 @@ def full_optimizer_state_dict_fp8(
     dict (parameters named by their fully qualified names, each state tensor whole: the
     per-row groups of ``AdamWFp8`` never straddle a shard). ``options``: torch's
     ``StateDictOptions`` (default ``full_state_dict=True, cpu_offload=True``: only rank 0 gets
-    the tensors, on CPU, the other ranks ``{}``, as in torch). Every rank must call it; the
-    ranks first agree that they hold the same state entries (else ``RuntimeError``, no
-    gather). Load it with :func:`set_full_optimizer_state_dict_fp8` (on any number of ranks,
+    the tensors, on CPU, the other ranks ``{}``, as in torch). Every rank must call it; when
+    the states' mesh spans every rank, the ranks first agree that they hold the same state
+    entries (else ``RuntimeError``, no gather). Load it with :func:`set_full_optimizer_state_dict_fp8` (on any number of ranks,
     or in one process without FSDP). Like torch's call, an optimizer without state is first
     initialised by a zero-gradient step at ``lr=0`` (weights unchanged)."""
     import dataclasses
@@ -287,7 +287,14 @@ def full_optimizer_state_dict_fp8(
         for fqn, st in sharded["state"].items()
         for key, v in st.items()
     ]
-    if initialized:  # every rank must gather the same tensors in the same order
+    meshes = [
+        v.device_mesh
+        for st in sharded["state"].values()
+        for v in st.values()
+        if isinstance(v, DTensor)
+    ]
+    whole_world = initialized and bool(meshes) and meshes[0].size() == dist.get_world_size()
+    if whole_world:  # every rank must gather the same tensors in the same order
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, entries)
         if any(g != entries for g in gathered):

@@ -245,6 +245,18 @@ def _torch_phase(rank: int, out: Path, result: dict) -> None:
             {"uninterrupted": log_uninterrupted, "resumed": log_resumed},
             out / "torch_log_params.pt",
         )
+    # ranks holding different state entries (rank 1 lost the norm's): refused on every rank
+    # before any gather (a gather would pair different tensors across ranks, or hang)
+    model = _shard_mlp(_mlp())
+    opt = hf_fp8.AdamWFp8(model.parameters(), **TORCH_OPTIM)
+    _train_mlp(model, opt, range(1))
+    if rank == 1:
+        opt.state.pop(model[3].weight)
+    try:
+        full_optimizer_state_dict_fp8(model, opt)
+        result["torch_uneven_states"] = "gathered"
+    except Exception as e:
+        result["torch_uneven_states"] = f"{type(e).__name__}: {e}"
     # refusals, every rank alike (rank 0's state dict is what counts): other options ...
     for name, options in (
         ("group_size", {**TORCH_OPTIM, "group_size": 64}),
@@ -510,6 +522,14 @@ def test_damaged_full_checkpoint_is_refused_on_every_rank(ranks):
         assert message.startswith("ValueError") and "'0.weight'" in message, message
         assert "exp_avg_sq_scale" in message and "non-finite" in message, message
         assert result["torch_damaged_state"] == 0
+
+
+def test_ranks_with_different_state_entries_are_refused_before_gathering(ranks):
+    results, _ = ranks
+    _no_phase_errors(results)
+    for result in results:
+        message = result["torch_uneven_states"]
+        assert message.startswith("RuntimeError") and "different optimizer state" in message
 
 
 def test_torch_full_checkpoint_of_other_options_or_model_is_refused(ranks):
