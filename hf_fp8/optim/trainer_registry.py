@@ -39,8 +39,17 @@ def _parse_bool(text: str) -> bool:
 
 
 def _parse_rounding(text: str) -> bool | str:
-    """``stochastic_rounding``: a boolean, or ``exp_avg_sq`` (the second moment only)."""
-    return "exp_avg_sq" if text.strip() == "exp_avg_sq" else _parse_bool(text)
+    """``stochastic_rounding``: a boolean, or ``exp_avg_sq`` (the second moment only); any
+    case, as the booleans."""
+    if text.strip().lower() == "exp_avg_sq":
+        return "exp_avg_sq"
+    try:
+        return _parse_bool(text)
+    except ValueError:
+        raise ValueError(
+            f"expected exp_avg_sq (the second moment only, the default), true (both moments) "
+            f"or false (round-to-nearest) (also 1/yes/on, 0/no/off), got {text!r}"
+        ) from None
 
 
 # optim_args keys accepted by the handler and how their strings are converted.
@@ -63,13 +72,15 @@ _PUBLIC_ROUTE = (
 )
 
 
-def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
-    """Convert Trainer ``optim_args`` strings into ``AdamWFp8`` keyword arguments."""
+def parse_optim_args(optim_args: dict[str, str], optim: str = "adamw_fp8") -> dict[str, Any]:
+    """Convert Trainer ``optim_args`` strings into ``AdamWFp8`` keyword arguments (``optim``:
+    the Trainer name used, for the errors)."""
     kwargs = {}
     for key, text in optim_args.items():
         if key not in OPTIM_ARGS:
             raise ValueError(
-                f"unknown optim_args key {key!r} for adamw_fp8; accepted: {sorted(OPTIM_ARGS)}"
+                f'unknown optim_args key {key!r} for optim="{optim}"; accepted: '
+                f"{sorted(OPTIM_ARGS)}"
             )
         try:
             kwargs[key] = OPTIM_ARGS[key](text)
@@ -87,11 +98,31 @@ def handler(expand: bool, ctx: Any) -> tuple[type, dict[str, Any]]:
         raise RuntimeError(
             f"transformers' OptimizerContext changed ({exc}); {_PUBLIC_ROUTE}"
         ) from exc
-    parsed = parse_optim_args(optim_args or {})
+    optim = next(name for name, (_, on) in TRAINER_OPTIMIZERS.items() if on == expand)
+    _check_no_duplicate_keys(getattr(getattr(ctx, "args", None), "optim_args", None), optim)
+    parsed = parse_optim_args(optim_args or {}, optim)
     _check_format_fits_the_name(expand, parsed)
     kwargs["dynamic_range_expansion"] = expand
     kwargs.update(parsed)
     return AdamWFp8, kwargs
+
+
+def _check_no_duplicate_keys(raw: Any, optim: str) -> None:
+    """transformers turns ``optim_args`` into a dict (``trainer_optimizer._parse_optim_args``:
+    spaces removed, split at ``,`` and ``=``), so a key given twice reaches the handler with
+    its last value only. Split the raw string the same way and refuse a repeated key."""
+    if not isinstance(raw, str):
+        return
+    seen: dict[str, str] = {}
+    for mapping in raw.replace(" ", "").split(","):
+        key = mapping.split("=", 1)[0]
+        if key in seen:
+            raise ValueError(
+                f'optim_args of optim="{optim}" set {key!r} more than once ({seen[key]!r} and '
+                f"{mapping!r}; transformers would keep only the last): give each key once, "
+                f"optim_args={raw!r}"
+            )
+        seen[key] = mapping
 
 
 def _check_format_fits_the_name(expand: bool, parsed: dict[str, Any]) -> None:
