@@ -239,6 +239,34 @@ def _refuse_stored_input_scales(names: set[str], scheme: str, root: str) -> None
     )
 
 
+def _refuse_parallel_plans(config: Any) -> None:
+    """R39 F2: tensor (``tp_plan`` / ``tp_size``) and expert (``ep_size``) parallelism of an
+    FP8 model are refused: transformers would shard a layer's fp8 weight but not its scales
+    with it (a row-wise ``[out, 1]`` scale split on dim 1, a tensor-wise one size-mismatched),
+    and dynamic activation scales taken over a shard of the input differ from the whole
+    model's. Raised alike on every rank, before any weight is read."""
+    distributed = getattr(config, "distributed_config", None)
+    if distributed is None:
+        return
+    if isinstance(distributed, dict):
+        sizes = {k: distributed.get(k) for k in ("tp_size", "ep_size")}
+    else:
+        sizes = {k: getattr(distributed, k, None) for k in ("tp_size", "ep_size")}
+    used = {k: v for k, v in sizes.items() if isinstance(v, int) and v > 1}
+    if not used:
+        return
+    shown = ", ".join(f"{k}={v}" for k, v in used.items())
+    raise ValueError(
+        f"hf_fp8: tensor parallel / expert parallel loading ({shown}: tp_plan=..., "
+        "DistributedConfig) is not supported for FP8 models: transformers shards the fp8 "
+        "weights but not their scales, and dynamic activation scales taken over a shard of the "
+        "input differ from the whole model's. Load without tp_plan / distributed_config: on "
+        'one process, device_map="auto" (or a device) spreads the layers over the devices; '
+        "to train over several ranks, shard the loaded FP8 model with FSDP2 (fully_shard, or "
+        "accelerate with fsdp_version: 2); or load the high-precision checkpoint with tp_plan"
+    )
+
+
 def _is_fp8_scale(module: nn.Module, tensor_name: str) -> bool:
     """``tensor_name`` is a scale of the FP8 layer ``module`` (which a float checkpoint never
     stores)."""
@@ -359,6 +387,13 @@ class Fp8HfQuantizer(HfQuantizer):
 
             prebuild()
 
+    def update_attn_implementation(self, config):
+        # transformers' first call with the model config (after validate_environment, before
+        # any file is read): a DistributedConfig asking for tensor / expert parallelism is
+        # refused here, alike on every rank
+        _refuse_parallel_plans(config)
+        return super().update_attn_implementation(config)
+
     def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
         if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             return dtype
@@ -382,6 +417,7 @@ class Fp8HfQuantizer(HfQuantizer):
 
     # -- before loading: swap modules on the meta device ---------------------------------------
     def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, **kwargs):
+        _refuse_parallel_plans(getattr(model, "config", None))  # before any rank shards
         config = self.quantization_config
         saved_skips = config.modules_to_not_convert is not None
         if self.pre_quantized and saved_skips:
