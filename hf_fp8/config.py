@@ -28,6 +28,10 @@ QUANT_METHOD = "hf_fp8"
 # quantization_config=Fp8Config(dequantize=True))`` copies ``get_loading_attributes()`` onto
 # the checkpoint's config with ``setattr`` (``AutoHfQuantizer.merge_quantization_configs``).
 LOADING_ATTRIBUTES = ("dequantize", "kernel")
+# Copied too when the passed config gives static scales: ``{"activation_scale": x,
+# "activation_scales": {...}}`` for the layers whose input_scale a static checkpoint does not
+# store (saved before calibration); stored ones are kept, the saved fields unchanged (R39 F3).
+FILL_SCALES = "missing_input_scales"
 
 
 class Fp8Config(QuantizationConfigMixin):
@@ -60,7 +64,9 @@ class Fp8Config(QuantizationConfigMixin):
     The config is immutable after construction: build a variant with
     :meth:`replace`. Only the loading attributes ``dequantize`` and ``kernel`` may be
     assigned (transformers does so when ``from_pretrained`` gets a config for an FP8
-    checkpoint); they are validated like the constructor's arguments.
+    checkpoint); they are validated like the constructor's arguments. A passed config's
+    ``activation_scale`` / ``activation_scales`` reach a static checkpoint's config aside from
+    its fields (``fill_scales``): they fill only the input scales the checkpoint does not store.
     """
 
     def __init__(
@@ -121,6 +127,8 @@ class Fp8Config(QuantizationConfigMixin):
             self.__dict__.update(kernel=kernel.value, _recipe=recipe)
         elif name == "dequantize":
             self.__dict__["dequantize"] = _bool(value, "dequantize")
+        elif name == FILL_SCALES:
+            self._assign_fill_scales(value)
         elif name in self.__dict__:
             raise AttributeError(
                 f"Fp8Config is immutable: build a new one with config.replace({name}=...) "
@@ -128,6 +136,42 @@ class Fp8Config(QuantizationConfigMixin):
             )
         else:
             super().__setattr__(name, value)
+
+    def _assign_fill_scales(self, value: Any) -> None:
+        """``from_pretrained(static_ckpt, quantization_config=Fp8Config("static",
+        activation_scale=...))``: transformers assigns the passed config's scales (a loading
+        attribute) on the checkpoint's config; validated as the constructor would, kept aside
+        (not a JSON field): the quantizer gives them to the layers whose input_scale the
+        checkpoint does not store, and warns."""
+        if not isinstance(value, Mapping) or set(value) - {"activation_scale", "activation_scales"}:
+            raise ValueError(
+                f"{FILL_SCALES} must be a dict with the keys 'activation_scale' and / or "
+                f"'activation_scales' (set by from_pretrained), got {value!r}"
+            )
+        given = " / ".join(k for k, v in value.items() if v is not None) or "activation_scale"
+        if not self._recipe.is_static:
+            raise ValueError(
+                f"{given} was given to from_pretrained (Fp8Config('static', {given}=...)), but "
+                "the checkpoint's quantization_config has "
+                f"activation_scheme={self.activation_scheme!r}: static input scales apply to "
+                "static checkpoints only (a passed config does not change the saved scheme). "
+                "Load it without quantization_config; for static activations, load the "
+                "high-precision checkpoint with Fp8Config('static', ...), or quantize_model it"
+            )
+        checked = self.replace(
+            activation_scale=value.get("activation_scale"),
+            activation_scales=value.get("activation_scales"),
+        )
+        self.__dict__["_fill_scales"] = {
+            "activation_scale": checked.activation_scale,
+            "activation_scales": checked.activation_scales,
+        }
+
+    @property
+    def fill_scales(self) -> dict[str, Any] | None:
+        """The static scales ``from_pretrained`` was given for the input scales the checkpoint
+        does not store (``None``: none given)."""
+        return self.__dict__.get("_fill_scales")
 
     def replace(self, **changes: Any) -> Fp8Config:
         """A new config with ``changes`` applied (validated like the constructor). A new
@@ -189,8 +233,16 @@ class Fp8Config(QuantizationConfigMixin):
         }
 
     def get_loading_attributes(self) -> dict[str, Any]:
-        """Fields a user may override when loading a saved FP8 checkpoint."""
-        return {name: getattr(self, name) for name in LOADING_ATTRIBUTES}
+        """Fields a user may override when loading a saved FP8 checkpoint: ``dequantize``,
+        ``kernel``, and the static scales when given (they fill only the input scales the
+        checkpoint does not store)."""
+        attributes = {name: getattr(self, name) for name in LOADING_ATTRIBUTES}
+        if self.activation_scale is not None or self.activation_scales is not None:
+            attributes[FILL_SCALES] = {
+                "activation_scale": self.activation_scale,
+                "activation_scales": _copy(self.activation_scales),
+            }
+        return attributes
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Fp8Config) and self.to_dict() == other.to_dict()

@@ -239,6 +239,28 @@ def _refuse_stored_input_scales(names: set[str], scheme: str, root: str) -> None
     )
 
 
+def _warn_passed_scales(passed: dict, filled: list[str], kept: list[str]) -> None:
+    """R39 F3: what the static scales passed to ``from_pretrained`` for a pre-quantized
+    checkpoint did: they fill the layers without a stored ``input_scale`` only."""
+    given = " / ".join(k for k, v in passed.items() if v is not None)
+    text = (
+        f"hf_fp8: Fp8Config({given}=...) passed to from_pretrained filled the input scales of "
+        f"{len(filled)} layer(s) the checkpoint does not store ({_names(filled)}); "
+        if filled
+        else f"hf_fp8: Fp8Config({given}=...) passed to from_pretrained filled no input scale; "
+    )
+    if kept:
+        text += (
+            f"the {len(kept)} layer(s) whose input_scale the checkpoint stores ({_names(kept)}) "
+            "keep it: a passed config does not override a saved checkpoint. "
+        )
+    text += (
+        "To change stored scales, calibrate the loaded model (hf_fp8.calibrate(model, "
+        "batches)) or set one with model.get_submodule(name).set_input_scale(x)"
+    )
+    warnings.warn(text, UserWarning, stacklevel=4)
+
+
 def _refuse_parallel_plans(config: Any) -> None:
     """R39 F2: tensor (``tp_plan`` / ``tp_size``) and expert (``ep_size``) parallelism of an
     FP8 model are refused: transformers would shard a layer's fp8 weight but not its scales
@@ -347,6 +369,8 @@ class Fp8HfQuantizer(HfQuantizer):
         self.checkpoint_root = ""  # the folder read (root/subfolder): errors name files in it
         self.checkpoint_files: list[str] = []  # what transformers resolved and reads
         self.stored_names: set[str] | None = None  # their tensor names (pre-quantized loads)
+        # static scales passed to from_pretrained for a pre-quantized checkpoint (R39 F3)
+        self.fill_scales = quantization_config.fill_scales if self.pre_quantized else None
 
     @property
     def quantized_element_size(self) -> float:
@@ -490,8 +514,8 @@ class Fp8HfQuantizer(HfQuantizer):
                 new.input_scale = nn.Parameter(
                     torch.empty(1, dtype=torch.float32, device="meta"), requires_grad=False
                 )
-            # applied after loading (on-the-fly)
-            new._hf_fp8_input_scale = config.activation_scale_for(name)
+            # applied after loading (on-the-fly; pre-quantized: where none is stored)
+            new._hf_fp8_input_scale = self._given_scale(config, name)
             new._is_hf_initialized = (
                 True  # never random-init fp8 storage; missing keys are caught below
             )
@@ -522,6 +546,14 @@ class Fp8HfQuantizer(HfQuantizer):
             if stored_scales:  # the checkpoint is FP8 already
                 raise _already_fp8(stored_scales[0])
         model.config.quantization_config = config
+
+    def _given_scale(self, config: Fp8Config, name: str) -> float | None:
+        """The static input scale given for the layer ``name``: the scales passed to
+        ``from_pretrained`` for a pre-quantized checkpoint (``fill_scales``), else the
+        config's own."""
+        passed = self.fill_scales or {}
+        scale = (passed.get("activation_scales") or {}).get(name, passed.get("activation_scale"))
+        return scale if scale is not None else config.activation_scale_for(name)
 
     def _header_names(self) -> set[str]:
         """The tensor names of the checkpoint files read: ``stored_names``, else (a ``.bin``
@@ -649,6 +681,8 @@ class Fp8HfQuantizer(HfQuantizer):
             self.stored_names if static else None, files=self.checkpoint_files
         )
         disk = [k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v == "disk"]
+        filled: list[str] = []  # layers given a passed scale (not stored)
+        kept: list[str] = []  # layers whose stored scale a passed one did not override
         for name, module in model.named_modules():
             if isinstance(module, Fp8Experts):
                 last = getattr(module, module.layout.projections[-1])
@@ -679,6 +713,9 @@ class Fp8HfQuantizer(HfQuantizer):
             given = module.__dict__.pop("_hf_fp8_input_scale", None)
             if given is not None and module.input_scale is None:
                 module.set_input_scale(given)
+                filled.append(name)
+            elif given is not None and not offloaded:
+                kept.append(name)
             for p in (module.weight, module.weight_scale, module.input_scale):
                 if p is not None:
                     p.requires_grad_(False)
@@ -692,6 +729,8 @@ class Fp8HfQuantizer(HfQuantizer):
                 "Re-export it with hf_fp8 (save_pretrained), or list these modules in "
                 "Fp8Config(modules_to_not_convert=[...]) when quantizing on the fly."
             )
+        if self.fill_scales:
+            _warn_passed_scales(self.fill_scales, filled, kept)
         input_scales.check(self.checkpoint_root, self.quantization_config)
         input_scales.check_shared(model)  # one module, two names: one stored scale
         validate_loaded_model(model, skipped=self.modules_to_not_convert)
