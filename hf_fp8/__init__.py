@@ -27,6 +27,7 @@ _LAZY = {
     "Fp8Linear": "hf_fp8.modules",
     "calibrate": "hf_fp8.calibration",
     "export": "hf_fp8.serialization",
+    "full_optimizer_state_dict_fp8": "hf_fp8.fsdp",
     "full_state_dict_fp8": "hf_fp8.fsdp",
     "fully_shard_fp8": "hf_fp8.fsdp",
     "ignore_fp8_for_ddp": "hf_fp8.ddp",
@@ -34,6 +35,7 @@ _LAZY = {
     "inspect_checkpoint": "hf_fp8.serialization",
     "quantize_model": "hf_fp8.quantizer",
     "set_card_info": "hf_fp8.hub",
+    "set_full_optimizer_state_dict_fp8": "hf_fp8.fsdp",
     "set_full_state_dict_fp8": "hf_fp8.fsdp",
     # kept for callers of earlier versions; not in __all__
     "attach_card_hooks": "hf_fp8.hub",
@@ -52,6 +54,7 @@ __all__ = [
     "__version__",
     "calibrate",
     "export",
+    "full_optimizer_state_dict_fp8",
     "full_state_dict_fp8",
     "fully_shard_fp8",
     "ignore_fp8_for_ddp",
@@ -59,6 +62,7 @@ __all__ = [
     "inspect_checkpoint",
     "quantize_model",
     "set_card_info",
+    "set_full_optimizer_state_dict_fp8",
     "set_full_state_dict_fp8",
 ]
 
@@ -66,7 +70,13 @@ if TYPE_CHECKING:
     from hf_fp8.calibration import calibrate
     from hf_fp8.config import Fp8Config
     from hf_fp8.ddp import ignore_fp8_for_ddp
-    from hf_fp8.fsdp import full_state_dict_fp8, fully_shard_fp8, set_full_state_dict_fp8
+    from hf_fp8.fsdp import (
+        full_optimizer_state_dict_fp8,
+        full_state_dict_fp8,
+        fully_shard_fp8,
+        set_full_optimizer_state_dict_fp8,
+        set_full_state_dict_fp8,
+    )
     from hf_fp8.hub import set_card_info
     from hf_fp8.modules import Fp8Linear
     from hf_fp8.numerics.checks import CheckpointTensorError
