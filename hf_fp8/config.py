@@ -124,7 +124,8 @@ class Fp8Config(QuantizationConfigMixin):
         if name == "kernel":
             kernel = parse(Kernel, value, "kernel")
             recipe = dataclasses.replace(self._recipe, kernel=kernel)
-            self.__dict__.update(kernel=kernel.value, _recipe=recipe)
+            # assigned: passed to from_pretrained (a loading attribute), not read from disk
+            self.__dict__.update(kernel=kernel.value, _recipe=recipe, _kernel_assigned=True)
         elif name == "dequantize":
             self.__dict__["dequantize"] = _bool(value, "dequantize")
         elif name == FILL_SCALES:
@@ -166,6 +167,12 @@ class Fp8Config(QuantizationConfigMixin):
             "activation_scale": checked.activation_scale,
             "activation_scales": checked.activation_scales,
         }
+
+    @property
+    def kernel_assigned(self) -> bool:
+        """``kernel`` was assigned after construction: from_pretrained copied a passed
+        config's kernel (a loading attribute) onto the checkpoint's config."""
+        return self.__dict__.get("_kernel_assigned", False)
 
     @property
     def fill_scales(self) -> dict[str, Any] | None:

@@ -311,7 +311,8 @@ def _mark(
     mark_origin(model, QUANTIZE_MODEL, skips, default_skips=defaults_on, update=True)
     if hf_model is not None:  # a PeftModel: its transformers model is marked
         kept = unconverted_linears(hf_model)
-        saved = config.replace(modules_to_not_convert=kept)
+        # the layers keep config's kernel; a checkpoint records none (R39 F5)
+        saved = config.replace(modules_to_not_convert=kept, kernel="auto")
         quantizer = Fp8HfQuantizer(saved, pre_quantized=True)
         quantizer.modules_to_not_convert = kept
         hf_model.config.quantization_config = saved

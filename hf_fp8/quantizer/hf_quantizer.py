@@ -239,6 +239,35 @@ def _refuse_stored_input_scales(names: set[str], scheme: str, root: str) -> None
     )
 
 
+def _loading_kernel(config: Fp8Config, stored: str | None) -> Fp8Config:
+    """R39 F5: the kernel of a pre-quantized load. hf_fp8 saves ``"kernel": "auto"``; an older
+    checkpoint's stored ``"scaled_mm"`` (``stored``) is a preference: where no device of this
+    machine runs ``torch._scaled_mm`` it falls back to ``"auto"`` with a warning. One passed
+    at load (``stored`` is ``None``) that cannot run here is refused, naming the fix."""
+    from hf_fp8.kernels.capability import has_fp8_gemm
+
+    if config.kernel != "scaled_mm" or config.dequantize or has_fp8_gemm():
+        return config
+    why = "torch._scaled_mm needs a CUDA GPU with compute capability >= 8.9 (not ROCm)"
+    if stored is None:
+        raise ValueError(
+            f"kernel='scaled_mm' was passed to from_pretrained, but it cannot run here: {why}. "
+            "Load the checkpoint with from_pretrained(..., quantization_config="
+            "Fp8Config(kernel='auto')) to run the FP8 emulation where torch._scaled_mm cannot "
+            "run (or kernel='emulated'); a loaded layer's kernel can also be set later "
+            "(layer.kernel = 'scaled_mm') on a machine that has one"
+        )
+    warnings.warn(
+        "hf_fp8: the checkpoint's config.json asks kernel='scaled_mm' (saved by an older "
+        f"hf_fp8), which cannot run here: {why}. Loading with kernel='auto' (the FP8 "
+        "emulation here); a saved checkpoint records no kernel choice now (save_pretrained "
+        "writes 'auto')",
+        UserWarning,
+        stacklevel=4,
+    )
+    return config.replace(kernel="auto")
+
+
 def _warn_passed_scales(passed: dict, filled: list[str], kept: list[str]) -> None:
     """R39 F3: what the static scales passed to ``from_pretrained`` for a pre-quantized
     checkpoint did: they fill the layers without a stored ``input_scale`` only."""
@@ -371,6 +400,12 @@ class Fp8HfQuantizer(HfQuantizer):
         self.stored_names: set[str] | None = None  # their tensor names (pre-quantized loads)
         # static scales passed to from_pretrained for a pre-quantized checkpoint (R39 F3)
         self.fill_scales = quantization_config.fill_scales if self.pre_quantized else None
+        # pre-quantized: the kernel read from config.json (None: one was passed at load)
+        self.stored_kernel = (
+            quantization_config.kernel
+            if self.pre_quantized and not quantization_config.kernel_assigned
+            else None
+        )
 
     @property
     def quantized_element_size(self) -> float:
@@ -442,6 +477,8 @@ class Fp8HfQuantizer(HfQuantizer):
     # -- before loading: swap modules on the meta device ---------------------------------------
     def _process_model_before_weight_loading(self, model, keep_in_fp32_modules=None, **kwargs):
         _refuse_parallel_plans(getattr(model, "config", None))  # before any rank shards
+        if self.pre_quantized:
+            self.quantization_config = _loading_kernel(self.quantization_config, self.stored_kernel)
         config = self.quantization_config
         saved_skips = config.modules_to_not_convert is not None
         if self.pre_quantized and saved_skips:
@@ -736,6 +773,10 @@ class Fp8HfQuantizer(HfQuantizer):
         validate_loaded_model(model, skipped=self.modules_to_not_convert)
         if self.pre_quantized and self.quantization_config.dequantize:
             self._dequantize(model)  # Fp8Config(dequantize=True): back to high precision
+        saved = getattr(model.config, "quantization_config", None)
+        if saved is self.quantization_config and saved.kernel != "auto":
+            # the layers keep the kernel chosen at load; a checkpoint records none (R39 F5)
+            model.config.quantization_config = saved.replace(kernel="auto")
         for hook in POST_LOAD_HOOKS:
             hook(model, self)
         return model
