@@ -463,18 +463,16 @@ def _folded_fp32(
     return out.to(out_dtype)
 
 
-def redo_helps(
-    out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor | None, nan_only: bool = False
-) -> bool:
+def redo_helps(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor | None) -> bool:
     """Whether redoing a product whose output ``out`` ``[M, N]`` is not finite everywhere
     could change it: some row of ``out`` is not finite while its activation row of ``a``
     ``[M, K]`` (and its scale: ``a_scale`` with 1, M or M x blocks values) is. A NaN / inf
-    activation gives a non-finite output row on the folded route as well, so a non-finite
-    input costs no second product (R28 C). ``nan_only``: the activation is the raw input of
-    a static quantization, which saturates +-inf to finite codes: only NaN counts there.
-    Runs only after the kernel reported a non-finite output."""
+    activation gives a non-finite output row on the folded route as well (as an operand, or
+    as the raw input of any quantization, static included: ``saturated_cast`` makes it a NaN
+    code), so a non-finite input costs no second product (R28 C). Runs only after the kernel
+    reported a non-finite output."""
     bad = ~out.isfinite().all(1)
-    ok = ~a.isnan().any(1) if nan_only else a.isfinite().all(1)
+    ok = a.isfinite().all(1)
     if a_scale is not None:
         if a_scale.numel() == 1:
             ok = ok & bool(a_scale.isfinite().all())

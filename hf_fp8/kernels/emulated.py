@@ -276,23 +276,22 @@ def emulated_linear(
         # traced: a data-dependent branch without a graph break (R28 B); the folded product
         # runs only where the predicate holds
         return torch.cond(
-            _redo_helps(out, x, input_scale is not None),
+            _redo_helps(out, x),
             lambda o: folded(),
             lambda o: o.clone(),
             (out,),
         )
-    if not bool(out.isfinite().all()) and bool(_redo_helps(out, x, input_scale is not None)):
+    if not bool(out.isfinite().all()) and bool(_redo_helps(out, x)):
         out = folded()
     return out
 
 
-def _redo_helps(out: torch.Tensor, x: torch.Tensor, static: bool) -> torch.Tensor:
-    """Some non-finite output row has a finite input row (NaN only for static scales, which
-    saturate +-inf): otherwise the folded redo gives the same +-inf / NaN (R28 C). A bool
-    tensor (``torch.cond``'s predicate under compile)."""
+def _redo_helps(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Some non-finite output row has a finite input row: otherwise the folded redo gives the
+    same +-inf / NaN (R28 C; a NaN / inf activation is a NaN code for every scheme, static
+    included: ``saturated_cast``). A bool tensor (``torch.cond``'s predicate under compile)."""
     bad = ~out.isfinite().all(1)
-    ok = ~x.isnan().any(1) if static else x.isfinite().all(1)
-    return (bad & ok).any()
+    return (bad & x.isfinite().all(1)).any()
 
 
 def _mm(

@@ -189,8 +189,7 @@ def _functorch_forward(
     if not post:
         return run(False)
     out = run(True)
-    finite_in = ~x.isnan().any(-1) if plan.static else x.isfinite().all(-1)
-    redo = ~out.isfinite().all(-1) & finite_in  # as emulated._redo_helps
+    redo = ~out.isfinite().all(-1) & x.isfinite().all(-1)  # as emulated._redo_helps
     return torch.where(redo.unsqueeze(-1), run(False), out)
 
 
