@@ -699,7 +699,9 @@ class Fp8HfQuantizer(HfQuantizer):
             return None
         if not dtype.is_floating_point or is_fp8(dtype):
             return None
-        return skip_list_hint(key, self.checkpoint_root, self.modules_to_not_convert)
+        return skip_list_hint(
+            key, self.checkpoint_root, self.modules_to_not_convert, self.checkpoint_files
+        )
 
     def get_quantize_ops(self) -> Fp8QuantizeOp:
         return Fp8QuantizeOp(self)

@@ -47,16 +47,46 @@ def file_tensor_names(files: Sequence[str]) -> set[str] | None:
     return names if files else None
 
 
-def skip_list_hint(key: str, root: str, skip: Sequence[str] | None) -> str | None:
+def holds_no_fp8(files: Sequence[str]) -> bool:
+    """The checkpoint ``files`` (``.safetensors``) store no fp8 tensor and no weight scale:
+    all-float weights. ``False`` when a file cannot be read."""
+    if not files:
+        return False
+    for file in files:
+        dtypes = tensor_dtypes(file) if str(file).endswith(".safetensors") else None
+        if dtypes is None:
+            return False
+        if any(str(d).startswith("F8_") for d in dtypes.values()):
+            return False
+        if any(n.endswith(("weight_scale", "weight_scale_inv")) for n in dtypes):
+            return False
+    return True
+
+
+def skip_list_hint(
+    key: str, root: str, skip: Sequence[str] | None, files: Sequence[str] = ()
+) -> str | None:
     """For a high-precision ``<module>.weight`` found where FP8 codes were expected: the
     message naming the missing ``modules_to_not_convert`` entry when the checkpoint stores no
-    ``<module>.weight_scale`` (the layer was kept in high precision), else ``None``."""
+    ``<module>.weight_scale`` (the layer was kept in high precision), else ``None``. When the
+    checkpoint ``files`` hold no FP8 tensor at all, the config's quantization_config is wrong,
+    not its skip list: the message says to remove it (R39 F6)."""
     module = key.rpartition(".")[0]
+    config = os.path.join(root, "config.json") if root else "its config.json"
+    if module and holds_no_fp8(files):
+        return (
+            f"{key}: stored in high precision, and the checkpoint stores no FP8 tensor at all "
+            "(no fp8 weight, no weight_scale): its weights are high precision, but "
+            f"{config} has an hf_fp8 quantization_config, which says they are FP8. Remove "
+            f'"quantization_config" from {config} to load the high-precision model; to '
+            "quantize it, remove it and load with from_pretrained(..., "
+            "quantization_config=Fp8Config(...)) (a config passed while config.json has one "
+            "is not used)"
+        )
     names = stored_names(root)
     if not module or names is None or f"{module}.weight_scale" in names:
         return None
     leaf = module.rpartition(".")[2]
-    config = os.path.join(root, "config.json")
     return (
         f"{key}: stored in high precision, with no {module}.weight_scale: the checkpoint kept "
         f"{module} unquantized, but quantization_config.modules_to_not_convert "
