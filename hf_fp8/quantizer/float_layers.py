@@ -49,13 +49,15 @@ def stored_shapes(files: Sequence[str]) -> dict[str, tuple[int, ...]] | None:
 
 
 def loaded_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]] | None) -> dict | None:
-    """``shapes`` under the names the loader gives the tensors in ``model``."""
+    """``shapes`` under the names the loader gives the tensors in ``model`` (``None`` for a
+    tensor a converter makes: its shape is known after loading only)."""
     if shapes is None:
         return None
     names = loaded_name_map(model, shapes)
     if names is None:
         return None
-    return {names[k]: shape for k, shape in shapes.items()}
+    # a tensor a WeightConverter merges or splits has another shape on disk: None (unknown)
+    return {names[k][0]: None if names[k][1] else shape for k, shape in shapes.items()}
 
 
 def layers_to_initialise(
@@ -81,7 +83,10 @@ def layers_to_initialise(
             tensors["bias"] = tuple(module.bias.shape)
 
         def as_model(name: str, tensors: dict = tensors) -> bool:
-            return all(stored.get(f"{name}.{t}") == shape for t, shape in tensors.items())
+            return all(
+                f"{name}.{t}" in stored and stored[f"{name}.{t}"] in (None, shape)
+                for t, shape in tensors.items()
+            )
 
         if not any(as_model(name) for name, _ in group):
             found += [name for name, _ in group]

@@ -23,9 +23,10 @@ from hf_fp8.modules import convertible_modules
 from hf_fp8.modules.selection import task_heads
 
 
-def loaded_name_map(model: nn.Module, names: Iterable[str]) -> dict[str, str] | None:
-    """``{checkpoint tensor name: the name the loader gives it in model}`` (as
-    :func:`loaded_names`); ``None`` when transformers' renaming is not available."""
+def loaded_name_map(model: nn.Module, names: Iterable[str]) -> dict[str, tuple[str, bool]] | None:
+    """``{checkpoint tensor name: (the name the loader gives it in model, whether a
+    WeightConverter makes it: merged / split, another shape)}`` (as :func:`loaded_names`);
+    ``None`` when transformers' renaming is not available."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -39,7 +40,11 @@ def loaded_name_map(model: nn.Module, names: Iterable[str]) -> dict[str, str] | 
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
         meta = dict.fromkeys(model.state_dict(), True)  # only membership is asked
-        return {k: rename_source_key(k, renamings, converters, prefix, meta)[0] for k in names}
+        out = {}
+        for k in names:
+            renamed, converter = rename_source_key(k, renamings, converters, prefix, meta)
+            out[k] = (renamed, converter is not None)
+        return out
     except Exception:  # another transformers
         return None
 
