@@ -761,6 +761,17 @@ class Fp8HfQuantizer(HfQuantizer):
             if module.bias is not None:  # never an fp8 compute dtype
                 self._check_bias(f"{name}.bias", module.bias.dtype)
                 module.compute_dtype = module.bias.dtype
+        if missing and not self.pre_quantized:  # on the fly: the files' shapes were not read
+            shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+            raise ValueError(
+                f"the high-precision checkpoint lacks {len(missing)} tensor(s) the model needs: "
+                f"{shown}. transformers initialises such layers in a float model; hf_fp8 does "
+                "too (then quantizes them) when it can read the checkpoint's tensor names and "
+                "shapes, which it reads from .safetensors files only. Save the checkpoint as "
+                "safetensors (save_pretrained), list these modules in "
+                "Fp8Config(modules_to_not_convert=[...]) to keep them in high precision, or load "
+                "without quantization_config and call hf_fp8.quantize_model on the model"
+            )
         if missing:
             shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
             raise ValueError(

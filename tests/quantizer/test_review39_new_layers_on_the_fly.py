@@ -157,3 +157,28 @@ def test_encoder_checkpoint_as_decoder_quantizes_the_new_cross_attention(tmp_pat
         out = model(IDS, encoder_hidden_states=hidden).last_hidden_state
         out_ref = ref(IDS, encoder_hidden_states=hidden).last_hidden_state
     assert torch.equal(out, out_ref)
+
+
+def test_bin_checkpoint_lacking_a_layer_names_the_ways_out(tmp_path):
+    # a .bin checkpoint: its shapes are not read, so the new pooler cannot be initialised first
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    model = BertForMaskedLM(config)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    assert isinstance(AutoModel.from_pretrained(tmp_path).pooler.dense, torch.nn.Linear)
+    with pytest.raises(ValueError, match=r"high-precision checkpoint lacks.*pooler\.dense") as err:
+        _fp8(AutoModel, tmp_path, "dynamic", seed=0)
+    assert "safetensors" in str(err.value) and "modules_to_not_convert" in str(err.value)
+    # the second way out it names: keep the new layer in high precision
+    kept = AutoModel.from_pretrained(
+        tmp_path, quantization_config=Fp8Config("dynamic", modules_to_not_convert=["pooler"])
+    )
+    assert type(kept.pooler.dense) is torch.nn.Linear
