@@ -119,7 +119,9 @@ def _choose_gemm(plan: LinearPlan, x: torch.Tensor, w_fp8: torch.Tensor) -> bool
     if reason is not None and plan.kernel == _SCALED_MM:
         raise RuntimeError(
             f"kernel='scaled_mm' cannot run here: {reason}. Use kernel='auto' (or "
-            "'emulated') to run the FP8 emulation instead."
+            "'emulated') to run the FP8 emulation instead: from_pretrained(..., "
+            "quantization_config=Fp8Config(kernel='auto')) for a loaded model, "
+            "Fp8Config(..., kernel='auto') when quantizing, or layer.kernel = 'auto'."
         )
     return reason is None
 
