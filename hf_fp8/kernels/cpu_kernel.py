@@ -426,12 +426,15 @@ def _gemv_impl(
         torch.get_num_threads(),
     )  # fmt: skip
     _check(rc in (0, 1), lambda: f"fp8_gemv failed with code {rc}")
-    if rc == 1 and redo_helps(out, a, a_scale if a_gran else None):
-        # an output is +-inf / NaN, from a finite activation row: maybe an overflow of the
-        # unscaled-code sums
-        return _folded_fp32(a, w, w_scale, a_scale if a_gran else None, bias, w_gran, bn, bk,
+    # an output is +-inf / NaN: where its activation row is finite, maybe an overflow of the
+    # unscaled-code sums; only those rows take the folded product
+    rows = redo_rows(out, a, a_scale if a_gran else None) if rc == 1 else None
+    out = out if out.dtype == out_dtype else out.to(out_dtype)
+    if rows is not None and bool(rows.any()):
+        redo = _folded_fp32(a, w, w_scale, a_scale if a_gran else None, bias, w_gran, bn, bk,
                             out_dtype, path)  # fmt: skip
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+        out[rows] = redo[rows]
+    return out
 
 
 def _folded_fp32(
@@ -455,7 +458,8 @@ def _folded_fp32(
     (R24 F1 / F2). The kernel reports any non-finite output (one compare per output, free on
     the normal path), and only then is the call redone here; where the inputs themselves are
     not finite the redo would give the same +-inf / NaN (measured 3.4-5.4x the GEMV's cost at
-    one token, 4096 x 4096, R28 C), so it runs only where :func:`redo_helps`."""
+    one token, 4096 x 4096, R28 C), so it runs only where :func:`redo_rows` finds a row, and
+    only those rows are kept from it: the other tokens keep their bits (R38 F1)."""
     a32 = a.float()
     if a_scale is not None:  # [1] (per tensor) or [m] (per token)
         a32 = a32 * a_scale.reshape(-1, 1)
@@ -463,22 +467,29 @@ def _folded_fp32(
     return out.to(out_dtype)
 
 
-def redo_helps(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor | None) -> bool:
-    """Whether redoing a product whose output ``out`` ``[M, N]`` is not finite everywhere
-    could change it: some row of ``out`` is not finite while its activation row of ``a``
-    ``[M, K]`` (and its scale: ``a_scale`` with 1, M or M x blocks values) is. A NaN / inf
-    activation gives a non-finite output row on the folded route as well (as an operand, or
-    as the raw input of any quantization, static included: ``saturated_cast`` makes it a NaN
-    code), so a non-finite input costs no second product (R28 C). Runs only after the kernel
-    reported a non-finite output."""
+def redo_rows(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
+    """The rows (bool ``[M]``) of a product whose redo with folded scales could change them:
+    the row of ``out`` ``[M, N]`` is not finite while its activation row of ``a`` ``[M, K]``
+    (and its scale: ``a_scale`` with 1, M or M x blocks values) is. A NaN / inf activation
+    gives a non-finite output row on the folded route as well (as an operand, or as the raw
+    input of any quantization, static included: ``saturated_cast`` makes it a NaN code), so
+    a non-finite input costs no second product (R28 C). Only these rows are replaced by the
+    redo: every other token keeps the bits it has in a batch without the bad one (R38 F1;
+    per-token scales promise that independence). Runs only after the kernel reported a
+    non-finite output."""
     bad = ~out.isfinite().all(1)
     ok = a.isfinite().all(1)
     if a_scale is not None:
         if a_scale.numel() == 1:
-            ok = ok & bool(a_scale.isfinite().all())
+            ok = ok & a_scale.isfinite().all()
         else:
             ok = ok & a_scale.reshape(a.shape[0], -1).isfinite().all(1)
-    return bool((bad & ok).any())
+    return bad & ok
+
+
+def redo_helps(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor | None) -> bool:
+    """Whether :func:`redo_rows` finds any row."""
+    return bool(redo_rows(out, a, a_scale).any())
 
 
 def _fold_activation(a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
@@ -646,11 +657,15 @@ def _fp8_mm_impl(
         _ptr(ws), 0 if ws is None else ws.numel(), _ptr(b), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     _check(rc in (0, 1), lambda: f"fp8_epilogue failed with code {rc}")
-    if rc == 1 and (ws is not None or a_scale is not None) and redo_helps(out, a, a_scale):
+    if rc == 1 and (ws is not None or a_scale is not None):
         # an output is +-inf / NaN and the product multiplied unscaled codes (up to 448):
-        # redo it with the scales folded into the bf16 operands (see _folded_fp32)
-        a_f = _fold_activation(a, a_scale)
-        return _fp8_mm_impl(a_f, w, w_scale, None, bias, w_gran, bn, bk, False, path)
+        # the rows of finite activations take the product with the scales folded into the
+        # bf16 operands (see _folded_fp32); the others keep their bits
+        rows = redo_rows(out, a, a_scale)
+        if bool(rows.any()):
+            a_f = _fold_activation(a, a_scale)
+            redo = _fp8_mm_impl(a_f, w, w_scale, None, bias, w_gran, bn, bk, False, path)
+            out[rows] = redo[rows]
     return out
 
 
@@ -767,19 +782,25 @@ def fused_mm(
         rc in (0, 1),
         lambda: f"fp8_mm_bf16 failed with code {rc} (-4: out of memory for its scratch)",
     )
-    # Always redone here (no redo_helps): with the activation quantized in the kernel, the
-    # redo's quantize-then-multiply is what the two-step path computes bit for bit
-    # (test_cpu_kernel_fused_mm), and a row's finiteness before quantization does not say
-    # whether its codes and scale are finite.
     if rc == 1 and (w_post or a_scale is not None or quantize is not None):
-        # an output is +-inf / NaN and the product multiplied unscaled codes (up to 448):
-        # redo it with the scales folded into the bf16 operands (see _folded_fp32)
-        if quantize is not None:
-            gran = "tensor" if a_scale is not None else quantize_gran
-            a, _ = quantize_activation(a, a_scale, quantize, gran, bk, torch.bfloat16, False, path)
-        else:
-            a = _fold_activation(a, a_scale)
-        return fused_mm(a, w, w_scale, None, bias, w_gran, bn, bk, False, path, out=out)
+        # an output is +-inf / NaN and the product multiplied unscaled codes (up to 448): the
+        # rows of finite activations take the product with the scales folded into the bf16
+        # operands (see _folded_fp32), the other tokens keep their bits (R38 F1). With
+        # in-kernel quantization ``a`` is the raw input: a finite row has finite codes (they
+        # saturate) and a finite scale (the amax skips NaN / inf, a static scale is checked),
+        # a NaN / inf one a NaN code, so its row is NaN on both routes. The redo quantizes the
+        # whole batch (a per-tensor scale is the batch's), as the two-step path does.
+        rows = redo_rows(out, a, a_scale)
+        if bool(rows.any()):
+            if quantize is not None:
+                gran = "tensor" if a_scale is not None else quantize_gran
+                a_f, _ = quantize_activation(
+                    a, a_scale, quantize, gran, bk, torch.bfloat16, False, path
+                )
+            else:
+                a_f = _fold_activation(a, a_scale)
+            redo = fused_mm(a_f, w, w_scale, None, bias, w_gran, bn, bk, False, path)
+            out[rows] = redo[rows]
     return out
 
 

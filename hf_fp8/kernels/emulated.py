@@ -263,8 +263,8 @@ def emulated_linear(
         out = _mm(x, w_fp8, w_scale, bias, input_scale, weight_granularity, block_size,
                   act_dtype, a_gran, post)  # fmt: skip
     # unscaled codes (up to 448) times activations near FLT_MAX / 448 overflow where the
-    # dequantized product is finite (R24 F2): then the call is redone with folded scales (CPU
-    # only: the check would synchronize a GPU)
+    # dequantized product is finite (R24 F2): then the call is redone with folded scales and
+    # its rows of finite inputs are kept (CPU only: the check would synchronize a GPU)
     if not post or x.device.type != "cpu":
         return out
 
@@ -275,23 +275,27 @@ def emulated_linear(
     if torch.compiler.is_compiling():
         # traced: a data-dependent branch without a graph break (R28 B); the folded product
         # runs only where the predicate holds
+        rows = _redo_rows(out, x)
         return torch.cond(
-            _redo_helps(out, x),
-            lambda o: folded(),
-            lambda o: o.clone(),
-            (out,),
+            rows.any(),
+            lambda o, r: torch.where(r.unsqueeze(1), folded(), o),
+            lambda o, r: o.clone(),
+            (out, rows),
         )
-    if not bool(out.isfinite().all()) and bool(_redo_helps(out, x)):
-        out = folded()
+    if not bool(out.isfinite().all()):
+        rows = _redo_rows(out, x)
+        if bool(rows.any()):
+            out = torch.where(rows.unsqueeze(1), folded(), out)
     return out
 
 
-def _redo_helps(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Some non-finite output row has a finite input row: otherwise the folded redo gives the
-    same +-inf / NaN (R28 C; a NaN / inf activation is a NaN code for every scheme, static
-    included: ``saturated_cast``). A bool tensor (``torch.cond``'s predicate under compile)."""
-    bad = ~out.isfinite().all(1)
-    return (bad & x.isfinite().all(1)).any()
+def _redo_rows(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The rows (bool ``[M]``) that take the folded product: a non-finite output row from a
+    finite input row. A non-finite input row gives the same +-inf / NaN on the folded route
+    (R28 C; a NaN / inf activation is a NaN code for every scheme, static included:
+    ``saturated_cast``), and the other rows keep their post-scaled bits, those of a batch
+    without the bad token (R38 F1)."""
+    return ~out.isfinite().all(1) & x.isfinite().all(1)
 
 
 def _mm(

@@ -191,7 +191,7 @@ def _functorch_forward(
     if not post:
         return run(False)
     out = run(True)
-    redo = ~out.isfinite().all(-1) & x.isfinite().all(-1)  # as emulated._redo_helps
+    redo = ~out.isfinite().all(-1) & x.isfinite().all(-1)  # as emulated._redo_rows
     return torch.where(redo.unsqueeze(-1), run(False), out)
 
 

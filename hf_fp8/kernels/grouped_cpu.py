@@ -207,14 +207,18 @@ def _redo_if_overflow(
     """After a post-scaled product (unscaled codes, up to 448, times the activation):
     activations near ``FLT_MAX / 448`` overflow its fp32 sums where the dequantized product
     is finite (R28 A, as R24 F2 for the dense routes). Where some output is not finite and
-    its activation row is (``cpu_kernel.redo_helps``), the expert is multiplied again with
-    every scale folded into the bf16 operands (the emulation's folded route)."""
+    its activation row is (``cpu_kernel.redo_rows``), the expert is multiplied again with
+    every scale folded into the bf16 operands (the emulation's folded route), and those rows
+    only are taken from it: the expert's other tokens keep their bits (R38 F1)."""
     if not (w_post or a_post) or bool(out.isfinite().all()):
         return
-    if not cpu_kernel.redo_helps(out, a, a_scale if a_post else None):
+    rows = cpu_kernel.redo_rows(out, a, a_scale if a_post else None)
+    if not bool(rows.any()):
         return  # the non-finite outputs come from non-finite inputs: the redo gives them too
     a_f = cpu_kernel._fold_activation(a, a_scale if a_post else None)
-    _multiply(a_f, None, codes, w_scale, bias, out, plan, False, False, buffer, path)
+    redo = torch.empty_like(out)
+    _multiply(a_f, None, codes, w_scale, bias, redo, plan, False, False, buffer, path)
+    out[rows] = redo[rows]
 
 
 def _tile_rows(n: int, k: int) -> int:
