@@ -9,6 +9,11 @@ device tensor (no host sync; saturation is a property of the data, a sample show
 layer names it. Under ``torch.compile`` nothing is counted (no graph break, no extra work).
 Set ``SaturationCounter.check_every = 0`` to switch it off.
 
+Only finite values count as clipped (R38 F6): a NaN / inf activation becomes a NaN code at
+any scale (its token's output is NaN), so it says nothing about the scale. Such inputs are
+counted apart, and the first check that finds any warns once per layer with its own advice
+(find where the model produces them; calibrating again does not help).
+
 The counts belong to one input scale: a new scale (``set_input_scale``, ``calibrate``, a
 ``load_state_dict`` copying into it) starts the count again, warning included (R27 F5).
 
@@ -41,15 +46,17 @@ class SaturationCounter:
         self.calls = 0  # sampled forwards
         self.elements = 0
         self.clipped: torch.Tensor | None = None  # int64 on the activations' device
+        self.nonfinite: torch.Tensor | None = None  # NaN / inf inputs, int64 as ``clipped``
         self.warned = False
+        self.warned_nonfinite = False
         self._scale: torch.Tensor | None = None  # the scale the counts were taken under
         self._scale_version = -1
 
     def reset(self) -> None:
         """Forget the counts (and the warning): the input scale changed."""
         self.forwards = self.calls = self.elements = 0
-        self.clipped = None
-        self.warned = False
+        self.clipped = self.nonfinite = None
+        self.warned = self.warned_nonfinite = False
 
     def _follow(self, input_scale: torch.Tensor) -> None:
         """Reset when ``input_scale`` is another tensor, or was changed in place, since the
@@ -64,17 +71,21 @@ class SaturationCounter:
         if not self.check_every or x.numel() == 0 or functorch_active():
             return
         self._follow(input_scale)
-        if self.warned:
+        if self.warned and self.warned_nonfinite:
             return
         self.forwards += 1
         if (self.forwards - 1) % self.sample_every:
             return
         limit = input_scale.detach().float() * fp8_max
-        clipped = (x.detach().float().abs() > limit).sum()
+        mag = x.detach().float().abs()
+        finite = mag.isfinite()
+        clipped = (finite & (mag > limit)).sum()  # NaN / inf: not the scale's doing
+        nonfinite = finite.numel() - finite.sum()
         if self.clipped is None or self.clipped.device != clipped.device:
-            self.clipped = clipped
+            self.clipped, self.nonfinite = clipped, nonfinite
         else:  # out of place: the count may be an inference tensor, this call outside it
             self.clipped = self.clipped + clipped
+            self.nonfinite = self.nonfinite + nonfinite
         self.elements += x.numel()
         self.calls += 1
         if self.calls % self.check_every == 0:
@@ -86,7 +97,28 @@ class SaturationCounter:
             return 0.0
         return int(self.clipped) / self.elements
 
+    def nonfinite_count(self) -> int:
+        """NaN / inf activations seen (one host sync); not counted as clipped."""
+        return 0 if self.nonfinite is None else int(self.nonfinite)
+
     def check(self, name: str, scale: float) -> None:
+        if not self.warned_nonfinite:
+            bad = self.nonfinite_count()
+            if bad:
+                self.warned_nonfinite = True
+                warnings.warn(
+                    f"hf_fp8: static FP8 layer {name or '(unnamed)'}: {bad} of {self.elements} "
+                    f"activations over {self.calls} sampled calls were non-finite (NaN or inf), "
+                    "and their tokens' outputs are NaN at any "
+                    "input_scale, so calibrating again does not help. Find where the model "
+                    "produces them: a layer before this one overflowing its dtype (float16: run "
+                    "in bfloat16), a NaN in the inputs or an attention mask, or a corrupted "
+                    "weight",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        if self.warned:
+            return
         fraction = self.fraction()
         if fraction > self.warn_fraction:
             self.warned = True
