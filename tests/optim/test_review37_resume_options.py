@@ -86,8 +86,23 @@ def test_an_explicit_option_in_a_param_group_counts_too():
         warnings.simplefilter("always")
         opt.load_state_dict(saver.state_dict())
     messages = [str(w.message) for w in caught if "seed" in str(w.message)]
-    assert len(messages) == 1 and "param group 0 has seed=0 (you set 3)" in messages[0]
+    assert len(messages) == 1 and "seed=0 (you set 3) in param group 0." in messages[0]
     assert "param group 1" not in messages[0]
+
+
+@NEEDS_DIFF
+def test_the_warning_survives_accelerates_own_round_trip():
+    """accelerate's AcceleratedOptimizer loads the optimizer's own state_dict() (device
+    placement) before the Trainer loads optimizer.pt: that first load changes nothing the user
+    set and must not make the real one silent."""
+    opt = AdamWFp8(_params(), lr=1e-3, min_quantize_numel=4096)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(opt.state_dict())  # accelerate's round trip
+    assert not [w for w in caught if "min_quantize_numel" in str(w.message)]
+    with pytest.warns(RuntimeWarning, match=r"min_quantize_numel=100000 \(you set 4096\)"):
+        opt.load_state_dict(_saved(min_quantize_numel=100000))
+    assert opt.param_groups[0]["min_quantize_numel"] == 100000  # the checkpoint's, as torch
 
 
 @NEEDS_DIFF
@@ -135,3 +150,26 @@ def test_defaults_stay_plain_values():
     buffer.seek(0)
     torch.load(buffer, weights_only=True)
     pickle.loads(pickle.dumps(opt))
+
+
+def test_the_route_the_warning_names_stores_the_moments_by_the_new_option():
+    """min_quantize_numel=100000 kept the [64, 128] weight's moments in fp32; its
+    torch_state_dict() loaded into an optimizer with min_quantize_numel=4096 stores them in
+    8 bits, decoding to the saved fp32 moments within the codes' resolution."""
+    params = _params()
+    saver = AdamWFp8(params, lr=1e-3, min_quantize_numel=100000)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    saver.step()
+    assert saver.state[params[0]]["exp_avg"].dtype == torch.float32  # fp32: 8 B/param
+    fp32 = saver.torch_state_dict()
+    opt = AdamWFp8(params, lr=1e-3, min_quantize_numel=4096)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        opt.load_state_dict(fp32)
+    assert opt.state[params[0]]["exp_avg_fp8"].dtype == torch.float8_e4m3fn
+    m, v = opt.moments(params[0])
+    ref_m, ref_v = fp32["state"][0]["exp_avg"], fp32["state"][0]["exp_avg_sq"]
+    assert torch.allclose(m, ref_m, rtol=0.15, atol=0.15 * ref_m.abs().max().item())
+    assert torch.allclose(v, ref_v, rtol=0.15, atol=0.15 * ref_v.abs().max().item())
+    assert opt.param_groups[0]["min_quantize_numel"] == 4096  # torch_state_dict has no own options
