@@ -106,6 +106,20 @@ def weight_scale_shape(
     return (math.ceil(out_features / block_size[0]), math.ceil(in_features / block_size[1]))
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_AUTOCAST_INPUTS = (torch.float32, torch.float16, torch.bfloat16)  # as autocast's casts
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """``None`` where CPU / CUDA ``torch.autocast`` is off for ``x``; else the dtype it runs
+    ``nn.Linear`` in: the autocast dtype, or ``x.dtype`` for an input it leaves alone
+    (float64, an fp8 input refused later)."""
+    device = x.device.type
+    if device not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device) if x.dtype in _AUTOCAST_INPUTS else x.dtype
+
+
 class Fp8Linear(RecipeWords, nn.Linear):
     """Linear layer with an FP8 weight: ``y = x @ (weight.float() * weight_scale).T + bias``.
 
@@ -318,6 +332,16 @@ class Fp8Linear(RecipeWords, nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = _autocast_dtype(input)
+        if dtype is not None:
+            # nn.Linear under torch.autocast runs (and returns) the autocast dtype: so does
+            # this layer (R38 F2), with autocast off inside, so that its own fp32 matmuls
+            # (the overflow redo, fp32 products of bf16 operands) stay fp32
+            with torch.autocast(input.device.type, enabled=False):
+                return self._forward(input.to(dtype))
+        return self._forward(input)
+
+    def _forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype in _FP8_DTYPES:
             name = self.__dict__.get("fp8_name")
             raise TypeError(
