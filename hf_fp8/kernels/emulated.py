@@ -5,11 +5,17 @@ The path for CPUs and for GPUs without FP8 tensor cores. It never calls the CPU
 times slower than a bf16 matmul) and gives ``_scaled_mm``'s numbers on the same quantized
 operands: every fp8 value is exact in bf16, fp16 and fp32, products are accumulated in
 fp32, and tensor / row scales are applied to the fp32 accumulator rather than folded into
-the operands (``(a_fp8 @ w_fp8.T) * a_scale * w_scale``) in bf16, as ``_scaled_mm`` does;
-only the rounding of the result to the compute dtype is added. The scales are folded into
-the operands before the matmul for block scales (they vary along K), for fp32 compute
-(exact enough, and bit-equal to the CPU ``_scaled_mm``) and for fp16 compute (unscaled
-fp8 products, up to 448² · K, overflow fp16).
+the operands (``(a_fp8 @ w_fp8.T) * a_scale * w_scale``) in bf16, as ``_scaled_mm`` does.
+What is added is rounding to the compute dtype. The GEMV (few tokens, here and in the C
+kernels) scales the fp32 sum, adds the bias and rounds once. Above it a bf16 matmul (torch's,
+or the C kernels' fused GEMM) rounds the unscaled fp32 sum to bf16 first, and the epilogue
+rounds again after the scales and bias: ``bf16(bf16(acc) * scale + bias)``, as torch's bf16
+``F.linear`` followed by a scale would; up to about one bf16 ulp from the correctly rounded
+result, so one token's bf16 output may differ by that between batch sizes (one side of the
+GEMV limit or the other). The scales are folded into the operands before the matmul for
+block scales (they vary along K), for fp32 compute (exact enough, and bit-equal to the CPU
+``_scaled_mm``) and for fp16 compute (unscaled fp8 products, up to 448² · K, overflow
+fp16); the matmul's result is then rounded to the compute dtype as a plain one is.
 
 Shapes: ``x`` is ``[..., K]`` (``M`` tokens), ``w_fp8`` ``[N, K]``. Up to
 ``GEMV_MAX_TOKENS`` tokens on CPU, a fused decode-and-reduce (GEMV) reads and decodes each
