@@ -36,9 +36,21 @@ from hf_fp8.optim._layout import (
 )
 
 FP32_KEYS = ("exp_avg", "exp_avg_sq")
+# Resuming without the optimizer state: the fix every refused state ends with (R37 finding 5).
+RESTART_FIX = (
+    "resume without the optimizer state to restart the moments: with transformers' Trainer, "
+    "move optimizer.pt out of the checkpoint folder (the Trainer then loads neither "
+    "optimizer.pt nor scheduler.pt, so the learning-rate schedule restarts too; under FSDP the "
+    "optimizer files are optimizer.bin or optimizer_*/)"
+)
 FIX = (
     "Load a state saved by an optimizer over the same model, or drop this parameter's entry "
-    "from state_dict['state'] to restart its moments"
+    f"from state_dict['state'] to restart its moments, or {RESTART_FIX}"
+)
+# The saved param group names the format; codes of another format are no state it wrote.
+DISAGREE = (
+    "the state and its param group do not belong together (a damaged or hand-edited state; "
+    "a state loaded with another group's format options)"
 )
 
 
@@ -205,8 +217,8 @@ def _check_log(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], pi
         raise _fail(
             pid,
             None,
-            "it holds fp8 moment codes (moment_format='fp8'), this optimizer uses "
-            "moment_format='log'; create the optimizer with moment_format='fp8'",
+            "it holds fp8 moment codes (the layout of moment_format='fp8'), but its param group "
+            f"says moment_format={group['moment_format']!r} (int8 / uint8 codes): {DISAGREE}",
         )
     if extra:
         raise _fail(pid, None, f"unexpected entries {sorted(extra)} beside the moment codes")
@@ -249,23 +261,31 @@ def _check_quantized(
     if resolved_format(group) == "log":
         _check_log(state, p, group, pid)
         return
-    codes = state.get("exp_avg_fp8")
-    if isinstance(codes, torch.Tensor) and codes.dtype in (torch.int8, torch.uint8):
+    want = fp8_dtype(group["fp8_format"])
+    group_says = (
+        f"its param group says moment_format={group['moment_format']!r}, "
+        f"fp8_format={group['fp8_format']!r}, "
+        f"dynamic_range_expansion={group['dynamic_range_expansion']!r}"
+    )
+    codes, sq_codes = state.get("exp_avg_fp8"), state.get("exp_avg_sq_fp8")
+    if all(isinstance(t, torch.Tensor) for t in (codes, sq_codes)) and (
+        (codes.dtype, sq_codes.dtype, "exp_avg_exponent" in state)
+        == (torch.int8, torch.uint8, False)
+    ):  # the whole layout of moment_format='log'
         raise _fail(
             pid,
             None,
-            "it holds integer moment codes (moment_format='log'), this optimizer uses "
-            "moment_format='fp8'; create the optimizer with moment_format='log'",
+            "it holds the integer codes of moment_format='log' (int8 exp_avg_fp8, uint8 "
+            f"exp_avg_sq_fp8), but {group_says} ({want} codes): {DISAGREE}",
         )
-    want = fp8_dtype(group["fp8_format"])
     expand = bool(group["dynamic_range_expansion"])
     has_exp = "exp_avg_exponent" in state or "exp_avg_sq_exponent" in state
     if has_exp != expand:
         raise _fail(
             pid,
             None,
-            f"it was saved with dynamic_range_expansion={has_exp}; create the optimizer "
-            f"with dynamic_range_expansion={has_exp}",
+            f"it {'has' if has_exp else 'lacks'} the exponents of dynamic_range_expansion="
+            f"True, but {group_says}: {DISAGREE}",
         )
     extra = set(state) - set(QUANT_KEYS) - {"step"}
     if extra:
@@ -288,6 +308,12 @@ def _check_quantized(
                     key,
                     f"holds {t.dtype} moments, the optimizer expects "
                     f"fp8_format={group['fp8_format']!r} ({want})",
+                )
+            if isinstance(t, torch.Tensor) and t.dtype != want and t.dtype not in fp8s:
+                raise _fail(
+                    pid,
+                    key,
+                    f"has dtype {t.dtype}, but {group_says} ({want} codes): {DISAGREE}",
                 )
             _check(t, pid, key, (rows, gc * gs), (want,))
             _check_codes(t, pid, key, second_moment=key == "exp_avg_sq_fp8")
@@ -385,6 +411,11 @@ def validated_state(
     extra = set(saved) - set(FP32_KEYS) - {"step"}
     if extra:
         hint = " (amsgrad is not supported)" if "max_exp_avg_sq" in extra else ""
+        if not any(k in saved for k in FP32_KEYS):
+            hint += (
+                ": no exp_avg / exp_avg_sq, the state looks like another optimizer's (not "
+                "AdamW's or AdamWFp8's); resume it with the optimizer that saved it"
+            )
         raise _fail(pid, None, f"unexpected entries {sorted(extra)}{hint}")
     floats = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
     for key in FP32_KEYS:

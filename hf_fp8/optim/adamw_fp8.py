@@ -32,6 +32,7 @@ element): resuming and FSDP2 sharding draw the same bits. Measured update-direct
 from __future__ import annotations
 
 import contextlib
+import numbers
 import signal
 import threading
 import warnings
@@ -58,7 +59,12 @@ from hf_fp8.optim._layout import (
     resolved_format,
     row_offset,
 )
-from hf_fp8.optim._state_check import OptimizerStateError, validated_state, wants_quantized
+from hf_fp8.optim._state_check import (
+    RESTART_FIX,
+    OptimizerStateError,
+    validated_state,
+    wants_quantized,
+)
 
 IMPLEMENTATIONS = ("auto", "cpu_kernel", "compile", "reference")
 DEFAULT_MIN_QUANTIZE_NUMEL = 4096
@@ -76,11 +82,13 @@ STATE_FORMAT_KEY = "hf_fp8_state_format"
 GROUP_MISMATCH_FIX = (
     "Build the optimizer over the same trainable parameters and parameter groups as the run "
     "that saved this state (the same model, frozen layers, adapter / LoRA targets and "
-    "weight-decay grouping), or resume without the optimizer state to restart the moments: "
-    "with transformers' Trainer, move optimizer.pt out of the checkpoint folder (the Trainer "
-    "then loads neither optimizer.pt nor scheduler.pt, so the learning-rate schedule restarts "
-    "too; under FSDP the optimizer files are optimizer.bin or optimizer_*/)"
+    f"weight-decay grouping), or {RESTART_FIX}"
 )
+# Options a loaded param group replaces silently, as torch.optim replaces lr / betas / eps /
+# weight_decay; AdamWFp8 warns when the user set one of these to another value (R37 finding 2).
+RESUMED_OPTIONS = ("stochastic_rounding", "seed", "min_quantize_numel")
+# Trainer names (hf_fp8.optim.trainer_registry) by dynamic_range_expansion, for the errors.
+TRAINER_NAMES = {True: "adamw_fp8_coat", False: "adamw_fp8"}
 # AdamWFp8's own param-group options (not torch.optim.AdamW's): left out of torch_state_dict().
 OWN_OPTIONS = (
     "dynamic_range_expansion",
@@ -103,6 +111,30 @@ TORCH_ONLY_KEYS = (
     "fused",
     "decoupled_weight_decay",
 )
+
+
+class _DefaultInt(int):
+    """The default of an option, told apart (by identity) from the same value passed."""
+
+
+class _DefaultStr(str):
+    """The default of an option, told apart (by identity) from the same value passed."""
+
+
+_DEFAULTS = {
+    "min_quantize_numel": _DefaultInt(DEFAULT_MIN_QUANTIZE_NUMEL),
+    "stochastic_rounding": _DefaultStr("exp_avg_sq"),
+    "seed": _DefaultInt(0),
+}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a plain ``int`` / ``str`` where it is one of :data:`_DEFAULTS`."""
+    if type(value) is _DefaultInt:
+        return int(value)
+    if type(value) is _DefaultStr:
+        return str(value)
+    return value
 
 
 # torch.compile(optimizer.step): the step runs eagerly (a graph break; its fused C kernel or its
@@ -198,11 +230,11 @@ class AdamWFp8(Optimizer):
         dynamic_range_expansion: bool = True,
         group_size: int = 128,
         fp8_format: str = "e4m3",
-        min_quantize_numel: int = DEFAULT_MIN_QUANTIZE_NUMEL,
-        stochastic_rounding: bool | str = "exp_avg_sq",
+        min_quantize_numel: int = _DEFAULTS["min_quantize_numel"],
+        stochastic_rounding: bool | str = _DEFAULTS["stochastic_rounding"],
         sqrt_second_moment: bool = False,
         moment_format: str = "fp8",
-        seed: int = 0,
+        seed: int = _DEFAULTS["seed"],
         amsgrad: bool = False,
         implementation: str = "auto",
         maximize: bool = False,
@@ -229,6 +261,21 @@ class AdamWFp8(Optimizer):
         self._warned: set[str] = set()
         # id(group) -> (group, the format options its stored moments were written with)
         self._formats: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        # RESUMED_OPTIONS the user passed (not left at their defaults), and per param group
+        # id(group) -> (group, {option: the value the user set}): a loaded state that replaces
+        # one with another value warns
+        passed = {
+            "min_quantize_numel": min_quantize_numel,
+            "stochastic_rounding": stochastic_rounding,
+            "seed": seed,
+        }
+        self._passed = frozenset(k for k, v in passed.items() if v is not _DEFAULTS[k])
+        self._explicit: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        min_quantize_numel, stochastic_rounding, seed = (
+            _plain(min_quantize_numel),
+            _plain(stochastic_rounding),
+            _plain(seed),
+        )
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -272,6 +319,8 @@ class AdamWFp8(Optimizer):
         self.__dict__.setdefault("_compiled", None)
         self.__dict__.setdefault("_warned", set())
         self.__dict__.setdefault("_formats", {})
+        self.__dict__.setdefault("_passed", frozenset())
+        self.__dict__.setdefault("_explicit", {})
         if formats is not None:
             self._formats = {
                 id(g): (g, rec)
@@ -281,6 +330,7 @@ class AdamWFp8(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after validating its hyper-parameters and parameters."""
+        given = set(param_group) if isinstance(param_group, dict) else set()
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -294,6 +344,8 @@ class AdamWFp8(Optimizer):
             self.param_groups.pop()
             raise
         self._record_format(group)
+        explicit = (given & set(RESUMED_OPTIONS)) | self._passed
+        self._explicit[id(group)] = (group, {k: group[k] for k in RESUMED_OPTIONS if k in explicit})
 
     def _record_format(self, group: dict[str, Any]) -> None:
         """Remember the format options ``group``'s moments are (or will be) stored with."""
@@ -702,6 +754,7 @@ class AdamWFp8(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        _check_structure(state_dict)
         groups = self._merged_groups(state_dict["param_groups"])
         params: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
         for saved, group, merged in zip(
@@ -719,7 +772,9 @@ class AdamWFp8(Optimizer):
         for pid, saved_state in state_dict["state"].items():
             if pid not in params:
                 raise OptimizerStateError(
-                    f"optimizer state names parameter {pid!r}, which no parameter group lists"
+                    f"optimizer state names parameter {pid!r}, which no parameter group lists "
+                    f"(they list {list(params)[:8]}{' ...' if len(params) > 8 else ''}). "
+                    f"{_DAMAGED}"
                 )
             p, group = params[pid]
             new_state[p], was_converted = validated_state(saved_state, p, group, pid)
@@ -729,6 +784,9 @@ class AdamWFp8(Optimizer):
                 "converted",
                 f"converted the fp32 moments of {converted} parameter(s) to FP8 states",
             )
+        replaced = self._replaced_options(groups)
+        if replaced:
+            self._warn_once("replaced_options", replaced)
         # Everything is valid: install it. The base class sets the param groups (its hooks
         # are detached: they run here, once, on the real state).
         pre, post = (
@@ -737,6 +795,7 @@ class AdamWFp8(Optimizer):
         )
         self._optimizer_load_state_dict_pre_hooks = type(pre)()
         self._optimizer_load_state_dict_post_hooks = type(post)()
+        old_groups = list(self.param_groups)
         try:
             super().load_state_dict({"state": {}, "param_groups": groups})
         finally:
@@ -746,12 +805,68 @@ class AdamWFp8(Optimizer):
             self.state[p] = st
         for group in self.param_groups:  # the loaded moments are in these groups' formats
             self._record_format(group)
+        # what the user set stays with the new groups (accelerate's AcceleratedOptimizer loads
+        # the optimizer's own state_dict() once before the Trainer loads optimizer.pt)
+        explicit = [self._explicit.get(id(g)) for g in old_groups]
+        self._explicit = {
+            id(g): (g, record[1])
+            for g, old, record in zip(self.param_groups, old_groups, explicit, strict=True)
+            if record is not None and record[0] is old
+        }
         for hook in post.values():
             hook(self)
+
+    def _replaced_options(self, groups: list[dict[str, Any]]) -> str | None:
+        """The warning (once) when a loaded group replaces a :data:`RESUMED_OPTIONS` value the
+        user set (passed to the constructor or in a param group) with another one, or ``None``.
+        The loaded value is kept, as torch.optim keeps a loaded ``lr`` / ``betas`` (R37
+        finding 2)."""
+        replaced: dict[str, list[int]] = {}  # "name=loaded (you set mine)" -> group indices
+        for i, (group, new) in enumerate(zip(self.param_groups, groups, strict=True)):
+            record = self._explicit.get(id(group))
+            if record is None or record[0] is not group:
+                continue
+            for name, mine in record[1].items():
+                if (new[name], type(new[name])) != (mine, type(mine)):
+                    replaced.setdefault(f"{name}={new[name]!r} (you set {mine!r})", []).append(i)
+        if not replaced:
+            return None
+        listed = "; ".join(
+            f"{what} in param group{'s' if len(i) > 1 else ''} {', '.join(map(str, i))}"
+            for what, i in replaced.items()
+        )
+        numel = any(what.startswith("min_quantize_numel=") for what in replaced)
+        return (
+            "the loaded state's options replace yours, as torch.optim's load_state_dict "
+            f"replaces lr and betas: {listed}. To run with yours, set them after "
+            "loading (optimizer.param_groups[i][name] = value; with transformers' Trainer in "
+            "a TrainerCallback's on_train_begin, which runs after the checkpoint is loaded)"
+            + (
+                ". min_quantize_numel decides only when a state is created (8-bit or fp32): to "
+                "store the loaded moments by yours, load the saving optimizer's "
+                "torch_state_dict() instead (fp32 moments, stored on load by this optimizer's "
+                "options)"
+                if numel
+                else ""
+            )
+        )
 
     def _merged_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Saved groups over this optimizer's (a torch AdamW state lacks our options): every
         saved key is kept except :data:`TORCH_ONLY_KEYS`."""
+        if not isinstance(saved_groups, (list, tuple)):
+            raise ValueError(
+                f"the loaded state's param_groups is a {type(saved_groups).__name__}, expected "
+                f"a list of dicts (optimizer.state_dict()['param_groups']). {_DAMAGED}"
+            )
+        for i, saved in enumerate(saved_groups):
+            if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+                what = (
+                    f"has no 'params' list (its keys: {sorted(map(str, saved))})"
+                    if isinstance(saved, dict)
+                    else f"is a {type(saved).__name__}, expected a dict"
+                )
+                raise ValueError(f"loaded param group {i} {what}. {_DAMAGED}")
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"loaded state has {len(saved_groups)} parameter groups, "
@@ -763,7 +878,7 @@ class AdamWFp8(Optimizer):
             if isinstance(version, bool) or not isinstance(version, int) or version < 1:
                 raise ValueError(
                     f"loaded param group {i}: {STATE_FORMAT_KEY} must be an int >= 1, got "
-                    f"{version!r}"
+                    f"{version!r}. {_DAMAGED}"
                 )
             if version > STATE_FORMAT:
                 raise ValueError(
@@ -771,16 +886,29 @@ class AdamWFp8(Optimizer):
                     f"written by a newer hf_fp8 (this one reads format {STATE_FORMAT}): "
                     "upgrade hf_fp8 to resume from it"
                 )
+            if "betas" not in saved:  # every Adam / AdamW / AdamWFp8 group has them
+                keys = sorted(str(k) for k in saved if k != "params")
+                raise ValueError(
+                    f"loaded param group {i} has no 'betas' (its keys: {keys}): the state looks "
+                    "like another optimizer's (SGD, Adafactor, RMSprop, ...), not "
+                    "torch.optim.AdamW's or AdamWFp8's. Resume it with the optimizer that saved "
+                    f"it, or {RESTART_FIX}."
+                )
             if "group_size" in saved:  # an AdamWFp8 state from before an option existed
                 saved = {"sqrt_second_moment": False, "moment_format": "fp8", **saved}
-            difference = format_difference(saved, group)
-            if difference is not None:
-                option, theirs, mine = difference
-                raise ValueError(
-                    f"cannot load an AdamWFp8 state saved with {option}={theirs!r} into param "
-                    f"group {i} configured with {option}={mine!r}; create the optimizer with "
-                    f"{option}={theirs!r}"
-                )
+            # Like torch.optim: every saved key is kept (schedulers' initial_lr, user keys),
+            # options the saved group lacks stay this optimizer's; torch-only flags go.
+            new = {k: v for k, v in group.items() if k != "params"}
+            new.update(
+                {k: v for k, v in saved.items() if k not in (*TORCH_ONLY_KEYS, STATE_FORMAT_KEY)}
+            )
+            try:  # the saved values first: a damaged one is never read as a format to create
+                _validate_group(new)
+            except ValueError as exc:
+                raise ValueError(f"loaded param group {i}: {exc}. {GROUP_MISMATCH_FIX}.") from exc
+            differences = format_differences(saved, group)
+            if differences:
+                raise ValueError(_format_mismatch(i, saved, differences))
             for option in ("amsgrad", "maximize"):
                 if saved.get(option):
                     raise ValueError(
@@ -794,16 +922,6 @@ class AdamWFp8(Optimizer):
                     "gradient); AdamWFp8 decays the weights decoupled, like AdamW. Load it into "
                     "torch.optim.Adam, or set weight_decay=0 in the saved group to drop the decay"
                 )
-            # Like torch.optim: every saved key is kept (schedulers' initial_lr, user keys),
-            # options the saved group lacks stay this optimizer's; torch-only flags go.
-            new = {k: v for k, v in group.items() if k != "params"}
-            new.update(
-                {k: v for k, v in saved.items() if k not in (*TORCH_ONLY_KEYS, STATE_FORMAT_KEY)}
-            )
-            try:
-                _validate_group(new)
-            except ValueError as exc:
-                raise ValueError(f"loaded param group {i}: {exc}") from exc
             merged.append(new)
         return merged
 
@@ -888,6 +1006,76 @@ def _codes_from_bytes(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, A
                     raise ValueError(f"pickled AdamWFp8 state: {k!r} holds {v.dtype!r} codes")
                 st[k] = v.codes.view(FP8_DTYPES[v.dtype])
     return state
+
+
+# A loaded state that is no optimizer state_dict (R37 finding 4).
+_DAMAGED = (
+    "The loaded optimizer state is damaged or not an optimizer's state_dict() (with "
+    "transformers' Trainer: the checkpoint's optimizer.pt). Load the state_dict() of an "
+    f"AdamWFp8 or a torch.optim.AdamW, or {RESTART_FIX}"
+)
+
+
+def _check_structure(state_dict: Any) -> None:
+    """``state_dict`` is a dict with a ``state`` dict and a ``param_groups`` list (torch reads
+    them with a raw ``KeyError`` / ``AttributeError``; the groups are checked in
+    :meth:`AdamWFp8._merged_groups`)."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(
+            f"a loaded optimizer state must be a dict with 'state' and 'param_groups', got a "
+            f"{type(state_dict).__name__}. {_DAMAGED}"
+        )
+    for key in ("state", "param_groups"):
+        if key not in state_dict:
+            raise ValueError(
+                f"the loaded optimizer state has no {key!r} entry (its keys: "
+                f"{sorted(map(str, state_dict))}). {_DAMAGED}"
+            )
+    if not isinstance(state_dict["state"], dict):
+        raise ValueError(
+            f"the loaded optimizer state's 'state' is a {type(state_dict['state']).__name__}, "
+            f"expected a dict of parameter index -> state. {_DAMAGED}"
+        )
+
+
+def _option_text(option: str, value: Any, *, trainer: bool = False) -> str:
+    """``option=value`` as a keyword argument, or as an ``optim_args`` item."""
+    if not trainer:
+        return f"{option}={value!r}"
+    return f"{option}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+def _format_mismatch(i: int, saved: dict[str, Any], differences: list) -> str:
+    """The error for a saved state of another format (R37 finding 5): the options to create
+    the optimizer with, also as Trainer arguments, the conversion and the restart."""
+    theirs = ", ".join(_option_text(o, t) for o, t, _ in differences)
+    mine = ", ".join(_option_text(o, m) for o, _, m in differences)
+    optim = TRAINER_NAMES[bool(saved.get("dynamic_range_expansion", True))]
+    args = ",".join(
+        _option_text(o, t, trainer=True)
+        for o, t, _ in differences
+        if o != "dynamic_range_expansion"
+    )
+    trainer = f'optim="{optim}"' + (f', optim_args="{args}"' if args else "")
+    return (
+        f"cannot load an AdamWFp8 state saved with {theirs} into param group {i} configured "
+        f"with {mine}; create the optimizer with {theirs} (with transformers' Trainer: "
+        f"{trainer}), or convert the moments: load this state into an AdamWFp8 created with "
+        "the saved options and load that optimizer's torch_state_dict() here instead (fp32 "
+        "moments, quantized on load in this optimizer's format; for a Trainer checkpoint: "
+        "torch.save(that_optimizer.torch_state_dict(), 'checkpoint-N/optimizer.pt')), or "
+        f"{RESTART_FIX}"
+    )
+
+
+def format_differences(saved: dict[str, Any], group: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every ``(option, saved value, group value)`` of :func:`format_difference`, in order."""
+    out = [(o, saved[o], group[o]) for o in FORMAT_OPTIONS if o in saved and saved[o] != group[o]]
+    if "group_size" in saved:
+        mine, theirs = resolved_format(group), resolved_format({**group, **saved})
+        if theirs != mine:
+            out.append(("moment_format", theirs, mine))
+    return out
 
 
 def format_difference(saved: dict[str, Any], group: dict[str, Any]) -> tuple[str, Any, Any] | None:
@@ -1059,9 +1247,27 @@ def _stream_keys(
     )
 
 
+def _is_number(x: Any) -> bool:
+    """A real number, or a tensor of one real element (as ``torch.optim.AdamW`` takes)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1 and not x.is_complex()
+    return isinstance(x, numbers.Real)
+
+
 def _validate_group(group: dict[str, Any]) -> None:
     """Check ``group``'s options (raises ``ValueError``); 0-d tensor betas become floats (the
-    step's arithmetic takes Python numbers), a tensor ``lr`` stays a tensor."""
+    step's arithmetic takes Python numbers), a tensor ``lr`` stays a tensor. The types first:
+    a foreign value (Adafactor's ``eps`` pair, ``lr=None``) raises ``ValueError`` naming the
+    option, never a raw ``TypeError`` (R37 finding 1)."""
+    for name in ("lr", "eps", "weight_decay"):
+        if not _is_number(group[name]):
+            raise ValueError(
+                f"{name} must be a number or a tensor of exactly one element, got {group[name]!r}"
+            )
+    betas = group["betas"]
+    pair = betas.tolist() if isinstance(betas, torch.Tensor) and betas.dim() == 1 else betas
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(map(_is_number, pair)):
+        raise ValueError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("a tensor lr must have exactly one element")

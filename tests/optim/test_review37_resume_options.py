@@ -20,10 +20,6 @@ from transformers import Trainer, TrainingArguments
 
 from hf_fp8.optim import AdamWFp8
 
-NEEDS_DIFF = pytest.mark.xfail(
-    reason="needs /work/notes/diffs/hf35-optim-messages.diff", strict=True
-)
-
 
 def _params() -> list[torch.nn.Parameter]:
     torch.manual_seed(0)
@@ -57,7 +53,6 @@ def test_torch_keeps_the_loaded_hyper_parameters():
     assert loader.param_groups[0]["weight_decay"] == 0.1
 
 
-@NEEDS_DIFF
 @pytest.mark.parametrize(
     ("saved", "mine"),
     [
@@ -77,7 +72,6 @@ def test_a_replaced_explicit_option_warns_naming_it(saved, mine):
     assert f"{name}={kept!r}" in hits[0] and f"you set {value!r}" in hits[0]
 
 
-@NEEDS_DIFF
 def test_an_explicit_option_in_a_param_group_counts_too():
     params = _params()
     opt = AdamWFp8([{"params": params[:1], "seed": 3}, {"params": params[1:]}], lr=1e-3)
@@ -90,7 +84,6 @@ def test_an_explicit_option_in_a_param_group_counts_too():
     assert "param group 1" not in messages[0]
 
 
-@NEEDS_DIFF
 def test_the_warning_survives_accelerates_own_round_trip():
     """accelerate's AcceleratedOptimizer loads the optimizer's own state_dict() (device
     placement) before the Trainer loads optimizer.pt: that first load changes nothing the user
@@ -105,7 +98,6 @@ def test_the_warning_survives_accelerates_own_round_trip():
     assert opt.param_groups[0]["min_quantize_numel"] == 100000  # the checkpoint's, as torch
 
 
-@NEEDS_DIFF
 def test_trainer_optim_args_count_as_set(tmp_path):
     training_args = TrainingArguments(
         output_dir=str(tmp_path),

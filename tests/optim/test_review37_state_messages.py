@@ -24,10 +24,6 @@ from transformers.optimization import Adafactor
 
 from hf_fp8.optim import AdamWFp8, OptimizerStateError
 
-pytestmark = pytest.mark.xfail(
-    reason="needs /work/notes/diffs/hf35-optim-messages.diff", strict=True
-)
-
 RESTART = "move optimizer.pt out of the checkpoint folder"
 
 
