@@ -607,6 +607,12 @@ def _fp8_mm_impl(
     rows = max(16, min(n, TILE_BYTES // (k * mm_dtype.itemsize) // 16 * 16))
     # out.T tile by tile (tile @ a.T: rows of out.T), joined by one cat. Measured with 2
     # threads: torch.mm(..., out=) and a @ tile.T per tile ran 5-10x slower than this.
+    # Thread counts (R38 F4): torch's fp32 matmul splits some shapes' sums by thread count,
+    # in either orientation (this one at 17 x 640 -> 300, nn.Linear's x @ w.T at
+    # 256 x 96 -> 40, from 3 threads on; 1 and 2 threads agree), so fp32 results here may
+    # differ by an ulp between thread counts as nn.Linear's may. a @ tile.T was re-timed
+    # (R38, 1 thread: 0.73-1.0x at M = 17..256, K x N = 2048 x 5632 / 5632 x 2048), but at 2
+    # threads on a loaded machine it measured 0.8-2.8x, so the orientation stays.
     buf = torch.empty(rows * k, dtype=a.dtype)
     buf32 = torch.empty(rows * k, dtype=torch.float32) if via_fp32 else None
     a_mm = a.float() if via_fp32 else a
