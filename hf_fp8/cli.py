@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from hf_fp8.recipe import (
     values,
 )
 from hf_fp8.serialization.names import COMPRESSED_TENSORS, EXPORT_FORMATS
+from hf_fp8.serialization.printable import printable
 
 DEFAULT_MODEL = "the built-in all-MiniLM-L6-v2"
 _EXIT_USAGE, _EXIT_ERROR, _EXIT_INTERRUPTED = 2, 1, 130
@@ -412,8 +414,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows.append(("kv cache", summary.kv_cache_text))
     if summary.note:
         rows.append(("note", summary.note))
-    for key, value in rows:
-        print(f"{key:<15} {value}")
+    for key, value in rows:  # names and values from the checkpoint: escapes shown, not run
+        print(f"{key:<15} {printable(value)}")
     return 0
 
 
@@ -701,26 +703,43 @@ def _message(err: BaseException) -> str:
     return text if builtin else f"{name}: {text}"
 
 
+def _printable_warnings(show: Any) -> Any:
+    """``warnings.showwarning`` that passes ``show`` the message with its non-printable
+    characters escaped: warnings name a checkpoint's tensors and layers (R41 F2)."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if not text.isprintable():
+            message = printable(text)
+        return show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``hf-fp8`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    """Run ``hf-fp8`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+    Messages that quote a checkpoint (errors, warnings) show its control characters
+    escaped (``\\x1b``), never send them to the terminal."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
     except UsageError as err:
-        print(f"hf-fp8: error: {_one_line(err)}", file=sys.stderr)
+        print(f"hf-fp8: error: {printable(_one_line(err))}", file=sys.stderr)
         return _EXIT_USAGE
     except SystemExit as done:  # --help
         return int(done.code or 0)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _printable_warnings(warnings.showwarning)
+            return args.func(args)
     except KeyboardInterrupt:
         print(f"hf-fp8 {args.command}: interrupted (nothing was written)", file=sys.stderr)
         return _EXIT_INTERRUPTED
     except Exception as err:
         if os.environ.get("HF_FP8_TRACEBACK"):
             raise
-        print(f"hf-fp8 {args.command}: error: {_message(err)}", file=sys.stderr)
+        print(f"hf-fp8 {args.command}: error: {printable(_message(err))}", file=sys.stderr)
         return _EXIT_ERROR
 
 
