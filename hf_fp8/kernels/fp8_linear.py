@@ -107,6 +107,21 @@ def _plan_from_words(
     return LinearPlan.from_recipe(recipe)
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_AUTOCAST_INPUTS = (torch.float32, torch.float16, torch.bfloat16)  # as autocast's casts
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """``None`` where CPU / CUDA ``torch.autocast`` is off for ``x``; else the dtype it runs
+    ``F.linear`` in: the autocast dtype, or ``x.dtype`` for an input it leaves alone
+    (float64; an fp8 input, refused later). FP8 layers then cast their input to it and run
+    with autocast off inside, so that their own fp32 matmuls stay fp32 (R38 F2)."""
+    device = x.device.type
+    if device not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device) if x.dtype in _AUTOCAST_INPUTS else x.dtype
+
+
 def _choose_gemm(plan: LinearPlan, x: torch.Tensor, w_fp8: torch.Tensor) -> bool:
     """True: ``torch._scaled_mm``; False: the emulation. Raises for an impossible
     ``kernel="scaled_mm"``."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_fp8.kernels import grouped_cpu
-from hf_fp8.kernels.fp8_linear import LinearPlan, fp8_linear
+from hf_fp8.kernels.fp8_linear import LinearPlan, autocast_dtype, fp8_linear
 from hf_fp8.numerics import amax, amax_to_scale, fp8_dtype, quantize_with_scale
 from hf_fp8.recipe import Fp8Recipe, Kernel
 
@@ -292,7 +292,17 @@ def grouped_fp8_linear(
     ``from_tokens=True``: ``x_sorted`` is the ``[tokens, K]`` input itself and each routed
     pair reads its token's row (``x[routing.token_index]``, same result); on the CPU path a
     per-token activation scale is then computed once per token, not once per pair.
+
+    Under CPU / CUDA ``torch.autocast`` the rows are cast to the autocast dtype and the result
+    is in it, as the source experts' per-expert ``F.linear`` is (R38 F2).
     """
+    dtype = autocast_dtype(x_sorted)
+    if dtype is not None:
+        with torch.autocast(x_sorted.device.type, enabled=False):
+            return grouped_fp8_linear(
+                x_sorted.to(dtype), routing, w_fp8, w_scale, bias, recipe=recipe,
+                input_scale=input_scale, from_tokens=from_tokens,
+            )  # fmt: skip
     rows = routing.num_tokens if from_tokens else len(routing.expert_ids)
     if x_sorted.dim() != 2 or x_sorted.shape[0] != rows:
         what = "one row per token" if from_tokens else "one row per routed pair"

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hf_fp8.kernels import LinearPlan, fp8_linear
+from hf_fp8.kernels.fp8_linear import autocast_dtype
 from hf_fp8.modules.frozen import check_frozen
 from hf_fp8.modules.recipe_words import RecipeWords
 from hf_fp8.modules.saturation import SaturationCounter
@@ -104,20 +105,6 @@ def weight_scale_shape(
     if granularity == Granularity.ROW:
         return (out_features, 1)
     return (math.ceil(out_features / block_size[0]), math.ceil(in_features / block_size[1]))
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-_AUTOCAST_INPUTS = (torch.float32, torch.float16, torch.bfloat16)  # as autocast's casts
-
-
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """``None`` where CPU / CUDA ``torch.autocast`` is off for ``x``; else the dtype it runs
-    ``nn.Linear`` in: the autocast dtype, or ``x.dtype`` for an input it leaves alone
-    (float64, an fp8 input refused later)."""
-    device = x.device.type
-    if device not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device):
-        return None
-    return torch.get_autocast_dtype(device) if x.dtype in _AUTOCAST_INPUTS else x.dtype
 
 
 class Fp8Linear(RecipeWords, nn.Linear):
@@ -332,7 +319,7 @@ class Fp8Linear(RecipeWords, nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        dtype = _autocast_dtype(input)
+        dtype = autocast_dtype(input)
         if dtype is not None:
             # nn.Linear under torch.autocast runs (and returns) the autocast dtype: so does
             # this layer (R38 F2), with autocast off inside, so that its own fp32 matmuls
