@@ -172,6 +172,7 @@ class Checkpoint:
                 f"{config_path} holds a {type(self.config).__name__}, not a JSON object: "
                 "not a model config; pass a folder written by save_pretrained"
             )
+        check_config_types(self.config, str(config_path))
         weights, index_path = self.path(WEIGHTS_NAME), self.path(INDEX_NAME)
         self.sharded = not weights.is_file() and index_path.is_file()
         if weights.is_file():
@@ -294,6 +295,40 @@ def copy_companion_files(
         shutil.copy2(contained(source, rel, links_within=links_within), target)
         copied.append(rel)
     return copied
+
+
+# config.json fields read as names (transformers' registries and conversion mapping, the
+# vLLM fused-sibling families, inspect's rows) and the JSON type each must have
+_STRING_FIELDS = ("model_type", "dtype", "torch_dtype")
+
+
+def check_config_types(config: dict[str, Any], where: str = CONFIG_NAME) -> None:
+    """``model_type``, ``dtype`` / ``torch_dtype`` (strings) and ``architectures`` (a list of
+    strings) of a checkpoint's config, each when present and not null; raises ``ValueError``
+    naming ``where``, the field and the value otherwise (R41 F1: ``"model_type": ["bert"]``
+    crashed with ``unhashable type: 'list'``)."""
+    for key in _STRING_FIELDS:
+        value = config.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(
+                f"{where}: {key} is {value!r} ({_json_kind(value)}), but it must be a string "
+                f'(e.g. "model_type": "llama", "dtype": "bfloat16"): the config is damaged; '
+                "fix it or save / download the checkpoint again"
+            )
+    archs = config.get("architectures")
+    if archs is not None and not (
+        isinstance(archs, list) and all(isinstance(a, str) for a in archs)
+    ):
+        raise ValueError(
+            f"{where}: architectures is {archs!r} ({_json_kind(archs)}), but it must be a list "
+            'of strings (e.g. "architectures": ["LlamaForCausalLM"]): the config is damaged; '
+            "fix it or save / download the checkpoint again"
+        )
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    return kinds.get(type(value), "a number" if isinstance(value, (int, float)) else "?")
 
 
 def _read_json(path: Path) -> Any:

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_fp8.serialization.checkpoint import CONFIG_NAME, Checkpoint, TensorInfo
+from hf_fp8.serialization.checkpoint import (
+    CONFIG_NAME,
+    Checkpoint,
+    TensorInfo,
+    check_config_types,
+)
 from hf_fp8.utils.folders import check_shard_keys
 
 
@@ -48,6 +53,12 @@ def hub_headers(
     except Exception as err:  # offline cache miss, unknown repo, no access, no network
         raise _not_found(repo_id, err) from err
     config = json.loads(Path(config_file).read_text(encoding="utf-8"))
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{repo_id}'s {CONFIG_NAME} holds a {type(config).__name__}, not a JSON object: "
+            "not a model config"
+        )
+    check_config_types(config, f"{repo_id}'s {CONFIG_NAME}")
     if constants.HF_HUB_OFFLINE:  # the cached snapshot, read like a local folder
         try:
             headers = Checkpoint(Path(config_file).parent).tensors()
