@@ -151,21 +151,31 @@ class CheckpointSummary:
                 f"e.g. {scales[0]})"
             )
         parts += [f"quantization_config.{k}={v!r}" for k, v in self.kv_cache_config.items()]
-        if self.format == "hf_fp8":  # from_pretrained reports them UNEXPECTED and drops them
-            what = (
-                "from_pretrained drops them (UNEXPECTED keys) and runs a high-precision KV "
-                "cache; delete them from the checkpoint"
-            )
+        intro = "an FP8 KV cache, which hf_fp8 does not apply (it does not quantize the KV cache)"
+        if self.format == "hf_fp8":
+            # a config key: from_pretrained refuses it (Fp8Config has no such field, R41 F3);
+            # scale tensors: from_pretrained reports them UNEXPECTED and drops them
+            said = []
+            if self.kv_cache_config:
+                keys = " and ".join(f"quantization_config.{k}" for k in self.kv_cache_config)
+                said.append(
+                    f"from_pretrained refuses {keys} (not an Fp8Config field): remove it from "
+                    "config.json to load the model"
+                )
+            if self.kv_cache_scales:
+                them = "the scale tensors" if self.kv_cache_config else "them"
+                said.append(
+                    f"from_pretrained drops {them} (UNEXPECTED keys); delete them from the "
+                    "checkpoint"
+                )
+            what = "; ".join(said) + "; the model runs a high-precision KV cache"
         else:
             what = (
                 "hf-fp8 import refuses this checkpoint, naming the tensors and keys to delete "
                 "from a copy if a high-precision KV cache is acceptable; serve it with vLLM as "
                 "it is"
             )
-        return (
-            f"{', '.join(parts)}: an FP8 KV cache, which hf_fp8 does not apply (it does not "
-            f"quantize the KV cache): {what}"
-        )
+        return f"{', '.join(parts)}: {intro}: {what}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -179,13 +189,13 @@ class CheckpointSummary:
 
 
 def _config(checkpoint: Checkpoint | HubHeaders, fmt: str) -> tuple[Fp8Config | None, str | None]:
-    qc = checkpoint.quantization_config
+    # the FP8 KV cache is reported on its own (kv_cache_config), not as the scheme: in an
+    # hf_fp8 folder its keys are fields Fp8Config refuses (the kv cache row says so, R41 F3)
+    qc = {k: v for k, v in checkpoint.quantization_config.items() if k not in KV_CACHE_CONFIG_KEYS}
     try:
         if fmt == "hf_fp8":
             return Fp8Config.from_dict(qc), None
         if fmt in FORMATS:
-            # the FP8 KV cache is reported on its own (kv_cache_config), not as the scheme
-            qc = {k: v for k, v in qc.items() if k not in KV_CACHE_CONFIG_KEYS}
             return Fp8Config(**FORMATS[fmt].import_kwargs(qc)), None
         return None, f"{fmt}: not an FP8 format hf_fp8 reads"
     except ValueError as err:
