@@ -477,14 +477,26 @@ def redo_rows(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor | None) 
     redo: every other token keeps the bits it has in a batch without the bad one (R38 F1;
     per-token scales promise that independence). Runs only after the kernel reported a
     non-finite output."""
-    bad = ~out.isfinite().all(1)
-    ok = a.isfinite().all(1)
+    bad = ~finite_rows(out)
+    ok = finite_rows(a)
     if a_scale is not None:
         if a_scale.numel() == 1:
             ok = ok & a_scale.isfinite().all()
         else:
             ok = ok & a_scale.reshape(a.shape[0], -1).isfinite().all(1)
     return bad & ok
+
+
+def finite_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t.isfinite().all(1)`` for a 2-D eager tensor, about 20x faster for bf16 (torch's bf16
+    ``isfinite`` is not vectorized: 0.86 ms at 64 x 5632 on one core): a row's fp32 sum is
+    non-finite where the row holds a NaN / inf, or where its finite values overflow fp32;
+    only those rows are checked element by element."""
+    ok = t.sum(1, dtype=torch.float32).isfinite()
+    if not bool(ok.all()):
+        rows = (~ok).nonzero().flatten()
+        ok[rows] = t[rows].isfinite().all(1)
+    return ok
 
 
 def redo_helps(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor | None) -> bool:

@@ -153,3 +153,18 @@ def test_an_overflowing_token_leaves_the_other_tokens_on_the_gemv(monkeypatch, n
     assert bool(out[1].isfinite().all()) and float(ref[1].abs().max()) > 1e30
     r = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-16
     assert bool(((out[1].double() - ref[1]).abs() <= r * (ref[1].abs() + terms[1])).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_rows_is_isfinite_all(dtype) -> None:
+    """The fast row check of the redo (a row sum first) against torch's ``isfinite``: NaN,
+    +-inf, +inf next to -inf, and finite rows whose sum overflows (not flagged)."""
+    big = torch.finfo(dtype).max
+    t = torch.randn(9, 40)
+    t[1, 3] = float("nan")
+    t[2, 0] = float("inf")
+    t[3, 5], t[3, 6] = float("inf"), float("-inf")
+    t[4, :] = big  # finite, the fp32 sum overflows for float32 and bfloat16
+    t[5, 39] = float("-inf")
+    t = t.to(dtype)
+    assert torch.equal(cpu_kernel.finite_rows(t), t.isfinite().all(1))
