@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_fp8.kernels import compiled, cpu_linear
+from hf_fp8.kernels import compiled, cpu_kernel, cpu_linear
 from hf_fp8.numerics import amax, amax_to_scale, dequantize, quantize_with_scale
 from hf_fp8.recipe import Granularity
 
@@ -288,7 +288,7 @@ def emulated_linear(
             lambda o, r: o.clone(),
             (out, rows),
         )
-    if not bool(out.isfinite().all()):
+    if not bool(cpu_kernel.finite_rows(out).all()):  # one fast pass (bf16 isfinite is slow)
         rows = _redo_rows(out, x)
         if bool(rows.any()):
             out = torch.where(rows.unsqueeze(1), folded(), out)

@@ -210,7 +210,7 @@ def _redo_if_overflow(
     its activation row is (``cpu_kernel.redo_rows``), the expert is multiplied again with
     every scale folded into the bf16 operands (the emulation's folded route), and those rows
     only are taken from it: the expert's other tokens keep their bits (R38 F1)."""
-    if not (w_post or a_post) or bool(out.isfinite().all()):
+    if not (w_post or a_post) or bool(cpu_kernel.finite_rows(out).all()):
         return
     rows = cpu_kernel.redo_rows(out, a, a_scale if a_post else None)
     if not bool(rows.any()):
