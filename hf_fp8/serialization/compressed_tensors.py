@@ -40,6 +40,10 @@ from hf_fp8.serialization.tensors import kv_cache_message, to_hf_fp8_tensors
 
 QUANT_METHOD = "compressed-tensors"
 FORMAT = "float-quantized"
+# hf_fp8's own quantization_config key: the model's block size where the format keeps only its
+# group size k (1 × k activation groups on non-block weights; vllm-fp8: on per-tensor
+# weights). compressed-tensors, transformers and vLLM ignore unknown top-level keys.
+BLOCK_SIZE_KEY = "hf_fp8_block_size"
 _READ_FORMATS = ("float-quantized", "naive-quantized")
 IMPORT_RENAMES: dict[str, str] = {}
 # hf_fp8's weight granularities (hf_fp8.recipe) -> compressed-tensors' strategy words; every
@@ -214,7 +218,7 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
             group["input_activations"] = _fp8_args(config.activation_granularity, True)
     _check_block_static(plan, group)
     _check_moe(config, plan, group)
-    return {
+    qc: dict[str, Any] = {
         "quant_method": QUANT_METHOD,
         "format": FORMAT,
         "quantization_status": "compressed",
@@ -222,6 +226,18 @@ def export_config(config: Fp8Config, plan: LayerPlan) -> dict[str, Any]:
         "ignore": plan.ignored(),
         "kv_cache_scheme": None,
     }
+    if _groups_on_non_block_weights(config):  # group_size holds only k of [rows, k]
+        qc[BLOCK_SIZE_KEY] = list(config.block_size)
+    return qc
+
+
+def _groups_on_non_block_weights(config: Fp8Config | dict[str, Any]) -> bool:
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
+    return (
+        get("activation_scheme") == "dynamic"
+        and get("activation_granularity") == "block"
+        and get("weight_granularity") != "block"
+    )
 
 
 def export_tensors(
@@ -293,6 +309,17 @@ def checked_size(value: Any, field: str) -> int:
     )
 
 
+def checked_block_size(value: Any, field: str) -> list[int]:
+    """``value`` when it is ``[rows, cols]`` of two ints >= 1; else ``ValueError`` naming
+    ``field`` of config.json's ``quantization_config``."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(
+            f"config.json's quantization_config.{field} is {value!r}: expected "
+            "[rows, cols] (two ints); the config is damaged: fix it or re-export the checkpoint"
+        )
+    return [checked_size(b, f"{field}[{i}]") for i, b in enumerate(value)]
+
+
 def _group_kwargs(name: str, group: dict[str, Any]) -> dict[str, Any]:
     where = f"config_groups.{name}"
     checked_type(group, where, dict)
@@ -358,7 +385,23 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
     first = next(iter(found.values()))
     if any(kw != first for kw in found.values()):
         raise _unsupported("config groups use different FP8 schemes (hf_fp8 has one per model)")
-    return first
+    recorded = qc.get(BLOCK_SIZE_KEY)
+    if recorded is None:  # earlier hf_fp8 exports, other tools: [128, k] (rows unused)
+        return first
+    if not _groups_on_non_block_weights(first):
+        raise ValueError(
+            f"config.json's quantization_config.{BLOCK_SIZE_KEY}={recorded!r} goes with "
+            "dynamic group activations on non-block weights only (block weights have "
+            "block_structure): the config is damaged; fix it or re-export the checkpoint"
+        )
+    block = checked_block_size(recorded, BLOCK_SIZE_KEY)
+    if block[1] != first["block_size"][1]:
+        raise ValueError(
+            f"config.json's quantization_config.{BLOCK_SIZE_KEY}={recorded!r} disagrees with "
+            f"the activations' group_size {first['block_size'][1]} (it must be [rows, "
+            "group_size]): the config is damaged; fix it or re-export the checkpoint"
+        )
+    return {**first, "block_size": block}
 
 
 def import_tensors(

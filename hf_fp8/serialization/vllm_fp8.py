@@ -32,8 +32,9 @@ import torch
 from hf_fp8.config import Fp8Config
 from hf_fp8.serialization.checkpoint import module_of
 from hf_fp8.serialization.compressed_tensors import (
+    BLOCK_SIZE_KEY,
     BLOCK_STATIC_FIXES,
-    checked_size,
+    checked_block_size,
     warn_dynamic_granularity,
 )
 from hf_fp8.serialization.layers import LayerPlan
@@ -45,9 +46,9 @@ from hf_fp8.serialization.tensors import (
 
 QUANT_METHOD = "fp8"
 # hf_fp8's own keys: the dynamic activation granularity, and the block size of 1 × k
-# activation groups on per-tensor weights (vLLM and transformers ignore both)
+# activation groups on per-tensor weights (BLOCK_SIZE_KEY, shared with compressed-tensors;
+# vLLM and transformers ignore both)
 GRANULARITY_KEY = "hf_fp8_activation_granularity"
-BLOCK_SIZE_KEY = "hf_fp8_block_size"
 _DYNAMIC_GRANULARITIES = ("token", "tensor", "block")
 # what vLLM runs for a dynamic checkpoint without the key, on a GPU with CUTLASS FP8
 _DEFAULT_DYNAMIC_GRANULARITY = "token"
@@ -179,7 +180,7 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
                     "Re-export the model with this hf_fp8, or, if per-token activations will "
                     f"do, delete {GRANULARITY_KEY} from config.json's quantization_config"
                 )
-            kwargs["block_size"] = _block_size(group_block, BLOCK_SIZE_KEY)
+            kwargs["block_size"] = checked_block_size(group_block, BLOCK_SIZE_KEY)
         return kwargs
     if block is None:
         return {
@@ -187,7 +188,7 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
             "weight_granularity": "tensor",
             "activation_granularity": "tensor",
         }
-    block = _block_size(block, "weight_block_size")
+    block = checked_block_size(block, "weight_block_size")
     if scheme == "static":
         return {
             "activation_scheme": "static",
@@ -202,15 +203,6 @@ def import_kwargs(qc: dict[str, Any]) -> dict[str, Any]:
         "activation_granularity": "block" if recorded is None else recorded,
         "block_size": block,
     }
-
-
-def _block_size(value: Any, field: str) -> list[int]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise ValueError(
-            f"config.json's quantization_config.{field} is {value!r}: expected "
-            "[rows, cols] (two ints); the config is damaged: fix it or re-export the checkpoint"
-        )
-    return [checked_size(b, f"{field}[{i}]") for i, b in enumerate(value)]
 
 
 def import_tensors(
