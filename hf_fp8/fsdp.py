@@ -343,10 +343,18 @@ def set_full_optimizer_state_dict_fp8(
     them. Refused with ``ValueError`` on every rank alike, before any rank changes anything:
     a dict of other parameter names or shapes (another model), for ``AdamWFp8`` one saved
     with other format options (the error names the option to create the optimizer with) or
-    holding a damaged tensor (every rank checks the whole tensors). Every rank must call it.
+    holding a damaged tensor (every rank checks the whole tensors); for an optimizer that is
+    not ``AdamWFp8``, a dict holding AdamWFp8 state (fp8 codes, ``*_scale`` /
+    ``*_exponent`` entries, ``hf_fp8_state_format``: the error names the ``torch_state_dict()``
+    conversion); an id-keyed ``optimizer.state_dict()`` (the error says how to load it).
+    Whatever fails on rank 0 while it sends the dict (a damaged file, a dict holding other
+    objects, quantized or sparse tensors, containers nested deeper than 32 levels) is one
+    ``ValueError`` on every rank. Every rank must call it.
     Unlike torch's call, a fresh optimizer takes no initialising step. ``options``: torch's
     ``StateDictOptions`` (``broadcast_from_rank0``; ``strict``, the default, refuses a
-    checkpoint without state for a trainable parameter, as torch does)."""
+    checkpoint without state for a trainable parameter, as torch does, and one without any
+    state, unless its param groups record ``step`` 0). A torch ``AdamW`` checkpoint's fp32
+    moments become fp8 states under FSDP2 as in one process (each rank converts its rows)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -361,6 +369,10 @@ def set_full_optimizer_state_dict_fp8(
     saved_state = source.skeleton["state"]  # tensors not received yet
     fqns = _optimizer_fqns(model, optimizer)
     groups = [[fqns[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    _refuse_id_keyed(saved_groups, saved_state)
+    merged = getattr(optimizer, "_merged_groups", None)
+    if merged is None:  # decided by the dict's content, before anything is installed
+        _refuse_fp8_state(saved_groups, saved_state, optimizer)
     if len(saved_groups) != len(groups):
         raise ValueError(
             f"the optimizer checkpoint has {len(saved_groups)} parameter groups, this optimizer "
@@ -377,7 +389,6 @@ def set_full_optimizer_state_dict_fp8(
                 f"optimizer does not have {extra[:6]} and lacks {lacking[:6]} (it was saved "
                 f"from another model, or with other trainable parameters); {FULL_OPTIM_FIX}"
             )
-    merged = getattr(optimizer, "_merged_groups", None)
     # AdamWFp8: other format options are named before any shape
     checked_groups = merged(saved_groups) if merged is not None else None
     index = {name: i for i, name in enumerate(n for names in groups for n in names)}
@@ -388,12 +399,24 @@ def set_full_optimizer_state_dict_fp8(
             f"the optimizer checkpoint holds state for {unknown[:6]}, which this optimizer's "
             f"param groups do not list (it was saved from another model); {FULL_OPTIM_FIX}"
         )
-    if options.strict and saved_state:
+    if options.strict:
         lacking = [
             n
             for n, p in zip(index, params, strict=True)
             if p.requires_grad and n not in saved_state
         ]
+        if lacking and not saved_state and _never_stepped(saved_groups):
+            lacking = []  # the state of an optimizer that never stepped: legitimately empty
+        if lacking and not saved_state:
+            raise ValueError(
+                f"the optimizer checkpoint holds no state for any of its {len(index)} "
+                "parameters (it lost every parameter's state: a full optimizer state dict "
+                "saved after a step, by full_optimizer_state_dict_fp8 or torch's "
+                "get_optimizer_state_dict, holds state for every trainable parameter; torch's "
+                "strict loading refuses it: every moment would restart); load it with "
+                "StateDictOptions(full_state_dict=True, strict=False) to restart them, or "
+                f"{FULL_OPTIM_FIX}"
+            )
         if lacking:
             raise ValueError(
                 f"the optimizer checkpoint has no state for {lacking[:6]} (torch's strict "
@@ -423,6 +446,82 @@ def set_full_optimizer_state_dict_fp8(
         id_groups.append({**saved, "params": list(range(start, start + len(names)))})
         start += len(names)
     _load_checked(optimizer, {"state": state, "param_groups": id_groups}, groups)
+
+
+def _never_stepped(saved_groups: list[Any]) -> bool:
+    """True when the saved param groups record a step and it is 0 in every group (an
+    optimizer that never stepped has no state); torch's AdamW records none: False."""
+    steps = [g.get("step") for g in saved_groups if isinstance(g, dict)]
+    return bool(steps) and all(
+        isinstance(s, (int, float)) and not isinstance(s, bool) and s == 0 for s in steps
+    )
+
+
+def _refuse_id_keyed(saved_groups: list[Any], saved_state: dict[Any, Any]) -> None:
+    """A plain ``optimizer.state_dict()`` (parameters numbered, not named) is no full
+    optimizer state dict: say so and how to load it."""
+    ids = [p for g in saved_groups for p in g["params"]]
+    if (
+        ids
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        and all(isinstance(k, int) for k in saved_state)
+    ):
+        raise ValueError(
+            "the optimizer checkpoint is an id-keyed state dict (optimizer.state_dict(), "
+            "parameters numbered 0, 1, ..., as saved without FSDP), not a full optimizer state "
+            "dict keyed by parameter names; load it in one process without FSDP with "
+            "optimizer.load_state_dict(...), or save a name-keyed one with "
+            "hf_fp8.fsdp.full_optimizer_state_dict_fp8(model, optimizer) (or torch's "
+            "get_optimizer_state_dict(model, optimizer, StateDictOptions(full_state_dict=True)))"
+        )
+
+
+# entries only AdamWFp8's quantized states hold
+_FP8_STATE_SUFFIXES = ("_fp8", "_scale", "_exponent")
+
+
+def _fp8_state_reason(saved_groups: list[Any], saved_state: dict[Any, Any]) -> str | None:
+    """Why the dict holds AdamWFp8 (fp8 / quantized) state, from its content; else None."""
+    from hf_fp8.optim.adamw_fp8 import STATE_FORMAT_KEY
+
+    if any(isinstance(g, dict) and STATE_FORMAT_KEY in g for g in saved_groups):
+        return f"its param groups record {STATE_FORMAT_KEY}"
+    for name, st in saved_state.items():
+        if not isinstance(st, dict):
+            continue
+        for key, value in st.items():
+            if isinstance(key, str) and key.endswith(_FP8_STATE_SUFFIXES):
+                return f"the state of {name!r} holds {key!r}"
+            dtype = value[1] if isinstance(value, _TensorSpec) else getattr(value, "dtype", None)
+            dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+            if isinstance(dtype, torch.dtype) and _fp8_dtype(dtype):
+                return f"the state of {name!r} holds {key!r} as {dtype} codes"
+    return None
+
+
+def _holds_fp8_state(optimizer: torch.optim.Optimizer) -> bool:
+    return any(
+        isinstance(v, torch.Tensor) and _fp8_dtype(v.dtype)
+        for st in getattr(optimizer, "state", {}).values()
+        if isinstance(st, dict)
+        for v in st.values()
+    )
+
+
+def _refuse_fp8_state(
+    saved_groups: list[Any], saved_state: dict[Any, Any], optimizer: torch.optim.Optimizer
+) -> None:
+    reason = _fp8_state_reason(saved_groups, saved_state)
+    if reason is None or _holds_fp8_state(optimizer):  # an fp8 optimizer of another kind
+        return
+    raise ValueError(
+        f"the optimizer checkpoint holds hf_fp8.AdamWFp8 state ({reason}: fp8 moment codes with "
+        f"their scales), which this {type(optimizer).__name__} cannot use (it would read the "
+        "codes as unscaled moments); nothing was loaded. Resume with hf_fp8.AdamWFp8 and the "
+        "options it was saved with (Trainer: optim='adamw_fp8'), or convert it in one process: "
+        "load it into an AdamWFp8 with set_full_optimizer_state_dict_fp8 and save "
+        "AdamWFp8.torch_state_dict() (fp32 moments torch.optim.AdamW loads)"
+    )
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -540,6 +639,27 @@ def _shard_like(value: Any, p: torch.Tensor, name: str, key: str) -> Any:
     return out
 
 
+MAX_DEPTH = 32  # containers in an optimizer state dict: state / name / key, groups / list
+_SENDABLE = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+}  # fmt: skip
+
+
+def _check_plain_tensor(x: torch.Tensor) -> None:
+    """A tensor rank 0 can send as bytes: plain, dense, strided, of a plain dtype, with data
+    (a quantized / sparse / nested / meta tensor or a subclass is no optimizer state)."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter):
+        raise ValueError(f"holds a {type(x).__name__} (a tensor subclass)")
+    if x.is_quantized or x.layout != torch.strided or x.is_nested:
+        raise ValueError(f"holds a tensor of dtype {x.dtype} and layout {x.layout}")
+    if x.dtype not in _SENDABLE:
+        raise ValueError(f"holds a tensor of dtype {x.dtype}, no optimizer state's dtype")
+    if x.device.type == "meta":
+        raise ValueError("holds a meta tensor (no data)")
+
+
 class _TensorSpec(tuple):
     """(dtype name, shape) of a tensor that :class:`_Rank0Tree` sends when it is asked for."""
 
@@ -573,7 +693,9 @@ class _Rank0Tree:
         payload: list[Any] = [None]
         if self.rank0:
             try:
-                if isinstance(tree, BaseException):  # rank 0 could not read it: all raise
+                if isinstance(tree, ValueError):  # rank 0 could not read it: all raise
+                    raise tree
+                if isinstance(tree, BaseException):
                     raise ValueError(f"could not be read ({tree!r})")
                 _check_full_optim_structure(tree)
                 # param groups first: they are asked for before the state
@@ -581,8 +703,10 @@ class _Rank0Tree:
                     "ok",
                     self._strip({"param_groups": tree["param_groups"], "state": tree["state"]}),
                 )
-            except ValueError as exc:
-                payload[0] = ("error", str(exc))
+            except Exception as exc:  # any failure reaches every rank: none waits
+                self.tensors.clear()
+                text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                payload[0] = ("error", text[:2000])
         dist.broadcast_object_list(payload, src=0)
         status, self.skeleton = payload[0]
         if status != "ok":
@@ -591,17 +715,21 @@ class _Rank0Tree:
             )
         self.device = _comm_device(())
 
-    def _strip(self, x: Any) -> Any:
+    def _strip(self, x: Any, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:  # no optimizer state dict nests this deep (no RecursionError)
+            raise ValueError(f"holds containers nested deeper than {MAX_DEPTH} levels")
         if isinstance(x, torch.Tensor):
-            if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided:
-                raise ValueError(f"holds a {type(x).__name__} of layout {x.layout}")
+            _check_plain_tensor(x)
             self.tensors[len(self.tensors)] = x.detach()
             dtype = str(x.dtype).removeprefix("torch.")
             return _TensorSpec((len(self.tensors) - 1, dtype, tuple(x.shape)))
         if isinstance(x, dict):
-            return {k: self._strip(v) for k, v in x.items()}
+            if not all(k is None or isinstance(k, (bool, int, float, str)) for k in x):
+                raise ValueError("holds a dict with keys that are not numbers or strings")
+            return {k: self._strip(v, depth + 1) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
-            return (tuple if type(x) is tuple else list)(self._strip(v) for v in x)
+            kind = tuple if type(x) is tuple else list
+            return kind(self._strip(v, depth + 1) for v in x)
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         raise ValueError(f"holds a {type(x).__name__}")
