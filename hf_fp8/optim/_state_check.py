@@ -14,7 +14,7 @@ decodes to is finite. (Finite but inconsistent moments, a huge ``m`` over a tiny
 give huge updates, as they do in ``torch.optim.AdamW``.)
 An fp32 AdamW state (``exp_avg`` / ``exp_avg_sq``, e.g. from ``torch.optim.AdamW``) is
 checked the same way and converted to FP8 moments when this optimizer would quantize the
-parameter. Errors name the parameter and the tensor, and say how to fix it.
+parameter (under FSDP2 each rank converts its rows: the rows one process converts). Errors name the parameter and the tensor, and say how to fix it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from hf_fp8.optim._layout import (
     is_dtensor,
     local,
     new_quantized_state,
+    quantizable_placements,
     resolved_format,
 )
 
@@ -433,8 +434,52 @@ def validated_state(
     if wants_quantized(p, group) and not is_dtensor(p) and not is_dtensor(m):
         out.update(_to_fp8(m, v, p, group))
         return out, True
+    if wants_quantized(p, group) and _sharded_like(m, v, p):
+        # FSDP2: each rank converts its own rows (whole groups: a group never straddles a
+        # shard), so the sharded state is, bit for bit, the rows one process converts
+        out.update(_to_fp8_sharded(m, v, p, group))
+        return out, True
     out.update(exp_avg=m.contiguous(), exp_avg_sq=v.contiguous())
     return out, False
+
+
+def _sharded_like(m: Any, v: Any, p: torch.Tensor) -> bool:
+    """``m``, ``v`` and ``p`` are DTensors laid out alike, with whole rows per rank."""
+    if not (is_dtensor(p) and is_dtensor(m) and is_dtensor(v) and quantizable_placements(p)):
+        return False
+    return all(
+        t.device_mesh == p.device_mesh
+        and tuple(t.placements) == tuple(p.placements)
+        and tuple(t.shape) == tuple(p.shape)
+        for t in (m, v)
+    )
+
+
+def _to_fp8_sharded(
+    m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, group: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """:func:`_to_fp8` of this rank's rows, as DTensors laid out like ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    lp, lm, lv = local(p), local(m), local(v)
+    rows = lp.shape[0]
+    if rows == 0:  # an uneven shard without rows: the layout of one row, cut to none
+        shape = (1, *lp.shape[1:])
+        one = torch.zeros(shape, dtype=torch.float32, device=lp.device)
+        converted = {k: t[:0] for k, t in _to_fp8(one, one, one, group).items()}
+    else:
+        converted = _to_fp8(lm, lv, lp, group)
+    return {
+        k: DTensor.from_local(
+            t.contiguous(),
+            p.device_mesh,
+            p.placements,
+            run_check=False,
+            shape=(p.shape[0], t.shape[1]),
+            stride=(t.shape[1], 1),
+        )
+        for k, t in converted.items()
+    }
 
 
 def _to_device(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
