@@ -34,8 +34,14 @@ and :func:`hf_fp8.fsdp.set_full_optimizer_state_dict_fp8` (torch's ``get_optimiz
 / ``set_optimizer_state_dict`` gather and broadcast the fp8 moments in their own dtype:
 ``Invalid scalar type`` over gloo). Same file (``optimizer.bin``, parameters by name) and the
 plugin's options (``offload_to_cpu``, ``rank0_only``); rank 0 writes it through a hidden file
-renamed into place, so a failed write leaves the previous file whole. A checkpoint of other
-optimizer options or of another model is refused on every rank before anything changes.
+renamed into place, so a failed write leaves the previous file whole (the next save removes
+the hidden files of writes that were killed). A checkpoint of other optimizer options or of
+another model is refused on every rank before anything changes. The FULL_STATE_DICT load of
+any optimizer reads ``optimizer.bin`` through :func:`_read_optimizer_file` (a symlink out of
+the checkpoint folder, a missing, empty, truncated or non-tensor file: one error naming the
+file on every rank); an optimizer that is not ``AdamWFp8`` then refuses a file holding
+AdamWFp8 state (torch would broadcast its fp8 codes: ``Invalid scalar type``) and loads any
+other with accelerate's own ``set_optimizer_state_dict``.
 """
 
 from __future__ import annotations
@@ -272,15 +278,69 @@ def _optimizer_file(output_dir: str, optimizer_index: int) -> str:
     return os.path.join(output_dir, name)
 
 
+PARTIAL_MARKER = ".hf_fp8-partial-"
+
+
+def _partial_name(name: str) -> str:
+    """The hidden file a write of ``name`` goes through: ``.<name>.hf_fp8-partial-<host>-<pid>``."""
+    import os
+    import socket
+
+    return f".{name}{PARTIAL_MARKER}{socket.gethostname()}-{os.getpid()}"
+
+
+def _remove_stale_partials(folder: str, name: str) -> None:
+    """Remove the hidden files that writes of ``name`` killed before the rename (SIGKILL, OOM,
+    preemption) left in ``folder``, by the rules of hf_fp8.serialization.atomic's orphans:
+    only this pattern, regular files (no link) of this user, named by a process of this host
+    that is gone. (Files named without the host, by earlier versions, only once unchanged for
+    as long as atomic's stale folders.) Never fails a save."""
+    import os
+    import re
+    import socket
+    import stat
+    import time
+
+    from hf_fp8.serialization.atomic import _STALE_AFTER_S
+    from hf_fp8.utils.processes import pid_gone
+
+    pattern = re.compile(re.escape(f".{name}{PARTIAL_MARKER}") + r"(?:(?P<host>.+)-)?(?P<pid>\d+)")
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    host = socket.gethostname()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or int(match["pid"]) == os.getpid():
+            continue
+        if match["host"] is not None and match["host"] != host:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode) or (uid is not None and info.st_uid != uid):
+                continue
+            if match["host"] is None and time.time() - info.st_mtime < _STALE_AFTER_S:
+                continue
+            if not pid_gone(int(match["pid"])):
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+
+
 def _save_whole(obj: Any, path: str) -> None:
     """``torch.save(obj, path)`` through a hidden file beside it, renamed into place: a failed
-    or killed write leaves the previous file whole (and no partial file after an error)."""
+    or killed write leaves the previous file whole (and no partial file after an error; the
+    partial files of killed writes are removed by the next save, :func:`_remove_stale_partials`)."""
     import os
 
     import torch
 
     folder, name = os.path.split(path)
-    partial = os.path.join(folder, f".{name}.hf_fp8-partial-{os.getpid()}")
+    _remove_stale_partials(folder or ".", name)
+    partial = os.path.join(folder, _partial_name(name))
     try:
         torch.save(obj, partial)
         with open(partial, "rb+") as handle:
@@ -317,37 +377,142 @@ def _wrap_optim_save(original: Callable) -> Callable:
     return save_fsdp_optimizer
 
 
+def _read_optimizer_file(folder: str, file: str) -> Any:
+    """``torch.load(file, weights_only=True)`` of an optimizer file inside ``folder``; every
+    failure is a ``ValueError`` naming the file, what is wrong and the fix (never the advice
+    to load it with ``weights_only=False``): a symlink leaving the folder (DESIGN §8), a
+    missing, empty, truncated or damaged file, a file holding objects other than tensors."""
+    import os
+    import pickle
+
+    import torch
+
+    from hf_fp8.optim._state_check import RESTART_FIX
+    from hf_fp8.utils.folders import UnsafePathError, contained
+
+    try:
+        contained(folder, os.path.basename(file), links_within=folder)
+    except UnsafePathError as exc:
+        raise ValueError(
+            f"{file}: refused, {exc} (hf_fp8 reads no optimizer state from outside the "
+            "checkpoint folder); copy the file itself into the folder"
+        ) from None
+    fix = f"re-save the checkpoint, or {RESTART_FIX}"
+    if not os.path.lexists(file):
+        raise FileNotFoundError(2, f"No such file or directory; {fix}", file)
+    try:
+        size = os.path.getsize(file)
+    except OSError as exc:
+        raise ValueError(f"{file} cannot be read ({type(exc).__name__}: {exc}); {fix}") from None
+    if size == 0:
+        raise ValueError(f"{file} is empty (a write that never finished); {fix}")
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's reason, without its advice (weights_only=False, allowlisting the global)
+        body = str(exc).split("Check the documentation")[0]
+        reasons = [
+            " ".join(part.split()).split(" was not an allowed global")[0]
+            for part in body.split("\n\n")
+            if part.strip()
+        ]
+        reasons = [
+            r
+            for r in reasons
+            if not any(w in r for w in ("weights_only", "safe_globals", "trusted source"))
+        ]
+        why = reasons[0][:300] if reasons else "it holds objects other than tensors and numbers"
+        raise ValueError(
+            f"{file} is not an optimizer state dict torch or hf_fp8 writes: torch.load("
+            f"weights_only=True) refused it ({why}); it was not loaded. Replace it with the "
+            f"optimizer.bin of a trusted checkpoint, or {RESTART_FIX}"
+        ) from None
+    except (EOFError, RuntimeError, OSError) as exc:
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        raise ValueError(
+            f"{file} is truncated or damaged ({type(exc).__name__}: {first}); {fix}"
+        ) from None
+    except Exception as exc:  # anything else torch.load raises: still named, still a ValueError
+        raise ValueError(
+            f"{file} could not be read ({type(exc).__name__}: {str(exc)[:300]}); {fix}"
+        ) from None
+
+
+def _load_plain(
+    model: Any, optimizer: Any, state: Any, options: Any, file: str, from_rank0: bool
+) -> None:
+    """accelerate's FULL_STATE_DICT load for an optimizer that is not ``AdamWFp8``
+    (``set_optimizer_state_dict``), after every rank has learnt that rank 0 read the file
+    and that it holds no AdamWFp8 state (which torch would broadcast as float8:
+    ``Invalid scalar type``, or install as unscaled moments)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    from hf_fp8.fsdp import _check_full_optim_structure, _refuse_fp8_state
+
+    verdict: list[Any] = [None]
+    if isinstance(state, BaseException):
+        verdict[0] = str(state) if isinstance(state, ValueError) else f"{state!r}"
+    elif state is not None:
+        try:
+            _check_full_optim_structure(state)
+            _refuse_fp8_state(state["param_groups"], state["state"], optimizer)
+        except ValueError as exc:
+            verdict[0] = f"{file}: {exc}"
+        except Exception as exc:  # any failure reaches every rank
+            verdict[0] = f"{file}: {type(exc).__name__}: {str(exc)[:300]}"
+    if from_rank0:
+        dist.broadcast_object_list(verdict, src=0)
+    if isinstance(state, BaseException):
+        raise state  # rank 0: its own reading error
+    if verdict[0] is not None:
+        raise ValueError(verdict[0])
+    set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
 def _wrap_optim_load(original: Callable) -> Callable:
     @functools.wraps(original)
     def load_fsdp_optimizer(
         fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index=0, *args, **kw
     ):
-        if not (_full_fsdp2(fsdp_plugin) and _fp8_optimizer(optimizer)):
+        if not _full_fsdp2(fsdp_plugin):
             return original(
                 fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, *args, **kw
             )
-        import torch
+        import torch.distributed as dist
 
         from hf_fp8.fsdp import set_full_optimizer_state_dict_fp8
 
         accelerator.wait_for_everyone()
         options = _sd_options(fsdp_plugin)
+        file = _optimizer_file(input_dir, optimizer_index)
         state = None
         reads = accelerator.process_index == 0 or not fsdp_plugin.optim_state_dict_config.rank0_only
+        from_rank0 = options.broadcast_from_rank0 and dist.is_available() and dist.is_initialized()
         if reads:
-            file = _optimizer_file(input_dir, optimizer_index)
             try:
-                state = torch.load(file, weights_only=True)
+                state = _read_optimizer_file(input_dir, file)
             except Exception as exc:
-                if not options.broadcast_from_rank0:
-                    raise
+                if not isinstance(exc, (ValueError, FileNotFoundError)):
+                    exc = ValueError(f"{file} could not be read ({type(exc).__name__}: {exc})")
+                if not from_rank0:
+                    raise exc from None
                 state = exc  # sent to the other ranks, which raise it too: no rank hangs
+        inner = _unwrapped(optimizer)
+        if not _fp8_optimizer(optimizer):
+            # another optimizer: accelerate's own load (torch's set_optimizer_state_dict), once
+            # the file is read (errors name it) and found to hold no AdamWFp8 state, on every rank
+            _load_plain(model, inner, state, options, file, from_rank0)
+            accelerator.wait_for_everyone()
+            return None
         try:
-            set_full_optimizer_state_dict_fp8(model, _unwrapped(optimizer), state, options)
-        except ValueError:
+            set_full_optimizer_state_dict_fp8(model, inner, state, options)
+        except ValueError as exc:
             if isinstance(state, BaseException):
-                raise state from None  # rank 0: the original error
-            raise
+                raise state from None  # rank 0: its reading error, the file named
+            if file in str(exc):
+                raise
+            raise ValueError(f"{file}: {exc}") from exc
         accelerator.wait_for_everyone()
 
     load_fsdp_optimizer._hf_fp8 = True
