@@ -394,8 +394,8 @@ def _read_optimizer_file(folder: str, file: str) -> Any:
         contained(folder, os.path.basename(file), links_within=folder)
     except UnsafePathError as exc:
         raise ValueError(
-            f"{file}: refused, {exc} (hf_fp8 reads no optimizer state from outside the "
-            "checkpoint folder); copy the file itself into the folder"
+            f"{file}: refused (hf_fp8 reads no optimizer state from outside the checkpoint "
+            f"folder): {exc}"
         ) from None
     fix = f"re-save the checkpoint, or {RESTART_FIX}"
     if not os.path.lexists(file):
