@@ -112,3 +112,20 @@ def test_an_id_keyed_state_dict_is_named_with_the_way_to_load_it():
             if x.element_size() == 1:
                 x, y = x.view(torch.uint8), y.view(torch.uint8)
             assert torch.equal(x, y), key
+
+
+def test_an_empty_state_is_legitimate_only_for_groups_that_never_stepped():
+    """Param groups recording ``step`` (optimizers that count steps per group): an empty
+    state with step 0 is a fresh optimizer's (loads, nothing installed, as a fresh one);
+    with step 3 it lost every moment (refused)."""
+    model = _model()
+    full = full_optimizer_state_dict_fp8(model, _stepped(hf_fp8.AdamWFp8, model))
+    fresh = hf_fp8.AdamWFp8(model.parameters(), lr=1e-2)
+    groups = [{**full["param_groups"][0], "step": 0}]
+    set_full_optimizer_state_dict_fp8(model, fresh, {"state": {}, "param_groups": groups})
+    assert len(fresh.state) == 0
+    stepped = hf_fp8.AdamWFp8(model.parameters(), lr=1e-2)
+    groups = [{**full["param_groups"][0], "step": 3}]
+    with pytest.raises(ValueError, match="no state for any"):
+        set_full_optimizer_state_dict_fp8(model, stepped, {"state": {}, "param_groups": groups})
+    assert len(stepped.state) == 0
