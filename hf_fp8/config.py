@@ -385,11 +385,18 @@ def _check_scale_bounds(scales: dict[str, Any], recipe: Fp8Recipe) -> None:
 
 
 # Fields of other FP8 configs that users copy over, with hf-fp8's words for them.
+_KV_CACHE_FIELD = (
+    "an FP8 KV-cache setting (compressed-tensors / vLLM): hf_fp8 does not quantize the KV "
+    "cache; remove it from config.json's quantization_config to load the model with a "
+    "high-precision KV cache."
+)
 _FOREIGN_FIELDS = {
     "weight_block_size": (
         "transformers' FineGrainedFP8Config field: here block_size=[rows, cols] with "
         "weight_granularity='block'."
     ),
+    "kv_cache_scheme": _KV_CACHE_FIELD,
+    "kv_cache_quant_method": _KV_CACHE_FIELD,
 }
 
 

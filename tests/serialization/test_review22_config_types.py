@@ -92,7 +92,8 @@ def test_vllm_weight_block_size_must_be_two_ints(exports, tmp_path, bad):
 
 def test_int_sizes_still_import(exports, tmp_path):
     """Control: the exports as written import with their sizes."""
-    for fmt, block in (("compressed-tensors", [128, 32]), ("vllm-fp8", [32, 32])):
+    # the model's block size: compressed-tensors keeps it in hf_fp8_block_size (HF38)
+    for fmt, block in (("compressed-tensors", [32, 32]), ("vllm-fp8", [32, 32])):
         out = import_checkpoint(exports[fmt], tmp_path / fmt)
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         assert qc["block_size"] == block
