@@ -407,6 +407,15 @@ class _PlainBackward:
         loss.backward()
 
 
+def _holds_fp8_moments(opt) -> bool:
+    """The loaded optimizer keeps FP8 codes (not fp32 moments) for some parameter."""
+    return any(
+        torch.is_tensor(t) and t.dtype == torch.float8_e4m3fn
+        for state in opt.state.values()
+        for t in state.values()
+    )
+
+
 def test_accelerate_full_checkpoint_loads_in_one_process_without_fsdp(ranks):
     """accelerate's FULL_STATE_DICT checkpoint (pytorch_model_fsdp.bin + optimizer.bin) in
     one process, plain model: training continues like one uninterrupted single-process run
@@ -428,6 +437,7 @@ def test_accelerate_full_checkpoint_loads_in_one_process_without_fsdp(ranks):
         opt = hf_fp8.AdamWFp8([p for p in model.parameters() if p.requires_grad], **OPTIM)
         full = torch.load(out / "acc_ckpt" / "optimizer.bin", weights_only=True)
         set_full_optimizer_state_dict_fp8(model, opt, full)
+        assert _holds_fp8_moments(opt)
         _train_llama(_PlainBackward(), model, opt, range(BEFORE, BEFORE + AFTER))
     finally:
         torch.set_num_threads(threads)
@@ -503,6 +513,7 @@ def test_full_optimizer_checkpoint_loads_in_one_process_without_fsdp(ranks):
         opt = hf_fp8.AdamWFp8(model.parameters(), **TORCH_OPTIM)
         full = torch.load(out / "torch_full_optim.pt", weights_only=True)
         set_full_optimizer_state_dict_fp8(model, opt, full)
+        assert _holds_fp8_moments(opt)
         _train_mlp(model, opt, range(BEFORE, BEFORE + AFTER))
     finally:
         torch.set_num_threads(threads)

@@ -157,6 +157,7 @@ def test_import_autofp8_style_checkpoint(tiny_model_dir, tmp_path):
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
 
     back = AutoModelForCausalLM.from_pretrained(import_checkpoint(src, tmp_path / "back"))
+    assert back.config.quantization_config.activation_scheme == "static"
     assert_states_bit_equal(model, back)
 
 
