@@ -123,13 +123,24 @@ def quantize_experts_tensor(
 
 
 def finish_experts(
-    name: str, module: Fp8Experts, config: Any, *, offloaded: bool, checkpoint_root: str = ""
+    name: str,
+    module: Fp8Experts,
+    config: Any,
+    *,
+    offloaded: bool,
+    checkpoint_root: str = "",
+    scale_for: Callable[[str], float | None] | None = None,
+    filled: list[str] | None = None,
+    kept: list[str] | None = None,
 ) -> list[str]:
     """After loading: the names of tensors the checkpoint did not fill; static input scales
     the checkpoint lacks (saved before calibration; a checkpoint that stores only some is
     refused by the quantizer, ``StoredInputScales``) dropped, or taken from ``config``
     (``Fp8Config.activation_scale_for``); codes and scales frozen; compute dtype from the bias
-    (an fp8 or integer bias refused, naming its file in ``checkpoint_root``)."""
+    (an fp8 or integer bias refused, naming its file in ``checkpoint_root``). ``scale_for``
+    (``"<name>.<proj>"`` -> scale) replaces ``config.activation_scale_for``: the scales passed
+    to ``from_pretrained`` for a static checkpoint (R42 F2); the module's name is appended to
+    ``filled`` when one filled a missing input scale, to ``kept`` when a stored one stays."""
     missing = []
     shared = module.__dict__.pop(SHARED_SCALES, None)  # set by swap_experts
     for proj in module.layout.projections:
@@ -141,11 +152,16 @@ def finish_experts(
         scale = getattr(module, key)
         if scale is not None and not (offloaded or getattr(scale, "_is_hf_initialized", False)):
             setattr(module, key, None)
-        given = config.activation_scale_for(f"{name}.{proj}") if module.recipe.is_static else None
+        scale_of = scale_for or config.activation_scale_for
+        given = scale_of(f"{name}.{proj}") if module.recipe.is_static else None
         if shared is not None:  # a module shared under several names: under any of them
             given = shared[proj]
         if given is not None and getattr(module, key) is None:
             module.set_input_scale(proj, given)
+            if filled is not None and name not in filled:
+                filled.append(name)
+        elif given is not None and not offloaded and kept is not None and name not in kept:
+            kept.append(name)
         for pname in (proj, f"{proj}_weight_scale", key):
             p = getattr(module, pname)
             if p is not None:

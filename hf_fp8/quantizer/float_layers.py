@@ -48,16 +48,26 @@ def stored_shapes(files: Sequence[str]) -> dict[str, tuple[int, ...]] | None:
     return shapes if files else None
 
 
-def loaded_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]] | None) -> dict | None:
-    """``shapes`` under the names the loader gives the tensors in ``model`` (``None`` for a
-    tensor a converter makes: its shape is known after loading only)."""
+def loaded_shapes(
+    model: nn.Module,
+    shapes: dict[str, tuple[int, ...]] | None,
+    key_mapping: dict[str, str] | None = None,
+) -> dict | None:
+    """``shapes`` under the names the loader gives the tensors in ``model`` (``key_mapping``:
+    the one passed to ``from_pretrained``; ``None`` for a tensor a converter makes: its shape
+    is known after loading only; a tensor a converter splits is under each of its names)."""
     if shapes is None:
         return None
-    names = loaded_name_map(model, shapes)
+    names = loaded_name_map(model, shapes, key_mapping)
     if names is None:
         return None
-    # a tensor a WeightConverter merges or splits has another shape on disk: None (unknown)
-    return {names[k][0]: None if names[k][1] else shape for k, shape in shapes.items()}
+    out: dict[str, tuple[int, ...] | None] = {}
+    for key, shape in shapes.items():
+        renamed, converted, more = names[key]
+        # a tensor a WeightConverter merges or splits has another shape on disk: None (unknown)
+        for name in (renamed, *more):
+            out[name] = None if converted else shape
+    return out
 
 
 def layers_to_initialise(

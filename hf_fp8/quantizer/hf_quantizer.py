@@ -318,6 +318,60 @@ def _refuse_parallel_plans(config: Any) -> None:
     )
 
 
+def _experts_not_stored(names: list[str], detail: str) -> ValueError:
+    """R42 F4: MoE experts the high-precision checkpoint lacks or stores at another size."""
+    shown = ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
+    listed = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    return ValueError(
+        f"{shown}: MoE experts the high-precision checkpoint {detail}. Experts missing from a "
+        "float checkpoint (or stored at another size) are not supported on the fly: hf_fp8 "
+        "quantizes experts while loading and has no stored weights to quantize. Keep them in "
+        f"high precision with Fp8Config(modules_to_not_convert=[{listed}]) (transformers "
+        "initialises them as in the float model), or load without quantization_config and "
+        "call hf_fp8.quantize_model on the model"
+    )
+
+
+def _refuse_experts_not_stored(experts: dict, stored: dict | None) -> None:
+    """On the fly: the experts whose projections the float checkpoint (``stored``: loaded
+    name -> shape, from its headers) does not store at all are refused before loading, named
+    (R42 F4). Nothing is refused when no experts tensor is found under the loader's names
+    (a renaming not followed here: the checks after loading decide)."""
+    if stored is None or not experts:
+        return
+    wanted = {
+        name: [f"{name}.{proj}" for proj in module.layout.projections]
+        for name, module in experts.items()
+    }
+    if not any(key in stored for keys in wanted.values() for key in keys):
+        return
+    lacking = [name for name, keys in wanted.items() if not all(k in stored for k in keys)]
+    if lacking:
+        raise _experts_not_stored(
+            lacking, "does not store (a config with more layers than the checkpoint)"
+        )
+
+
+def _experts_shape_error(
+    key: str, weight: torch.Tensor, module: Fp8Experts, proj: str
+) -> ValueError | None:
+    """The error naming the experts when the merged high-precision ``weight`` of the projection
+    ``proj`` of ``module`` does not have the module's shape (source layout) (R42 F4)."""
+    codes = getattr(module, proj, None)
+    if codes is None:
+        return None
+    expected = tuple(codes.shape)
+    if module.layout.is_transposed:
+        expected = (expected[0], expected[2], expected[1])
+    if tuple(weight.shape) == expected:
+        return None
+    return _experts_not_stored(
+        [key.rpartition(".")[0]],
+        f"stores at another size ({key}: {list(weight.shape)}, the model's "
+        f"{list(expected)}; ignore_mismatched_sizes=True)",
+    )
+
+
 def _is_fp8_scale(module: nn.Module, tensor_name: str) -> bool:
     """``tensor_name`` is a scale of the FP8 layer ``module`` (which a float checkpoint never
     stores)."""
@@ -338,10 +392,24 @@ class Fp8QuantizeOp(ConversionOps):
             weight = value[0] if isinstance(value, list) else value
             if is_fp8(weight.dtype):
                 raise _already_fp8(key)
-            module_name = key.rpartition(".")[0]
+            module_name, _, tensor_name = key.rpartition(".")
             module = model.get_submodule(module_name)
             if isinstance(module, Fp8Experts):  # the merged [E, ...] tensor of one projection
+                wrong = _experts_shape_error(key, weight, module, tensor_name)
+                if wrong is not None:
+                    # transformers would log a raised error as a CONVERSION entry and raise a
+                    # RuntimeError naming none: the quantizer raises it after loading
+                    self.hf_quantizer.op_errors.append(wrong)
+                    continue
                 out.update(quantize_experts_tensor(key, weight, module))
+                continue
+            if not isinstance(module, Fp8Linear):
+                # a layer kept plain while loading (quantized after it), reached by a converter
+                # that splits one stored tensor into it and FP8 layers (HRM's gqkv_proj)
+                target = getattr(module, tensor_name, None)
+                if isinstance(target, torch.Tensor) and target.dtype.is_floating_point:
+                    weight = weight.to(target.dtype)
+                out[key] = weight
                 continue
             if module_name in self.hf_quantizer.transposed_modules:
                 weight = weight.t()  # GPT-2 Conv1D stores [in, out]
@@ -387,6 +455,7 @@ class Fp8HfQuantizer(HfQuantizer):
         # scales the quantize op made, and the layers transformers initialises (R39 F1, F4)
         self.float_shapes: dict[str, tuple[int, ...]] | None = None
         self.produced_keys: set[str] = set()
+        self.op_errors: list[ValueError] = []  # found by the quantize op (R42 F4)
         self.initialised_layers: list[str] = []
         # checkpoint keys of every Fp8Experts tensor: kept in their stored dtype, checked after
         self.experts_tensor_names: set[str] = set()
@@ -561,9 +630,10 @@ class Fp8HfQuantizer(HfQuantizer):
             self.weight_features[f"{name}.weight_scale"] = (out_features, in_features)
             if module.bias is not None:
                 self.bias_names.add(f"{name}.bias")
-        for name, experts in swap_experts(
-            model, config, skip=skip, pre_quantized=self.pre_quantized
-        ).items():
+        all_experts = swap_experts(model, config, skip=skip, pre_quantized=self.pre_quantized)
+        if not self.pre_quantized:
+            _refuse_experts_not_stored(all_experts, self.float_shapes)
+        for name, experts in all_experts.items():
             self.experts_tensor_names.update(experts_tensor_names(name, experts))
             self.weight_features.update(experts_weight_features(name, experts))
             self.bias_names.update(
@@ -582,6 +652,8 @@ class Fp8HfQuantizer(HfQuantizer):
             stored_scales = stored_fp8_scales(model, self.float_shapes, _is_fp8_scale)
             if stored_scales:  # the checkpoint is FP8 already
                 raise _already_fp8(stored_scales[0])
+        if self.pre_quantized and self.fill_scales:  # R42 F3: refused as on the fly
+            check_activation_scales(model, self.fill_scales.get("activation_scales"))
         model.config.quantization_config = config
 
     def _given_scale(self, config: Fp8Config, name: str) -> float | None:
@@ -617,13 +689,17 @@ class Fp8HfQuantizer(HfQuantizer):
             module = model.get_submodule(module_name)
         except AttributeError:
             return False
-        if (
-            self.float_shapes is None  # checked from the file headers otherwise
-            and param_name not in self.produced_keys  # asked again for the op's outputs
-            and _is_fp8_scale(module, tensor_name)
+        kept_plain = (
+            tensor_name in ("weight_scale", "input_scale")
+            and module_name in self.initialised_layers
+        )
+        if param_name not in self.produced_keys and (  # asked again for the op's outputs
+            kept_plain or _is_fp8_scale(module, tensor_name)
         ):
             # the loader asks for every checkpoint key: a stored scale means the file is FP8
-            # already (refused after loading, when the keys are all known)
+            # already (refused after loading, when the keys are all known); also when the
+            # file headers were read: their names may follow a renaming not seen there
+            # (R42 F1: a base-model prefix, a key_mapping)
             self.stored_scale_keys.add(param_name)
         return (isinstance(module, Fp8Linear) and tensor_name == "weight") or is_experts_weight(
             module, tensor_name
@@ -712,6 +788,8 @@ class Fp8HfQuantizer(HfQuantizer):
             _normal_parameters(model)
         if self.stored_scale_keys:
             raise _already_fp8(min(self.stored_scale_keys))
+        if self.op_errors:  # transformers would raise a RuntimeError naming none
+            raise self.op_errors[0]
         if self.initialised_layers:  # initialised by transformers as in the float model
             quantize_initialised(model, self.initialised_layers, self.quantization_config)
         missing = []
@@ -735,6 +813,9 @@ class Fp8HfQuantizer(HfQuantizer):
                     self.quantization_config,
                     offloaded=offloaded,
                     checkpoint_root=self.checkpoint_root,
+                    scale_for=lambda n: self._given_scale(self.quantization_config, n),
+                    filled=filled,
+                    kept=kept,
                 )
                 continue
             if not isinstance(module, Fp8Linear):

@@ -22,11 +22,47 @@ from torch import nn
 from hf_fp8.modules import convertible_modules
 from hf_fp8.modules.selection import task_heads
 
+# FP8 tensors next to a layer's ``weight`` (an ``nn.Linear`` before the swap has none): the
+# meta state dict that decides whether the base-model prefix is added or stripped names them
+# too, as the loader's (after the swap) does
+_SCALE_LEAVES = ("weight_scale", "input_scale")
+_EXPERTS_SCALE_SUFFIXES = ("_weight_scale", "_input_scale")
 
-def loaded_name_map(model: nn.Module, names: Iterable[str]) -> dict[str, tuple[str, bool]] | None:
+
+def _meta_names(model: nn.Module) -> dict[str, bool]:
+    meta = dict.fromkeys(model.state_dict(), True)  # only membership is asked
+    for key in list(meta):
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight":
+            meta.update(dict.fromkeys((f"{module}.{s}" for s in _SCALE_LEAVES), True))
+        else:  # a merged experts projection: gate_up_proj -> gate_up_proj_weight_scale
+            meta.update(dict.fromkeys((f"{key}{s}" for s in _EXPERTS_SCALE_SUFFIXES), True))
+    return meta
+
+
+def _converter_targets(converters: list, source_pattern: str, renamed: str) -> tuple[str, ...]:
+    """The names a one-to-many ``WeightConverter`` (``source_pattern`` matched) makes of one
+    checkpoint tensor: transformers names it after the first target only (HRM's stored
+    ``gqkv_proj`` -> ``gate_proj`` / ``q_proj`` / ``k_proj`` / ``v_proj``)."""
+    for conv in converters:
+        if source_pattern not in conv.source_patterns or len(conv.target_patterns) < 2:
+            continue
+        first = conv.target_patterns[0]
+        where = renamed.rfind(first)
+        if where < 0 or any("\\" in t for t in conv.target_patterns):
+            return ()
+        head, tail = renamed[:where], renamed[where + len(first) :]
+        return tuple(f"{head}{t}{tail}" for t in conv.target_patterns[1:])
+    return ()
+
+
+def loaded_name_map(
+    model: nn.Module, names: Iterable[str], key_mapping: dict[str, str] | None = None
+) -> dict[str, tuple[str, bool, tuple[str, ...]]] | None:
     """``{checkpoint tensor name: (the name the loader gives it in model, whether a
-    WeightConverter makes it: merged / split, another shape)}`` (as :func:`loaded_names`);
-    ``None`` when transformers' renaming is not available."""
+    WeightConverter makes it: merged / split, another shape; the other names a one-to-many
+    converter gives it)}`` (as :func:`loaded_names`; ``key_mapping``: the one passed to
+    ``from_pretrained``); ``None`` when transformers' renaming is not available."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -36,14 +72,15 @@ def loaded_name_map(model: nn.Module, names: Iterable[str]) -> dict[str, tuple[s
             rename_source_key,
         )
 
-        mapping = get_model_conversion_mapping(model, None, None)
+        mapping = get_model_conversion_mapping(model, key_mapping, None)
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
-        meta = dict.fromkeys(model.state_dict(), True)  # only membership is asked
+        meta = _meta_names(model)
         out = {}
         for k in names:
-            renamed, converter = rename_source_key(k, renamings, converters, prefix, meta)
-            out[k] = (renamed, converter is not None)
+            renamed, source = rename_source_key(k, renamings, converters, prefix, meta)
+            more = _converter_targets(converters, source, renamed) if source else ()
+            out[k] = (renamed, source is not None, more)
         return out
     except Exception:  # another transformers
         return None
@@ -55,25 +92,15 @@ def loaded_names(model: nn.Module, names: Iterable[str]) -> set[str]:
     the names plus both prefix variants when transformers' renaming is not available."""
     names = list(names)
     prefix = getattr(model, "base_model_prefix", "") or ""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
-
-        mapping = get_model_conversion_mapping(model, None, None)
-        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-        converters = [m for m in mapping if isinstance(m, WeightConverter)]
-        meta = dict.fromkeys(model.state_dict(), True)  # only membership is asked
-        return {rename_source_key(k, renamings, converters, prefix, meta)[0] for k in names}
-    except Exception:  # another transformers: the plain names and both prefix variants
-        out = set(names)
-        if prefix:
-            out |= {f"{prefix}.{k}" for k in names}
-            out |= {k.removeprefix(f"{prefix}.") for k in names}
-        return out
+    mapped = loaded_name_map(model, names)
+    if mapped is not None:
+        return {n for renamed, _, more in mapped.values() for n in (renamed, *more)}
+    # another transformers: the plain names and both prefix variants
+    out = set(names)
+    if prefix:
+        out |= {f"{prefix}.{k}" for k in names}
+        out |= {k.removeprefix(f"{prefix}.") for k in names}
+    return out
 
 
 def layers_not_stored(model: nn.Module, names: set[str] | None, skip: list[str]) -> list[str]:
