@@ -71,7 +71,7 @@ class SaturationCounter:
         if not self.check_every or x.numel() == 0 or functorch_active():
             return
         self._follow(input_scale)
-        if self.warned and self.warned_nonfinite:
+        if self.warned:  # said once: no more reads (a NaN later goes unreported, as before)
             return
         self.forwards += 1
         if (self.forwards - 1) % self.sample_every:
