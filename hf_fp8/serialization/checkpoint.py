@@ -309,6 +309,10 @@ def check_config_types(config: dict[str, Any], where: str = CONFIG_NAME) -> None
     crashed with ``unhashable type: 'list'``)."""
     for key in _STRING_FIELDS:
         value = config.get(key)
+        # a dtype may be one string per sub-config, as transformers writes it (R43 F2)
+        per_sub_config = key != "model_type" and isinstance(value, dict)
+        if per_sub_config and _non_string_value(value) is None:
+            continue
         if value is not None and not isinstance(value, str):
             raise ValueError(
                 f"{where}: {key} is {value!r} ({_json_kind(value)}), but it must be a string "
@@ -324,6 +328,12 @@ def check_config_types(config: dict[str, Any], where: str = CONFIG_NAME) -> None
             'of strings (e.g. "architectures": ["LlamaForCausalLM"]): the config is damaged; '
             "fix it or save / download the checkpoint again"
         )
+
+
+def _non_string_value(dtypes: dict[str, Any]) -> Any:
+    """The first value of a per-sub-config dtype object that is neither a string nor null
+    (``None`` when all are)."""
+    return next((v for v in dtypes.values() if v is not None and not isinstance(v, str)), None)
 
 
 def _json_kind(value: Any) -> str:
