@@ -300,6 +300,7 @@ class AdamWFp8(Optimizer):
         state = super().__getstate__()
         groups = state["param_groups"]
         records = [self._formats.get(id(g)) for g in groups]
+        explicit = [self._explicit.get(id(g)) for g in groups]
         return {
             **state,
             "state": _codes_as_bytes(state["state"]),
@@ -307,11 +308,17 @@ class AdamWFp8(Optimizer):
             "_state_formats": [
                 r[1] if r and r[0] is g else None for r, g in zip(records, groups, strict=True)
             ],
+            # what the user set travels too: a copy still warns when a load replaces it (R43)
+            "_passed": self._passed,
+            "_explicit_options": [
+                r[1] if r and r[0] is g else None for r, g in zip(explicit, groups, strict=True)
+            ],
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         formats = state.pop("_state_formats", None)
+        explicit = state.pop("_explicit_options", None)
         if "state" in state:
             state["state"] = _codes_from_bytes(state["state"])
         super().__setstate__(state)
@@ -325,6 +332,12 @@ class AdamWFp8(Optimizer):
             self._formats = {
                 id(g): (g, rec)
                 for g, rec in zip(self.param_groups, formats, strict=False)
+                if rec is not None
+            }
+        if explicit is not None:
+            self._explicit = {
+                id(g): (g, rec)
+                for g, rec in zip(self.param_groups, explicit, strict=False)
                 if rec is not None
             }
 
