@@ -341,15 +341,43 @@ def _save_whole(obj: Any, path: str) -> None:
     folder, name = os.path.split(path)
     _remove_stale_partials(folder or ".", name)
     partial = os.path.join(folder, _partial_name(name))
+    handle = _create_partial(partial)
     try:
-        torch.save(obj, partial)
-        with open(partial, "rb+") as handle:
+        with handle:
+            torch.save(obj, handle)
+            handle.flush()
             os.fsync(handle.fileno())
         os.replace(partial, path)
     except BaseException:
         if os.path.lexists(partial):
-            os.unlink(partial)
+            os.unlink(partial)  # the file this call created (exclusively, above)
         raise
+
+
+def _create_partial(partial: str) -> Any:
+    """Open ``partial`` for writing, created by this call: exclusively and without following
+    links (the name is predictable, so a link planted there must not redirect the write
+    outside the folder). A regular file of this user left under the name (by a dead process
+    that had this pid) is replaced; anything else there is refused, naming it."""
+    import os
+    import stat
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    flags |= getattr(os, "O_CLOEXEC", 0)
+    for attempt in range(2):
+        try:
+            return os.fdopen(os.open(partial, flags, 0o666), "wb")
+        except FileExistsError:
+            info = os.lstat(partial)
+            ours = not hasattr(os, "geteuid") or info.st_uid == os.geteuid()
+            if attempt or not (stat.S_ISREG(info.st_mode) and ours):
+                raise ValueError(
+                    f"{partial} exists and is not a file hf_fp8 left (a link, a folder or "
+                    "another user's file): hf_fp8 writes the optimizer file through this name; "
+                    "remove it and save again"
+                ) from None
+            os.unlink(partial)
+    raise AssertionError("unreachable")
 
 
 def _wrap_optim_save(original: Callable) -> Callable:
